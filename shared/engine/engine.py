@@ -1,0 +1,245 @@
+"""The engine: scheduler + runner + block pool behind a small request API.
+
+    add_request / add_handoff ─► step() ─► [RequestOutput] ... ─► finished
+                                  │
+                                  ├ schedule()      (pure, host)
+                                  ├ runner.execute  (forward + sample)
+                                  └ update()        (append, stop, free)
+
+Roles: `colocated` runs requests start to end. `prefill` stops each request
+after its first token and returns its `KVHandoff` on the final output.
+`decode` admits requests with `add_handoff`, copying their KV into blocks it
+reserves, and continues from the first token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.block_pool import BlockPool
+from shared.engine.config import EngineConfig
+from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
+from shared.engine.kv_manager import KVCacheManager
+from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
+from shared.engine.runner import ModelRunner
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
+from shared.kv.layout import KVLayout
+from shared.models.loader import LoadedModel, load_model
+from shared.ops.attention import paged_attention_ref
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    handoff: KVHandoff | None = None
+
+
+def pick_attention(backend: str, device: str):  # type: ignore[no-untyped-def]
+    """The torch reference on the CPU; the Triton kernel on CUDA unless told otherwise."""
+    if backend == "torch" or (backend == "auto" and not device.startswith("cuda")):
+        return paged_attention_ref
+    from shared.ops.triton_attention import paged_attention_triton
+
+    return paged_attention_triton
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        attention = pick_attention(config.attention_backend, config.device)
+        self.loaded = loaded or load_model(
+            config.model, attention, config.device, config.torch_dtype, config.cache_dir, config.max_model_len
+        )
+        spec = self.loaded.spec
+        self.max_model_len = min(spec.max_positions, config.max_model_len or spec.max_positions)
+        num_blocks = config.num_kv_blocks or KVLayout.blocks_for_bytes(
+            config.kv_cache_bytes, spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
+            config.torch_dtype,
+        )
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ConfigError(
+                f"KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
+                f"{self.max_model_len}: raise kv_cache_bytes or lower max_model_len"
+            )
+        self.layout = KVLayout(
+            spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim, config.torch_dtype
+        )
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=spec.model_type.encode())
+        sched_config = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role
+        )
+        self.scheduler = Scheduler(sched_config, self.kv)
+        self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed)
+        self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()
+        self._hidden: dict[str, list[torch.Tensor]] = {}
+        self._arrivals = 0
+        logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d",
+                    config.role, num_blocks, config.block_size, self.layout.total_nbytes / 2**20,
+                    self.max_model_len)
+
+    # ---- intake -------------------------------------------------------------------
+    def _new_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
+    ) -> Request:
+        prompt = list(prompt_token_ids)
+        vocab = self.loaded.spec.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} "
+                "(and at least one token must be generated)",
+                param="prompt",
+            )
+        self._arrivals += 1
+        return Request(
+            request_id, prompt, params, eos_token_ids=self.loaded.eos_token_ids,
+            arrival_index=self._arrivals, output_token_ids=list(output_token_ids),
+        )
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if self.config.role == "decode":
+            raise InvalidRequestError("a decode engine admits requests with their KV (add_handoff)")
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        request = self._new_request(request_id, prompt_token_ids, params)
+        self.runner.add_request(request_id, params.seed)
+        self.scheduler.add_request(request)
+
+    def add_handoff(self, request_id: str, params: SamplingParams, handoff: KVHandoff) -> RequestOutput | None:
+        """Admit a request prefilled elsewhere. Returns its final output if the first token ended it."""
+        if handoff.block_size != self.config.block_size:
+            raise InvalidRequestError(
+                f"handoff block size {handoff.block_size} != engine block size {self.config.block_size}"
+            )
+        request = self._new_request(request_id, handoff.prompt_token_ids, params, [handoff.first_token_id])
+        if handoff.first_logprobs is not None:
+            request.output_logprobs.append(handoff.first_logprobs)
+        status = request.check_stop()
+        if status is not None:
+            request.status = status
+            return RequestOutput(request_id, [], [], True, request.finish_reason, request.num_prompt_tokens, 0)
+        self.runner.add_request(request_id, params.seed, num_steps_done=1)
+        self._pending_handoffs.append((request, handoff))
+        self._admit_handoffs()
+        return None
+
+    def _admit_handoffs(self) -> None:
+        """Move handed-off requests in as blocks allow (FIFO; the head waits for room)."""
+        while self._pending_handoffs:
+            request, handoff = self._pending_handoffs[0]
+            if self.scheduler.num_running >= self.config.max_num_seqs:
+                return
+            if not self.kv.allocate_slots(request, request.num_prompt_tokens):
+                return
+            self._pending_handoffs.popleft()
+            inject_kv(self.runner.kv_cache, self.kv.block_ids(request.request_id), handoff.kv)
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.scheduler.add_running(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is; its blocks are freed exactly once."""
+        self.runner.remove_request(request_id)
+        self._hidden.pop(request_id, None)
+        for i, (request, _) in enumerate(self._pending_handoffs):
+            if request.request_id == request_id:
+                del self._pending_handoffs[i]
+                request.status = RequestStatus.FINISHED_ABORTED
+                return True
+        return self.scheduler.abort(request_id)
+
+    # ---- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._admit_handoffs()
+        plan = self.scheduler.schedule()
+        for request_id in plan.preempted_ids:
+            self._hidden.pop(request_id, None)  # recomputed from scratch on resume
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        for request_id, hidden in result.hidden_states.items():
+            self._hidden.setdefault(request_id, []).append(hidden)
+        outputs = self.scheduler.update(plan, result)
+        for out in outputs:
+            if out.finished:
+                self._finish(out)
+        return outputs
+
+    def _finish(self, out: RequestOutput) -> None:
+        self.runner.remove_request(out.request_id)
+        hidden = self._hidden.pop(out.request_id, [])
+        if out.finish_reason != "handoff":
+            return
+        request = self.scheduler.handoff_pending[out.request_id]
+        try:
+            out.handoff = KVHandoff(
+                prompt_token_ids=list(request.prompt_token_ids),
+                first_token_id=request.output_token_ids[0],
+                first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
+                block_size=self.config.block_size,
+                kv=extract_kv(self.runner.kv_cache, self.kv.block_ids(out.request_id),
+                              request.num_prompt_tokens, self.config.block_size),
+                hidden_states=torch.cat(hidden) if hidden else torch.empty(0, self.loaded.spec.hidden_size),
+            )
+        finally:
+            self.scheduler.release_handoff(out.request_id)
+
+    # ---- conveniences ---------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_handoffs)
+
+    def run_to_completion(self) -> dict[str, GenerationResult]:
+        """Step until every request has finished; results keyed by request id."""
+        results: dict[str, GenerationResult] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                res = results.setdefault(
+                    out.request_id,
+                    GenerationResult(out.request_id, [], None, num_prompt_tokens=out.num_prompt_tokens,
+                                     num_cached_tokens=out.num_cached_tokens),
+                )
+                res.token_ids.extend(out.new_token_ids)
+                res.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+                    res.handoff = out.handoff  # type: ignore[assignment]
+        return results
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run a batch of prompts to completion (continuous batching inside)."""
+        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, param_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        results = self.run_to_completion()
+        return [results[i] for i in ids]
+
+    # ---- stats ----------------------------------------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def check_no_leaks(self) -> None:
+        assert not self.has_unfinished(), "requests still in flight"
+        self.kv.check_no_leaks()

@@ -1,0 +1,100 @@
+"""Per-request block tables on top of the block pool.
+
+The manager is the one owner of "which blocks does request R hold". The
+scheduler asks it to find a cached prefix at admission, to grow a request's
+table before a step, to register blocks that became full, and to free a
+request's blocks exactly once when it finishes, is preempted or aborted.
+"""
+
+from __future__ import annotations
+
+from shared.engine.block_pool import BlockHash, BlockPool, hash_block
+from shared.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, hash_salt: bytes = b"") -> None:
+        self.pool = pool
+        self.block_size = block_size
+        # salt (model identity) keeps hashes of different models apart
+        self.hash_salt = hash_salt
+        self.block_tables: dict[str, list[int]] = {}
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Longest run of cached full blocks matching the request's tokens.
+
+        At least one token is always left to compute: the step that computes it
+        samples the next token.
+        """
+        if not self.pool.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hit: list[int] = []
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block(parent, block_tokens, self.hash_salt)
+            block_id = self.pool.lookup(parent, block_tokens)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def allocate_slots(
+        self, request: Request, num_tokens_after_step: int, cached_block_ids: list[int] | None = None
+    ) -> bool:
+        """Grow the request's table to hold `num_tokens_after_step` tokens.
+
+        `cached_block_ids` (admission only) are prefix-cache hits to adopt first.
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        cached = cached_block_ids or []
+        table = self.block_tables.get(request.request_id, [])
+        num_new = cdiv(num_tokens_after_step, self.block_size) - len(table) - len(cached)
+        # cached hits that no one references sit in the free list: adopting them uses it up too
+        num_unreferenced_hits = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
+        if max(num_new, 0) + num_unreferenced_hits > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(cached)
+        new_ids = self.pool.allocate(num_new) if num_new > 0 else []
+        self.block_tables[request.request_id] = table + cached + new_ids
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register blocks that this request has filled with computed tokens."""
+        table = self.block_tables.get(request.request_id)
+        if table is None or not self.pool.enable_prefix_caching:
+            return
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        num_full = request.num_computed_tokens // self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            parent = hashes[-1] if hashes else None
+            block_hash = hash_block(parent, block_tokens, self.hash_salt)
+            hashes.append(block_hash)
+            self.pool.cache_block(table[i], block_hash, block_tokens)
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds. Safe to call once per hold."""
+        table = self.block_tables.pop(request.request_id, None)
+        self._block_hashes.pop(request.request_id, None)
+        if table:
+            self.pool.free(table)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def check_no_leaks(self) -> None:
+        assert not self.block_tables, f"requests still hold blocks: {sorted(self.block_tables)}"
+        self.pool.check_no_leaks()

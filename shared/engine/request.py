@@ -1,0 +1,160 @@
+"""Requests as the engine sees them: sampling parameters, state and outputs.
+
+Lifecycle of a request inside one engine::
+
+    add_request ──► WAITING ──schedule──► RUNNING ──update──► FINISHED_*
+                       ▲                     │
+                       └──── PREEMPTED ◄─────┘  (blocks ran out: KV dropped,
+                                                 recomputed on re-admission)
+
+`num_computed_tokens` counts tokens whose KV is in the cache; the tokens still
+to run are `all_token_ids[num_computed_tokens:]`. A step that reaches the end
+of the known tokens samples the next one.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from shared.errors import InvalidRequestError
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    # prefill role: first token sampled, KV handed out to a decode engine
+    FINISHED_HANDOFF = "finished_handoff"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_HANDOFF: "handoff",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None = off; n >= 0 = chosen token plus top-n alternatives
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise InvalidRequestError(
+                f"temperature must be >= 0, got {self.temperature}", param="temperature"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables), got {self.top_k}", param="top_k")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", param="min_tokens"
+            )
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token plus the top-n alternatives (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Request:
+    """One generation request and its progress. Owned by the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_index: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last appended token implies, or None."""
+        params = self.params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (new tokens since last step)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    # prefill role only: the request's KV and hidden states, set when it finishes
+    handoff: object | None = None

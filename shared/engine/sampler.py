@@ -1,0 +1,238 @@
+"""Token sampling: greedy, temperature, top-k, top-p, suppression and raw logprobs.
+
+One call handles a whole batch. The filtering (temperature, top-k, top-p) is
+vectorised across rows with a single sort; only the random draws loop per row,
+because each seeded request owns a `torch.Generator` whose state must advance
+independently of whatever else shares the batch. That makes a seeded request
+reproducible regardless of batch composition or its row index.
+
+Sampling uses the exponential race: with q ~ Exp(1) i.i.d. per token,
+argmax(p / q) is distributed as Categorical(p). It needs one vector of random
+numbers per row and no cumulative-sum search, and masked tokens (p == 0) can
+never win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.request import SamplingParams, TokenLogprobs
+
+__all__ = ["Sampler", "SamplerOutput", "make_generator"]
+
+# Exp(1) samples of exactly 0 would turn a masked token's 0 / 0 into NaN, which argmax treats as the max.
+_MIN_EXP = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling step for a batch."""
+
+    token_ids: torch.Tensor  # [num_seqs] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None]  # per seq; None where params.logprobs is None
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator seeded with `seed` on `device` for a seeded request; None for an unseeded one.
+
+    The caller keeps it for the request's lifetime and passes it on every step, so the
+    request's random stream continues across steps.
+    """
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Picks the next token for each row of a logits batch.
+
+    Rows whose generator is None draw from the sampler's own per-device default
+    generator, seeded from `seed` (or from OS entropy when `seed` is None).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._default_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [num_seqs, vocab] float32
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        suppress_token_ids: Sequence[Collection[int]] | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: raw model logits, one row per sequence.
+            params: sampling parameters, one per row.
+            generators: per-row generator (see `make_generator`); None uses the default generator.
+            suppress_token_ids: per row, token ids forced to -inf before greedy/sampled selection
+                (e.g. eos/stop ids while min_tokens is not yet reached). Logprobs are unaffected.
+                At least one token per row must stay unsuppressed.
+        """
+        num_seqs = logits.shape[0]
+        if logits.dim() != 2 or len(params) != num_seqs or len(generators) != num_seqs:
+            raise ValueError(
+                f"expected 2-D logits with one params/generator per row; got logits {tuple(logits.shape)}, "
+                f"{len(params)} params, {len(generators)} generators"
+            )
+        if suppress_token_ids is not None and len(suppress_token_ids) != num_seqs:
+            raise ValueError(f"expected {num_seqs} suppress_token_ids entries, got {len(suppress_token_ids)}")
+        logits = logits.float()  # no-op for fp32; raw logprobs below must see these unmodified values
+
+        masked = _suppress(logits, suppress_token_ids)
+        # argmax's first-max tie rule gives the lowest id; with nothing suppressed this is torch.argmax(logits)
+        token_ids = torch.argmax(masked, dim=-1)
+
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled_rows:
+            sampled = self._sample(
+                masked,
+                sampled_rows,
+                [params[i] for i in sampled_rows],
+                [generators[i] for i in sampled_rows],
+            )
+            token_ids[torch.tensor(sampled_rows, device=logits.device)] = sampled
+
+        return SamplerOutput(token_ids=token_ids, logprobs=_raw_logprobs(logits, token_ids, params))
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._default_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed)
+            self._default_generators[device] = generator
+        return generator
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [num_seqs, vocab], suppressed ids already -inf
+        rows: list[int],
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:  # [len(rows)] int64
+        """Temperature, top-k, top-p, then one exponential-race draw per row."""
+        device = logits.device
+        row_index = torch.tensor(rows, device=device)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        scaled = logits.index_select(0, row_index) / temperature.unsqueeze(1)  # [n, vocab]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            scaled = _apply_top_k_top_p(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)  # [n, vocab]
+
+        exp_noise = torch.empty_like(probs)  # [n, vocab]
+        default_rows = [j for j, g in enumerate(generators) if g is None]
+        if default_rows:
+            # one draw for all unseeded rows: they share a stream, so their order does not matter
+            noise = torch.empty(
+                (len(default_rows), probs.shape[1]), dtype=probs.dtype, device=device
+            ).exponential_(generator=self._default_generator(device))
+            exp_noise[torch.tensor(default_rows, device=device)] = noise
+        for j, generator in enumerate(generators):
+            if generator is not None:
+                # each seeded row consumes exactly vocab draws from its own stream per step
+                exp_noise[j].exponential_(generator=generator)
+        exp_noise.clamp_(min=_MIN_EXP)
+        return torch.argmax(probs / exp_noise, dim=-1)
+
+
+def _suppress(
+    logits: torch.Tensor,  # [num_seqs, vocab]
+    suppress_token_ids: Sequence[Collection[int]] | None,
+) -> torch.Tensor:  # [num_seqs, vocab]
+    """A copy of `logits` with the suppressed ids at -inf, or `logits` itself when nothing is suppressed."""
+    if suppress_token_ids is None:
+        return logits
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, ids in enumerate(suppress_token_ids):
+        for token_id in ids:
+            # ids past the model's vocab can never be produced, so there is nothing to mask
+            if 0 <= token_id < vocab:
+                rows.append(row)
+                cols.append(token_id)
+    if not rows:
+        return logits
+    masked = logits.clone()
+    index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+    masked[index[0], index[1]] = float("-inf")
+    return masked
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [n, vocab] temperature-scaled
+    params: list[SamplingParams],
+) -> torch.Tensor:  # [n, vocab] with filtered-out tokens at -inf
+    """Mask everything outside each row's top-k, then outside its top-p nucleus, with one sort."""
+    n, vocab = logits.shape
+    device = logits.device
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [n, vocab] each
+
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    # a threshold (not a position cut) keeps tokens tied with the k-th, independent of sort stability
+    kth_value = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [n, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+
+    # top_p == 1 must keep every token: fp32 cumsum can reach 1.0 before the tail, so disable it outright
+    top_p = torch.tensor(
+        [p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32, device=device
+    )
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [n, vocab]
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of strictly better tokens
+    # keep a token while the better ones have not reached top_p yet; the top token has mass 0 before it
+    drop = mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _raw_logprobs(
+    logits: torch.Tensor,  # [num_seqs, vocab] raw, unmodified
+    token_ids: torch.Tensor,  # [num_seqs] chosen tokens
+    params: Sequence[SamplingParams],
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the chosen tokens and top-n alternatives, from the raw (pre-sampling) distribution."""
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return result
+    row_index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, row_index), dim=-1)  # [n, vocab]
+    chosen_ids = token_ids.index_select(0, row_index)  # [n]
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)  # [n]
+
+    max_n = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(max_n, dim=-1, sorted=True)  # [n, max_n] each
+
+    # one device-to-host transfer per tensor rather than per element
+    chosen_ids_host = chosen_ids.tolist()
+    chosen_host = chosen.tolist()
+    top_values_host = top_values.tolist()
+    top_ids_host = top_ids.tolist()
+    for j, row in enumerate(rows):
+        want = params[row].logprobs or 0
+        top = list(zip(top_ids_host[j][:want], top_values_host[j][:want], strict=True))
+        result[row] = TokenLogprobs(token_id=chosen_ids_host[j], logprob=chosen_host[j], top=top)
+    return result
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, num_steps: int, device: torch.device) -> None:
+    """Advance a seeded generator by the draws `num_steps` sampled steps take.
+
+    Keeps a request's random stream identical when another engine sampled its
+    first tokens (prefill in one process, decode in another).
+    """
+    noise = torch.empty(vocab_size, dtype=torch.float32, device=device)
+    for _ in range(num_steps):
+        noise.exponential_(generator=generator)

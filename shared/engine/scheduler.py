@@ -1,0 +1,270 @@
+"""The scheduler: a pure step over dataclasses, no model and no device.
+
+    plan = scheduler.schedule()          # which tokens of which requests run now
+    result = runner.execute(plan)        # (not here) the forward pass + sampling
+    outputs = scheduler.update(plan, result)
+
+Each step spends a token budget: running requests first (one token each while
+decoding, a chunk while still prefilling), then waiting requests in arrival
+order, whose prompt is split into chunks when the budget runs short (chunked
+prefill). Blocks for the step are reserved before the step runs; when the pool
+is dry the most recently admitted running request is preempted: its blocks go
+back to the pool and it re-enters the waiting queue to be recomputed.
+
+Roles: in the `prefill` role a request finishes as soon as its first token is
+sampled (FINISHED_HANDOFF) and keeps its blocks until the engine has handed its
+KV out and calls `release_handoff`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.engine.kv_manager import KVCacheManager
+from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    role: str = "colocated"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one request that run in this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's block table, covering start_pos + len(token_ids)
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    params: SamplingParams
+    suppress_token_ids: frozenset[int] = frozenset()  # masked while below min_tokens
+    return_hidden: bool = False  # prefill role: keep last-layer hidden states
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class StepResult:
+    """What the runner produced for a plan: one entry per sampling chunk."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
+    # prefill role: last-layer hidden states of the chunk's tokens, [num_tokens, hidden]
+    hidden_states: dict[str, Any] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.handoff_pending: dict[str, Request] = {}
+
+    # ---- intake -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Adopt a request whose KV is already in its allocated blocks (decode role)."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.kv.cache_full_blocks(request)
+        self.running.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort at any point; frees the request's blocks once. False if unknown/finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.handoff_pending.pop(request_id, None)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return True
+
+    def release_handoff(self, request_id: str) -> None:
+        """Prefill role: the KV has been handed out; give the blocks back."""
+        request = self.handoff_pending.pop(request_id)
+        del self.requests[request_id]
+        self.kv.free(request)
+
+    # ---- the step -----------------------------------------------------------------
+    def schedule(self) -> SchedulerPlan:
+        plan = SchedulerPlan()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, num_new, plan, scheduled):
+                continue
+            plan.chunks.append(self._chunk(request, num_new))
+            scheduled.append(request)
+            budget -= num_new
+        if not plan.preempted_ids:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def _reserve(
+        self, request: Request, num_new: int, plan: SchedulerPlan, scheduled: list[Request]
+    ) -> bool:
+        """Reserve blocks for `num_new` tokens, preempting from the back as needed."""
+        while not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            if victim in scheduled:  # never preempt work already in this plan
+                victim = request
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, plan: SchedulerPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.kv.allocate_slots(request, num_computed + num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resume
+                request.num_cached_tokens = len(cached) * self.kv.block_size
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request, plan: SchedulerPlan) -> None:
+        logger.info("preempting request %s (%d tokens) to free KV blocks", request.request_id,
+                    request.num_tokens)
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        plan.preempted_ids.append(request.request_id)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        params = request.params
+        suppress: frozenset[int] = frozenset()
+        if request.num_output_tokens < params.min_tokens:
+            suppress = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else request.eos_token_ids
+            )
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=list(self.kv.block_ids(request.request_id)),
+            sample=end == request.num_tokens,
+            params=params,
+            suppress_token_ids=suppress,
+            return_hidden=self.config.role == "prefill" and start < request.num_prompt_tokens,
+        )
+
+    def update(self, plan: SchedulerPlan, result: StepResult) -> list[RequestOutput]:
+        """Advance every request in the plan by what the runner computed and sampled."""
+        outputs: list[RequestOutput] = []
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(request)
+            if not chunk.sample:
+                continue
+            token_id = result.sampled_token_ids[chunk.request_id]
+            logprobs = result.logprobs.get(chunk.request_id)
+            request.append_output(token_id, logprobs)
+            status = request.check_stop()
+            if status is None and request.num_tokens >= self.config.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is None and self.config.role == "prefill":
+                status = RequestStatus.FINISHED_HANDOFF
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(self._output(request, token_id, logprobs))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.running.remove(request)
+        if status == RequestStatus.FINISHED_HANDOFF:
+            self.handoff_pending[request.request_id] = request
+            return
+        del self.requests[request.request_id]
+        self.kv.free(request)
+
+    @staticmethod
+    def _output(request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[logprobs] if logprobs is not None else [],
+            finished=request.status.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    # ---- introspection ------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)

@@ -1,0 +1,113 @@
+"""Pieces every model here shares: norms, rotary embeddings, weight plumbing.
+
+Numerics follow transformers' reference modules operation for operation
+(fp32 norm statistics, rotate-half RoPE with the same inverse-frequency
+formula) so our logits match theirs for the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import ConfigError
+from shared.ops.attention import AttentionMetadata
+
+# attention(query, key, value, k_cache, v_cache, meta, scale, sliding_window) -> out
+AttentionFn = Callable[..., torch.Tensor]
+# called with the layer index once that layer's KV is written (layer-wise push hook)
+LayerDoneFn = Callable[[int], None]
+
+
+class PagedCausalLM(Protocol):
+    """What the runner needs from a model written against the paged KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: torch.Tensor,  # KVLayout.shape
+        meta: AttentionMetadata,
+        on_layer_done: LayerDoneFn | None = None,
+    ) -> torch.Tensor: ...  # [num_tokens, hidden] final-norm hidden states
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, vocab] fp32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: fp32 statistics, weight applied after casting back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm: scale by (1 + weight) in fp32, then cast."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Rotate-half RoPE with a cos/sin table precomputed for every position."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device | str) -> None:
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim)
+        )
+        positions = torch.arange(max_positions, device=device, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos()  # [max_positions, head_dim]
+        self.sin = emb.sin()
+        self.max_positions = max_positions
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # [num_tokens]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_theta(config: Any, layer_type: str | None = None) -> float:
+    """RoPE base of a layer type, from transformers 5 `rope_parameters` or legacy fields."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ConfigError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    if layer_type == "sliding_attention" and hasattr(config, "rope_local_base_freq"):
+        return float(config.rope_local_base_freq)
+    return float(getattr(config, "rope_theta", 10000.0))
+
+
+def take(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return weights[name]
+    except KeyError:
+        raise ConfigError(f"checkpoint lacks tensor {name!r}") from None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)

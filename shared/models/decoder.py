@@ -1,0 +1,188 @@
+"""A decoder-only transformer written against the paged KV cache.
+
+One forward runs a flat batch of tokens from many sequences (prefill chunks and
+decode tokens mixed); where each token's K/V goes and what it attends to comes
+from `AttentionMetadata`. The families differ only in what `DecoderSpec` says
+(see `llama.py`, `gemma3.py`):
+
+    x = embed(ids) [* embed_scale]
+    per layer:  a = attn(norm_in(x))              q/k norm + RoPE (theta per layer),
+                a = norm_attn_out(a)  (sandwich)  sliding window per layer
+                x = x + a
+                m = mlp(norm_ffn_in(x))           act(gate) * up -> down
+                m = norm_ffn_out(m)   (sandwich)
+                x = x + m
+    hidden = norm_final(x);  logits = hidden @ lm_head.T [softcapped]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.models.common import (
+    AttentionFn,
+    LayerDoneFn,
+    RotaryEmbedding,
+    rms_norm,
+    rms_norm_offset,
+    take,
+)
+from shared.ops.attention import AttentionMetadata, write_kv
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float
+    attn_scale: float
+    layer_sliding_window: tuple[int | None, ...]
+    layer_rope_theta: tuple[float, ...]
+    max_positions: int
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    norm_offset: bool = False  # Gemma: weight applied as (1 + w)
+    qk_norm: bool = False
+    sandwich_norm: bool = False  # norms after attention and around the MLP (Gemma)
+    embed_scale: float | None = None
+    tie_word_embeddings: bool = True
+    final_logit_softcap: float | None = None
+
+
+@dataclass
+class _LayerWeights:
+    w_qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    w_o: torch.Tensor  # [hidden, num_heads * head_dim]
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    w_down: torch.Tensor  # [hidden, intermediate]
+    norm_in: torch.Tensor
+    norm_ffn_in: torch.Tensor
+    norm_attn_out: torch.Tensor | None
+    norm_ffn_out: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class DecoderLM:
+    """Weights as plain tensors owned here, plus the forward pass."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        weights: Mapping[str, torch.Tensor],
+        attention: AttentionFn,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.spec = spec
+        self.attention = attention
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers = spec.num_layers
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.hidden_size = spec.hidden_size
+        self.vocab_size = spec.vocab_size
+
+        def get(name: str) -> torch.Tensor:
+            return take(weights, name).to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if spec.tie_word_embeddings else get("lm_head.weight")
+        self.norm_final = get("model.norm.weight")
+        self.layers = [self._load_layer(get, i) for i in range(spec.num_layers)]
+        self.ropes = {
+            theta: RotaryEmbedding(spec.head_dim, theta, spec.max_positions, self.device)
+            for theta in set(spec.layer_rope_theta)
+        }
+        self._norm = rms_norm_offset if spec.norm_offset else rms_norm
+
+    def _load_layer(self, get, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
+        p = f"model.layers.{i}."
+        s = self.spec
+        w_qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        return _LayerWeights(
+            w_qkv=w_qkv,
+            w_o=get(p + "self_attn.o_proj.weight"),
+            w_gate_up=w_gate_up,
+            w_down=get(p + "mlp.down_proj.weight"),
+            norm_in=get(p + "input_layernorm.weight"),
+            # Llama names its pre-MLP norm "post_attention_layernorm"; Gemma's is a true post-norm
+            norm_ffn_in=get(p + ("pre_feedforward_layernorm" if s.sandwich_norm else "post_attention_layernorm")
+                            + ".weight"),
+            norm_attn_out=get(p + "post_attention_layernorm.weight") if s.sandwich_norm else None,
+            norm_ffn_out=get(p + "post_feedforward_layernorm.weight") if s.sandwich_norm else None,
+            q_norm=get(p + "self_attn.q_norm.weight") if s.qk_norm else None,
+            k_norm=get(p + "self_attn.k_norm.weight") if s.qk_norm else None,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        on_layer_done: LayerDoneFn | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = F.embedding(input_ids, self.embed)
+        if self.spec.embed_scale is not None:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, positions, kv_cache, meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self._norm(x, self.norm_final, self.spec.rms_eps)
+
+    def _layer(
+        self,
+        i: int,
+        w: _LayerWeights,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        s = self.spec
+        h = self._norm(x, w.norm_in, s.rms_eps)
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = F.linear(h, w.w_qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if w.q_norm is not None and w.k_norm is not None:
+            q = self._norm(q, w.q_norm, s.rms_eps)
+            k = self._norm(k, w.k_norm, s.rms_eps)
+        q, k = self.ropes[s.layer_rope_theta[i]](q, k, positions)
+        k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        a = self.attention(q, k, v, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])
+        a = F.linear(a.reshape(-1, q_size), w.w_o)
+        if w.norm_attn_out is not None:
+            a = self._norm(a, w.norm_attn_out, s.rms_eps)
+        x = x + a
+        h = self._norm(x, w.norm_ffn_in, s.rms_eps)
+        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)
+        act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
+        m = F.linear(act * up, w.w_down)
+        if w.norm_ffn_out is not None:
+            m = self._norm(m, w.norm_ffn_out, s.rms_eps)
+        return x + m
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        logits = F.linear(hidden, self.lm_head).float()
+        cap = self.spec.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,169 @@
+"""Paged attention: metadata, KV write, and the torch reference.
+
+One batched forward mixes prefill chunks and decode tokens. The query tokens of
+all sequences are packed back to back (`query_start_loc` delimits them); each
+sequence's keys are the first `seq_lens[i]` slots of its block table, of which
+the last `query_len` were just written by this step. Query token `t` of
+sequence `i` sits at position `seq_lens[i] - query_len + t` and attends to keys
+at positions `p` with `p <= pos` and, on sliding-window layers,
+`p > pos - sliding_window` (the transformers convention).
+
+The reference runs anywhere (the CPU serving path uses it); the Triton kernel in
+`triton_attention.py` computes the same thing on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries and keys are, for one forward pass."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: slot each new token's K/V goes to
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    # host-side copies (the planner has them anyway; the reference needs them to split work)
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    block_size = k_cache.shape[1]
+    block_idx = slot_mapping // block_size
+    offset = slot_mapping % block_size
+    k_cache[block_idx, offset] = key
+    v_cache[block_idx, offset] = value
+
+
+def _gather_keys(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` keys (or values) of one sequence: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table_row[:num_blocks].long()]  # [n, block_size, H, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def _position_mask(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Bool mask [..., num_queries, num_keys]: True where the query may attend."""
+    mask = key_pos.unsqueeze(-2) <= query_pos.unsqueeze(-1)
+    if sliding_window is not None:
+        mask &= key_pos.unsqueeze(-2) > (query_pos.unsqueeze(-1) - sliding_window)
+    return mask
+
+
+def _sdpa_grouped(
+    query: torch.Tensor,  # [B, Lq, num_heads, head_dim]
+    key: torch.Tensor,  # [B, Lk, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [B, Lk, num_kv_heads, head_dim]
+    mask: torch.Tensor,  # [B, Lq, Lk] bool
+    scale: float,
+) -> torch.Tensor:  # [B, Lq, num_heads, head_dim]
+    """GQA attention by folding each KV head's query group into the query axis.
+
+    Query head h reads KV head h // group (transformers' repeat_kv order). Folding
+    avoids materialising repeated K/V and keeps SDPA on its fused CPU kernel.
+    """
+    b, lq, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
+    group = num_heads // num_kv_heads
+    q = query.reshape(b, lq, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q = q.reshape(b, num_kv_heads, lq * group, head_dim)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    m = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [B, 1, Lq*group, Lk]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
+    out = out.reshape(b, num_kv_heads, lq, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(b, lq, num_heads, head_dim)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (this step's keys, already written)
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Torch reference of paged attention over mixed prefill and decode sequences.
+
+    Single-token (decode) sequences run as one padded batch; each longer chunk
+    runs on its own. A chunk with no earlier context attends to this step's own
+    keys directly, skipping the gather.
+    """
+    out = torch.empty_like(query)
+    decode_seqs: list[int] = []
+    starts = meta.query_start_loc.tolist() if meta.num_seqs else [0]
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+        if q_len == 1:
+            decode_seqs.append(i)
+            continue
+        lo, hi = starts[i], starts[i] + q_len
+        if s_len == q_len:
+            keys, values = key[lo:hi], value[lo:hi]
+        else:
+            keys = _gather_keys(k_cache, meta.block_tables[i], s_len)
+            values = _gather_keys(v_cache, meta.block_tables[i], s_len)
+        q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
+        k_pos = torch.arange(s_len, device=query.device)
+        mask = _position_mask(q_pos, k_pos, sliding_window)
+        out[lo:hi] = _sdpa_grouped(query[None, lo:hi], keys[None], values[None], mask[None], scale)[0]
+    if decode_seqs:
+        _decode_batch(query, k_cache, v_cache, meta, scale, sliding_window, decode_seqs, starts, out)
+    return out
+
+
+def _decode_batch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    seq_ids: list[int],
+    starts: list[int],
+    out: torch.Tensor,
+) -> None:
+    """All single-query sequences at once, padded to the longest context."""
+    block_size = k_cache.shape[1]
+    seq_lens = [meta.seq_lens_host[i] for i in seq_ids]
+    max_len = max(seq_lens)
+    num_blocks = (max_len + block_size - 1) // block_size
+    idx = torch.tensor(seq_ids, device=query.device)
+    tables = meta.block_tables[idx, :num_blocks].long()  # [B, n]
+    b = len(seq_ids)
+    keys = k_cache[tables].reshape(b, num_blocks * block_size, *k_cache.shape[2:])
+    values = v_cache[tables].reshape(b, num_blocks * block_size, *v_cache.shape[2:])
+    rows = torch.tensor([starts[i] for i in seq_ids], device=query.device)
+    q = query[rows].unsqueeze(1)  # [B, 1, H, D]
+    lens = torch.tensor(seq_lens, device=query.device)
+    k_pos = torch.arange(num_blocks * block_size, device=query.device).expand(b, -1)
+    mask = _position_mask((lens - 1).unsqueeze(-1), k_pos, sliding_window)  # [B, 1, L]
+    out[rows] = _sdpa_grouped(q, keys, values, mask, scale)[:, 0]
