@@ -95,6 +95,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.handoff_pending: dict[str, Request] = {}
+        self.num_preemptions_total = 0
 
     # ---- intake -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -188,6 +189,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         plan.preempted_ids.append(request.request_id)

@@ -1,0 +1,111 @@
+"""Model factories for tests: tiny random Llama/Gemma 3 and the packaged models.
+
+Tiny models are built offline in well under a second; their weights are drawn
+wider than transformers' init so that greedy decoding has clear winners and a
+token flip means a real bug, not float noise.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.models.decoder import DecoderLM
+from shared.models.families import spec_from_config
+from shared.models.loader import LoadedModel, load_model
+from shared.ops.attention import paged_attention_ref
+
+TINY_VOCAB = 256
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    from transformers import LlamaConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=1, bos_token_id=0,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def tiny_gemma3_config(**overrides: Any) -> Any:
+    from transformers import Gemma3TextConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=32, eos_token_id=1, bos_token_id=2,
+    )
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+def random_hf_model(config: Any, seed: int = 0, std: float = 0.2) -> Any:
+    """A transformers model with wide random weights (the reference side of comparisons)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, std)
+    return model
+
+
+def tiny_loaded(family: str = "llama", seed: int = 0, **overrides: Any) -> tuple[LoadedModel, Any]:
+    """Our model on the same random weights as the returned transformers model."""
+    config = tiny_llama_config(**overrides) if family == "llama" else tiny_gemma3_config(**overrides)
+    hf = random_hf_model(config, seed)
+    spec = spec_from_config(config)
+    model = DecoderLM(spec, hf.state_dict(), paged_attention_ref)
+    loaded = LoadedModel(
+        name=f"tiny-{family}", hf_dir=Path("/nonexistent"), hf_config=config, spec=spec, model=model,
+        tokenizer=None, eos_token_ids=frozenset({1}),
+    )
+    return loaded, hf
+
+
+def tiny_engine(loaded: LoadedModel, **config: Any) -> LLMEngine:
+    kw: dict[str, Any] = dict(model=loaded.name, block_size=4, num_kv_blocks=256, max_model_len=512)
+    kw.update(config)
+    return LLMEngine(EngineConfig(**kw), loaded=loaded)
+
+
+@lru_cache(maxsize=2)
+def packaged(name: str) -> LoadedModel:
+    """A packaged model (smollm2-135m / gemma3-270m), loaded once per test process."""
+    return load_model(name, paged_attention_ref, max_model_len=2048)
+
+
+def packaged_engine(name: str, **config: Any) -> LLMEngine:
+    loaded = packaged(name)
+    kw: dict[str, Any] = dict(model=name, max_model_len=2048, kv_cache_bytes=192 << 20)
+    kw.update(config)
+    return LLMEngine(EngineConfig(**kw), loaded=loaded)
+
+
+def reference_logits(model: DecoderLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Our model's logits at every position of one sequence (fresh paged cache, shuffled blocks)."""
+    from shared.kv.layout import KVLayout
+    from shared.ops.attention import AttentionMetadata
+
+    n = len(token_ids)
+    num_blocks = -(-n // block_size)
+    layout = KVLayout(model.num_layers, num_blocks + 3, block_size, model.num_kv_heads, model.head_dim,
+                      model.dtype)
+    kv = layout.allocate()
+    blocks = torch.randperm(num_blocks + 3)[:num_blocks]
+    pos = torch.arange(n)
+    slots = blocks[pos // block_size] * block_size + pos % block_size
+    meta = AttentionMetadata(slots, torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                             blocks[None].int(), [n], [n])
+    hidden = model.forward(torch.tensor(token_ids), pos, kv, meta)
+    return model.compute_logits(hidden)
