@@ -2,7 +2,8 @@
 
 A prefill engine stops a request after its first token and copies out the KV
 of every prompt token (its blocks, in `KVLayout` order) plus the last-layer
-hidden states a draft head needs. A decode engine reserves its own blocks,
+hidden states a draft head needs, for the prompt positions it computed (a
+prefix-cache hit skips the rest). A decode engine reserves its own blocks,
 copies the KV in, and continues from the first token.
 """
 
@@ -24,7 +25,14 @@ class KVHandoff:
     block_size: int
     # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]: KV of the prompt tokens
     kv: torch.Tensor
-    hidden_states: torch.Tensor  # [num_prompt_tokens, hidden]
+    # [num_hidden_tokens, hidden]: the prompt's LAST num_hidden_tokens positions. Positions
+    # served from the prefix cache were not computed, so their hidden states are absent.
+    hidden_states: torch.Tensor
+
+    @property
+    def hidden_start(self) -> int:
+        """Prompt position of hidden_states[0]."""
+        return len(self.prompt_token_ids) - self.hidden_states.shape[0]
 
     @property
     def num_blocks(self) -> int:

@@ -177,3 +177,14 @@ def test_bad_input_raises_typed_errors(make_tiny) -> None:
     decode = tiny_engine(engine.loaded, role="decode")
     with pytest.raises(InvalidRequestError, match="decode engine"):
         decode.add_request("x", [3, 4], greedy(1))
+
+
+def test_prefill_hidden_states_cover_only_computed_positions(make_tiny) -> None:
+    engine, _ = make_tiny("llama", role="prefill")
+    p = prompts(1, lo=30, hi=31)[0]
+    first = engine.generate([p], greedy(2))[0].handoff
+    second = engine.generate([p], greedy(2))[0].handoff  # 28 of 30 tokens now cached (7 blocks of 4)
+    assert first.hidden_start == 0 and first.hidden_states.shape[0] == 30
+    assert second.hidden_start == 28 and second.hidden_states.shape[0] == 2
+    torch.testing.assert_close(second.hidden_states, first.hidden_states[28:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second.kv, first.kv)

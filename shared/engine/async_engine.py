@@ -1,0 +1,203 @@
+"""An engine on its own thread, served to asyncio callers.
+
+    asyncio callers ──commands (add / handoff / abort)──► engine thread
+         ▲                                                  │ step() in a loop
+         └──── per-request asyncio.Queue ◄── outputs ───────┘ (call_soon_threadsafe)
+
+One thread owns the `LLMEngine`; nothing else touches it. A caller's stream
+ends with a finished output, or raises the error that ended it. Leaving a
+stream early (client gone, task cancelled) aborts the request, which frees its
+blocks on the engine thread exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shared.engine.engine import LLMEngine
+from shared.engine.handoff import KVHandoff
+from shared.engine.request import RequestOutput, SamplingParams
+from shared.errors import RequestAbortedError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_free: int
+
+
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on the caller's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._stop = threading.Event()
+        self._load = EngineLoad(0, 0, engine.num_kv_blocks, engine.num_free_kv_blocks)
+        self.num_steps = 0
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight and stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    # ---- requests ------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last one has `finished` set."""
+        return self._run(request_id, lambda: self.engine.add_request(request_id, prompt_token_ids, params))
+
+    async def generate_from_handoff(
+        self, request_id: str, params: SamplingParams, handoff: KVHandoff
+    ) -> AsyncIterator[RequestOutput]:
+        """Continue a request prefilled elsewhere (decode role)."""
+
+        def admit() -> None:
+            done = self.engine.add_handoff(request_id, params, handoff)
+            if done is not None:  # the first token already ended it
+                self._deliver([done])
+
+        return self._run(request_id, admit)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(lambda: self._abort_now(request_id))
+
+    def _run(self, request_id: str, admit: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+        if self._stop.is_set():
+            raise UnavailableError("engine is shutting down")
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add() -> None:
+            if request_id in self._streams:
+                raise RequestAbortedError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = stream
+            try:
+                admit()
+            except BaseException:
+                del self._streams[request_id]
+                raise
+
+        return self._consume(request_id, stream, self._call(add))
+
+    async def _consume(
+        self, request_id: str, stream: _Stream, admitted: Any
+    ) -> AsyncIterator[RequestOutput]:
+        await admitted  # raises the engine's validation error, if any
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.finished = True
+                    return
+        finally:
+            if not stream.finished:
+                logger.info("request %s: stream left early, aborting", request_id)
+                self._commands.put(lambda: self._abort_now(request_id))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread; its result or exception comes back here."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # delivered to the caller, not swallowed
+                future.set_exception(e)
+
+        self._commands.put(command)
+        return await asyncio.wrap_future(future)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _abort_now(self, request_id: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        found = self.engine.abort(request_id)
+        if stream is not None and not stream.finished:
+            stream.put(RequestAbortedError(f"request {request_id} aborted"))
+        return found
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # an engine bug must not hang every caller
+                    logger.exception("engine step failed; failing all requests in flight")
+                    self._fail_all(e)
+                    continue
+                self.num_steps += 1
+                self._deliver(outputs)
+            self._publish_load()
+        self._fail_all(UnavailableError("engine stopped"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._streams.pop(request_id).put(error)
+
+    def _publish_load(self) -> None:
+        sched = self.engine.scheduler
+        self._load = EngineLoad(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting + len(self.engine._pending_handoffs),
+            num_kv_blocks_total=self.engine.num_kv_blocks,
+            num_kv_blocks_free=self.engine.num_free_kv_blocks,
+        )
