@@ -67,6 +67,17 @@ class RequestAbortedError(BatonError):
     code = "request_aborted"
 
 
+class HandoffNotFoundError(BatonError):
+    """A KV handoff is gone: never stored, already claimed, released or expired.
+
+    NOT_FOUND between services; a client of the router sees 503 (the request's
+    KV was lost inside baton, not a resource the client named).
+    """
+
+    http_status = 503
+    code = "handoff_not_found"
+
+
 class ConfigError(BatonError):
     """A setting or model file cannot be used as given."""
 

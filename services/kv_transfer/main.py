@@ -1,0 +1,137 @@
+"""Entry point of the kv_transfer service: `python -m services.kv_transfer.main`.
+
+Settings come from `BATON_KV_TRANSFER_*` (see `settings.py`), parsed once in
+`main()`. `start(settings)` builds and starts one instance (tests start
+several in one process); `serve(settings)` runs one until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from proto.baton.v1 import kv_transfer_pb2_grpc
+from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTransferServicer
+from services.kv_transfer.settings import KVTransferSettings
+from services.kv_transfer.store import HandoffStore
+from shared.grpc_common import GrpcServer, make_server
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningKVTransfer:
+    """One started kv_transfer instance and everything it owns."""
+
+    settings: KVTransferSettings
+    grpc: GrpcServer
+    store: HandoffStore
+    metrics: KVTransferMetrics
+    sweeper: asyncio.Task[None]
+    metrics_http: tuple[WSGIServer, threading.Thread] | None
+
+    @property
+    def address(self) -> str:
+        return self.grpc.address
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_http[0].server_address[1] if self.metrics_http else None
+
+    async def stop(self) -> None:
+        """Stop taking calls, drain for the grace period, then drop every lease still held."""
+        # the metrics server notices a shutdown only at its next poll (0.5 s): overlap that wait
+        metrics_stopped = asyncio.create_task(asyncio.to_thread(self._stop_metrics_http))
+        await self.grpc.stop(self.settings.shutdown_grace_s)
+        self.sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.sweeper
+        dropped = self.store.release_all()
+        await metrics_stopped
+        logger.info("kv_transfer on %s stopped (%d leases dropped)", self.address, dropped)
+
+    def _stop_metrics_http(self) -> None:
+        if self.metrics_http is not None:
+            httpd, thread = self.metrics_http
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(timeout=5)
+
+
+async def _sweep(store: HandoffStore, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        store.sweep()
+
+
+async def start(settings: KVTransferSettings) -> RunningKVTransfer:
+    """Build the store, servicer, gRPC server (with health) and metrics endpoint; start them."""
+    metrics = KVTransferMetrics(CollectorRegistry())
+    store = HandoffStore(
+        settings.capacity_bytes,
+        settings.lease_timeout_s,
+        max_lease_timeout_s=settings.max_lease_timeout_s,
+        on_end=metrics.on_lease_end,
+    )
+    metrics.watch(store)
+    server = make_server(settings.address, settings.max_message_bytes)
+    servicer = KVTransferServicer(store, metrics, settings.max_claim_wait_s)
+    kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, server.server)
+    await server.start(SERVICE_NAME)
+    metrics_http = None
+    if settings.metrics_port >= 0:
+        try:
+            metrics_http = start_http_server(
+                settings.metrics_port, addr=settings.host, registry=metrics.registry
+            )
+        except OSError:
+            await server.stop(0)
+            raise
+    sweeper = asyncio.create_task(_sweep(store, settings.sweep_interval_s), name="kv_transfer-sweeper")
+    running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http)
+    logger.info(
+        "kv_transfer listening on %s (capacity %d bytes, lease timeout %.1fs, metrics %s)",
+        running.address,
+        settings.capacity_bytes,
+        settings.lease_timeout_s,
+        f"http://{settings.host}:{running.metrics_port}/metrics" if metrics_http else "off",
+    )
+    return running
+
+
+async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None) -> None:
+    """Run one instance until `stop` is set or the process gets SIGTERM/SIGINT."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    running = await start(settings)
+    try:
+        await stop.wait()
+        logger.info("kv_transfer on %s shutting down", running.address)
+    finally:
+        await running.stop()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+def main() -> None:
+    settings = KVTransferSettings()
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Settings of the kv_transfer service: environment variables `BATON_KV_TRANSFER_<FIELD>`.
+
+For example `BATON_KV_TRANSFER_PORT=50053`, `BATON_KV_TRANSFER_CAPACITY_BYTES=8589934592`.
+Parsed once, in `services.kv_transfer.main`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
+
+
+class KVTransferSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATON_KV_TRANSFER_", extra="ignore", frozen=True)
+
+    host: str = Field(default="127.0.0.1", description="interface the gRPC server binds")
+    port: int = Field(default=50053, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
+    capacity_bytes: int = Field(
+        default=4 << 30,
+        ge=0,
+        description="host memory the store may hold; a Put that does not fit is refused",
+    )
+    lease_timeout_s: float = Field(
+        default=30.0, gt=0, description="how long an unclaimed handoff is kept when its header does not say"
+    )
+    max_lease_timeout_s: float = Field(
+        default=600.0, gt=0, description="upper bound on a header's own lease timeout"
+    )
+    max_claim_wait_s: float = Field(default=60.0, ge=0, description="upper bound on a Claim's wait_ms")
+    sweep_interval_s: float = Field(
+        default=0.25, gt=0, le=60, description="how often expired leases are freed"
+    )
+    metrics_port: int = Field(
+        default=9403, ge=-1, le=65535, description="Prometheus /metrics port, on `host`; 0 = any, -1 = off"
+    )
+    max_message_bytes: int = Field(
+        default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20, description="largest gRPC message (one layer of KV)"
+    )
+    shutdown_grace_s: float = Field(default=5.0, ge=0, description="time calls in flight get on shutdown")
+    log_level: str = Field(default="INFO", description="logging level name")
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"

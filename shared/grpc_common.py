@@ -1,0 +1,110 @@
+"""gRPC plumbing every baton service shares: servers, channels, health.
+
+A server made here has the error interceptor (`shared.grpc_errors`) and
+grpcio's health service installed, and message limits raised for KV data::
+
+    handle = make_server("127.0.0.1:0")          # port 0: the OS picks one
+    add_FooServicer_to_server(FooServicer(...), handle.server)
+    await handle.start("baton.v1.FooService")    # health: SERVING
+    ...
+    await handle.stop(grace_s=5.0)               # health: NOT_SERVING, then drain
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared.errors import ConfigError
+from shared.grpc_errors import ErrorInterceptor
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one layer of KV for a long prompt fits
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options raising gRPC's 4 MiB default message limits, for servers and channels alike."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+@dataclass
+class GrpcServer:
+    """A grpc.aio server bound to a port, with its health servicer."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    host: str
+    port: int  # the port actually bound (the one the OS picked when asked for 0)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self, *service_names: str) -> None:
+        """Start serving and report SERVING for the server and each named service."""
+        await self.server.start()
+        for name in ("", *service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Report NOT_SERVING, then let calls in flight finish for up to `grace_s`."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'host:port' (or '[v6]:port') -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def make_server(
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> GrpcServer:
+    """A grpc.aio server listening (insecure) on `address`, health service registered, not started.
+
+    The error interceptor runs outermost, so exceptions from later interceptors
+    are mapped too. Port 0 binds an ephemeral port; `GrpcServer.port` has it.
+    """
+    host, _ = split_address(address)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(), *interceptors],
+        options=channel_options(max_message_bytes),
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises when the port is taken
+        raise ConfigError(f"cannot bind gRPC server to {address}: {exc}") from exc
+    if port == 0:
+        raise ConfigError(f"cannot bind gRPC server to {address}")
+    return GrpcServer(server=server, health=health_servicer, host=host, port=port)
+
+
+def channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An insecure grpc.aio channel to `address` with the same message limits as the servers."""
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
+    """True when the server at `address` reports SERVING for `service` ('' = whole server)."""
+    async with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,205 @@
+"""shared.grpc_errors: the one BatonError <-> gRPC status mapping, and the server interceptor."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from shared.errors import (
+    AuthenticationError,
+    BatonError,
+    CapacityError,
+    ConfigError,
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestAbortedError,
+    UnavailableError,
+)
+from shared.grpc_common import channel, check_health, make_server
+from shared.grpc_errors import (
+    REQUEST_ID_KEY,
+    error_from_rpc,
+    error_from_status,
+    status_for_error,
+    trailing_metadata_for_error,
+)
+
+S = grpc.StatusCode
+
+MAPPING = [
+    (InvalidRequestError("bad", param="top_p"), S.INVALID_ARGUMENT),
+    (ContextLengthExceededError("too long", param="messages"), S.INVALID_ARGUMENT),
+    (ModelNotFoundError("no such model", param="model"), S.NOT_FOUND),
+    (CapacityError("full"), S.RESOURCE_EXHAUSTED),
+    (UnavailableError("nobody home"), S.UNAVAILABLE),
+    (RequestAbortedError("gone"), S.CANCELLED),
+    (AuthenticationError("who are you"), S.UNAUTHENTICATED),
+    (ConfigError("bad setting"), S.INTERNAL),
+    (BatonError("generic"), S.INTERNAL),
+]
+
+
+class ServiceNotFoundError(BatonError):
+    """A subclass a service defines itself: mapped by its HTTP status."""
+
+    http_status = 404
+    code = "thing_not_found"
+
+
+@pytest.mark.parametrize(("error", "status"), MAPPING)
+def test_status_for_error(error: BatonError, status: grpc.StatusCode) -> None:
+    assert status_for_error(error) is status
+
+
+def test_unexpected_exceptions_are_internal() -> None:
+    assert status_for_error(RuntimeError("boom")) is S.INTERNAL
+    assert status_for_error(KeyError("x")) is S.INTERNAL
+
+
+def test_unlisted_subclasses_map_by_http_status() -> None:
+    assert status_for_error(ServiceNotFoundError("x")) is S.NOT_FOUND
+
+
+@pytest.mark.parametrize(("error", "status"), MAPPING)
+def test_round_trip_keeps_class_message_and_param(error: BatonError, status: grpc.StatusCode) -> None:
+    back = error_from_status(status, error.message, trailing_metadata_for_error(error))
+    assert type(back) is type(error)
+    assert (back.message, back.param) == (error.message, error.param)
+
+
+def test_round_trip_of_a_service_defined_error() -> None:
+    error = ServiceNotFoundError("handoff h1 not found", param="handoff_id")
+    back = error_from_status(S.NOT_FOUND, error.message, trailing_metadata_for_error(error))
+    assert type(back) is ServiceNotFoundError and back.param == "handoff_id"
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type"),
+    [
+        (S.INVALID_ARGUMENT, InvalidRequestError),
+        (S.NOT_FOUND, ModelNotFoundError),
+        (S.RESOURCE_EXHAUSTED, CapacityError),
+        (S.UNAVAILABLE, UnavailableError),
+        (S.CANCELLED, RequestAbortedError),
+        (S.DEADLINE_EXCEEDED, RequestAbortedError),
+        (S.UNAUTHENTICATED, AuthenticationError),
+        (S.INTERNAL, BatonError),
+        (S.UNKNOWN, BatonError),
+    ],
+)
+def test_status_without_trailers(status: grpc.StatusCode, error_type: type[BatonError]) -> None:
+    back = error_from_status(status, "details here")
+    assert type(back) is error_type and back.message == "details here"
+
+
+def test_trailer_disagreeing_with_the_status_is_ignored() -> None:
+    trailers = trailing_metadata_for_error(ContextLengthExceededError("x"))
+    assert type(error_from_status(S.UNAVAILABLE, "down", trailers)) is UnavailableError
+    assert type(error_from_status(S.INVALID_ARGUMENT, "x", (("baton-error-code", "nonsense"),))) is (
+        InvalidRequestError
+    )
+
+
+# --- the interceptor, on a real grpc.aio server -------------------------------------------------
+
+
+class FailingServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
+    """Raises what the handoff id names, from each kind of RPC."""
+
+    ERRORS: dict[str, Exception] = {
+        "capacity": CapacityError("store full"),
+        "context": ContextLengthExceededError("prompt too long", param="prompt"),
+        "boom": RuntimeError("secret internals"),
+    }
+
+    async def Release(
+        self, request: kv_transfer_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.ReleaseResponse:
+        if request.handoff_id in self.ERRORS:
+            raise self.ERRORS[request.handoff_id]
+        return kv_transfer_pb2.ReleaseResponse(found=True)
+
+    async def Claim(
+        self, request: kv_transfer_pb2.ClaimRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_transfer_pb2.HandoffChunk]:
+        yield kv_transfer_pb2.HandoffChunk(hidden=kv_transfer_pb2.HiddenData(data=b"x"))
+        raise self.ERRORS[request.handoff_id]
+
+    async def Put(
+        self,
+        request_iterator: AsyncIterator[kv_transfer_pb2.HandoffChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> kv_transfer_pb2.PutResponse:
+        async for _ in request_iterator:
+            raise UnavailableError("no room at the inn")
+        return kv_transfer_pb2.PutResponse()
+
+
+async def _rpc_error(call: object) -> grpc.aio.AioRpcError:
+    try:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:  # type: ignore[attr-defined]
+                pass
+        else:
+            await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError("the call did not fail")
+
+
+def test_interceptor_maps_errors_from_every_rpc_kind(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        handle = make_server("127.0.0.1:0")
+        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
+        await handle.start("baton.v1.KVTransferService")
+        try:
+            async with channel(handle.address) as ch:
+                stub = kv_transfer_pb2_grpc.KVTransferServiceStub(ch)
+                ok = await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="fine"))
+                assert ok.found
+
+                exc = await _rpc_error(stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="capacity")))
+                assert exc.code() is S.RESOURCE_EXHAUSTED and exc.details() == "store full"
+                assert type(error_from_rpc(exc)) is CapacityError
+
+                exc = await _rpc_error(stub.Claim(kv_transfer_pb2.ClaimRequest(handoff_id="context")))
+                assert exc.code() is S.INVALID_ARGUMENT
+                error = error_from_rpc(exc)
+                assert type(error) is ContextLengthExceededError and error.param == "prompt"
+
+                chunks = [kv_transfer_pb2.HandoffChunk()]
+                exc = await _rpc_error(stub.Put(iter(chunks)))
+                assert exc.code() is S.UNAVAILABLE and type(error_from_rpc(exc)) is UnavailableError
+
+                call = stub.Release(
+                    kv_transfer_pb2.ReleaseRequest(handoff_id="boom"), metadata=((REQUEST_ID_KEY, "req-77"),)
+                )
+                exc = await _rpc_error(call)
+                assert exc.code() is S.INTERNAL
+                assert "secret" not in (exc.details() or "")  # internals stay in the log
+                assert type(error_from_rpc(exc)) is BatonError
+
+                # the health service's Watch (a coroutine that writes) passes the interceptor intact
+                health = health_pb2_grpc.HealthStub(ch)
+                watch = health.Watch(health_pb2.HealthCheckRequest(service="baton.v1.KVTransferService"))
+                first = await watch.read()
+                assert first.status == health_pb2.HealthCheckResponse.SERVING
+                watch.cancel()
+            assert await check_health(handle.address, "baton.v1.KVTransferService")
+            assert not await check_health(handle.address, "baton.v1.NoSuchService")
+        finally:
+            await handle.stop(0)
+
+    with caplog.at_level(logging.INFO, logger="shared.grpc_errors"):
+        asyncio.run(scenario())
+    unexpected = [r for r in caplog.records if "unexpected" in r.getMessage()]
+    assert len(unexpected) == 1 and "req-77" in unexpected[0].getMessage()
+    assert unexpected[0].exc_info is not None and "secret internals" in str(unexpected[0].exc_info[1])
