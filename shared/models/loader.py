@@ -70,6 +70,12 @@ class LoadedModel:
     def max_model_len(self) -> int:
         return self.spec.max_positions
 
+    @property
+    def identity(self) -> str:
+        """What a handoff's KV must come from: same architecture and shapes (weights are trusted)."""
+        s = self.spec
+        return f"{s.model_type}:{s.num_layers}L:{s.hidden_size}H:{s.num_kv_heads}KV:{s.head_dim}D:{s.vocab_size}V"
+
 
 def resolve_model(spec: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     """An HF directory holding the model named by `spec` (converting a GGUF once)."""

@@ -1,0 +1,54 @@
+"""Entry point of the decode service (`baton decode`): settings from `BATON_DECODE_*`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc.aio
+
+from proto.baton.v1 import decode_pb2_grpc
+from services.decode.server import SERVICE_NAME, DecodeServicer
+from services.decode.settings import DecodeSettings
+from shared.engine.async_engine import AsyncEngine
+from shared.service.engine_host import RunningEngineService, start_engine_service
+from shared.service.kv_client import KVTransferClient
+from shared.service.lifecycle import run_until_signal
+
+
+@dataclass
+class RunningDecode:
+    host: RunningEngineService
+    kv: KVTransferClient
+
+    @property
+    def address(self) -> str:
+        return self.host.address
+
+    async def stop(self) -> None:
+        await self.host.stop()
+        await self.kv.close()
+
+
+async def start(settings: DecodeSettings) -> RunningDecode:
+    kv = KVTransferClient(settings.max_message_bytes)
+
+    def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
+        servicer = DecodeServicer(aengine, kv, aengine.engine.loaded.identity, settings.kv_claim_wait_s,
+                                  settings.kv_claim_timeout_s)
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+
+    service = "colocated" if settings.role == "colocated" else "decode"
+    host = await start_engine_service(settings, service, settings.role, add, SERVICE_NAME)
+    return RunningDecode(host, kv)
+
+
+def main() -> None:
+    settings = DecodeSettings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run_until_signal(lambda: start(settings)))
+
+
+if __name__ == "__main__":
+    main()

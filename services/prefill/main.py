@@ -1,0 +1,52 @@
+"""Entry point of the prefill service (`baton prefill`): settings from `BATON_PREFILL_*`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc.aio
+
+from proto.baton.v1 import prefill_pb2_grpc
+from services.prefill.server import SERVICE_NAME, PrefillServicer
+from services.prefill.settings import PrefillSettings
+from shared.engine.async_engine import AsyncEngine
+from shared.service.engine_host import RunningEngineService, start_engine_service
+from shared.service.kv_client import KVTransferClient
+from shared.service.lifecycle import run_until_signal
+
+
+@dataclass
+class RunningPrefill:
+    host: RunningEngineService
+    kv: KVTransferClient
+
+    @property
+    def address(self) -> str:
+        return self.host.address
+
+    async def stop(self) -> None:
+        await self.host.stop()
+        await self.kv.close()
+
+
+async def start(settings: PrefillSettings) -> RunningPrefill:
+    kv = KVTransferClient(settings.max_message_bytes)
+
+    def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
+        servicer = PrefillServicer(aengine, kv, aengine.engine.loaded.identity, settings.kv_push_timeout_s)
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+
+    host = await start_engine_service(settings, "prefill", "prefill", add, SERVICE_NAME)
+    return RunningPrefill(host, kv)
+
+
+def main() -> None:
+    settings = PrefillSettings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run_until_signal(lambda: start(settings)))
+
+
+if __name__ == "__main__":
+    main()

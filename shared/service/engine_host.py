@@ -1,0 +1,100 @@
+"""Hosting an engine as a gRPC service: load, serve, report load, stop cleanly.
+
+    start_engine_service(settings, service, role, add_servicer)
+      ├ LLMEngine loaded off the event loop (progress in the log)
+      ├ AsyncEngine thread started
+      ├ gRPC server (health SERVING) with the service's servicer
+      ├ /metrics (Prometheus) on its own port
+      └ registry heartbeat (when a Redis URL is set)
+    RunningEngineService.stop(): draining in the registry, gRPC drained for the
+      grace period, engine stopped (requests left are failed, blocks freed), deregistered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc.aio
+import torch
+
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import LLMEngine
+from shared.grpc_common import GrpcServer, make_server
+from shared.registry import make_registry
+from shared.registry.base import InstanceInfo, Load, Registry
+from shared.registry.heartbeat import Heartbeater
+from shared.service.engine_metrics import engine_registry
+from shared.service.lifecycle import MetricsHTTP
+from shared.service.settings import EngineServiceSettings
+
+logger = logging.getLogger(__name__)
+
+AddServicer = Callable[[AsyncEngine, grpc.aio.Server], None]
+
+
+@dataclass
+class RunningEngineService:
+    settings: EngineServiceSettings
+    service: str
+    aengine: AsyncEngine
+    grpc: GrpcServer
+    metrics: MetricsHTTP | None
+    registry: Registry | None
+    heartbeater: Heartbeater | None
+
+    @property
+    def address(self) -> str:
+        host = self.settings.advertise_host or self.grpc.host
+        return f"{host}:{self.grpc.port}"
+
+    async def stop(self) -> None:
+        logger.info("%s on %s stopping (grace %.1f s)", self.service, self.address, self.settings.shutdown_grace_s)
+        if self.heartbeater is not None:
+            await self.heartbeater.set_draining(True)
+        await self.grpc.stop(self.settings.shutdown_grace_s)
+        await asyncio.to_thread(self.aengine.stop)
+        if self.heartbeater is not None:
+            await self.heartbeater.stop()
+        if self.registry is not None:
+            await self.registry.close()
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
+        logger.info("%s on %s stopped", self.service, self.address)
+
+
+def _load(aengine: AsyncEngine) -> Load:
+    load = aengine.load
+    return Load(load.num_running, load.num_waiting, load.num_kv_blocks_total, load.num_kv_blocks_free)
+
+
+async def start_engine_service(
+    settings: EngineServiceSettings, service: str, role: str, add_servicer: AddServicer, grpc_service_name: str
+) -> RunningEngineService:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    logger.info("%s: loading %s (role %s) ...", service, settings.model, role)
+    engine = await asyncio.to_thread(LLMEngine, settings.engine_config(role))
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    server = make_server(settings.address, settings.max_message_bytes)
+    add_servicer(aengine, server.server)
+    await server.start(grpc_service_name)
+    metrics = None
+    if settings.metrics_port >= 0:
+        metrics = MetricsHTTP(settings.host, settings.metrics_port, engine_registry(aengine, role))
+    running = RunningEngineService(settings, service, aengine, server, metrics, None, None)
+    if settings.redis_url:
+        running.registry = make_registry(settings.redis_url, settings.registry_namespace)
+        info = InstanceInfo(
+            service=service, instance_id=settings.resolved_instance_id(service), address=running.address,
+            metrics_url=metrics.url if metrics else "", model=settings.model, load=_load(aengine),
+            started_at=time.time(),
+        )
+        running.heartbeater = Heartbeater(running.registry, info, lambda: _load(aengine), settings.heartbeat_ttl_s)
+        await running.heartbeater.start()
+    logger.info("%s ready on %s (metrics %s)", service, running.address, metrics.url if metrics else "off")
+    return running

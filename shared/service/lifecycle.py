@@ -1,0 +1,61 @@
+"""Running a service until SIGTERM/SIGINT, then stopping it once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+logger = logging.getLogger(__name__)
+
+
+class Stoppable(Protocol):
+    async def stop(self) -> None: ...
+
+
+async def run_until_signal(start: Callable[[], Awaitable[Stoppable]], stop: asyncio.Event | None = None) -> None:
+    """Start a service, wait for SIGTERM/SIGINT (or `stop`), then stop it."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    running = await start()
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+class MetricsHTTP:
+    """A Prometheus /metrics endpoint on its own thread, for one registry."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+        self._httpd: WSGIServer
+        self._thread: threading.Thread
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,60 @@
+"""Settings every engine service (prefill, decode) shares.
+
+Each service subclasses this with its own env prefix (`BATON_PREFILL_`,
+`BATON_DECODE_`) and parses it once in its `main.py`.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.engine.config import EngineConfig
+from shared.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
+from shared.models.loader import DEFAULT_CACHE_DIR
+
+
+class EngineServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", frozen=True)
+
+    model: str = Field(default="smollm2-135m", description="alias, .gguf file or HF directory")
+    host: str = Field(default="127.0.0.1", description="interface the gRPC server binds")
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
+    advertise_host: str = Field(default="", description="host others reach us at; default: `host`")
+    metrics_port: int = Field(default=0, ge=-1, le=65535, description="Prometheus port; 0 = any, -1 = off")
+    instance_id: str = Field(default="", description="registry id; default: hostname-random")
+    redis_url: str = Field(default="", description="registry; empty = no registration")
+    registry_namespace: str = Field(default="baton", description="registry key namespace")
+    heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
+    block_size: int = Field(default=16, ge=1, le=256)
+    kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20, description="KV cache budget in bytes")
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_model_len: int = Field(default=4096, ge=16)
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    dtype: str = "float32"
+    torch_threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = torch's default")
+    cache_dir: Path = DEFAULT_CACHE_DIR
+    max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20)
+    shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
+    log_level: str = "INFO"
+
+    def engine_config(self, role: str) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, role=role, block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+            device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def resolved_instance_id(self, service: str) -> str:
+        return self.instance_id or f"{service}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,160 @@
+"""prefill -> kv_transfer -> decode over real gRPC in one process, on the packaged SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import grpc
+import pytest
+
+from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.decode.main import start as start_decode
+from services.decode.settings import DecodeSettings
+from services.kv_transfer.main import start as start_kv
+from services.kv_transfer.settings import KVTransferSettings
+from services.prefill.main import start as start_prefill
+from services.prefill.settings import PrefillSettings
+from shared.engine.request import SamplingParams
+from shared.grpc_common import channel
+from shared.tokenizer import encode_prompt
+from shared.wire import sampling_params_to_proto
+from tests.helpers.models import packaged, packaged_engine
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+ENGINE = dict(model=MODEL, port=0, metrics_port=-1, kv_cache_bytes=64 << 20, max_model_len=1024,
+              kv_claim_wait_s=0.5)
+
+
+class Stack:
+    def __init__(self, kv: Any, prefill: Any, decode: Any) -> None:
+        self.kv, self.prefill, self.decode = kv, prefill, decode
+        self.prefill_stub = prefill_pb2_grpc.PrefillServiceStub(channel(prefill.address))
+        self.decode_stub = decode_pb2_grpc.DecodeServiceStub(channel(decode.address))
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+        request_id = uuid.uuid4().hex
+        req = common_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                         params=sampling_params_to_proto(params))
+        handoff_id = f"h-{request_id}"
+        first = await self.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
+            request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address))
+        tokens = [first.first_token_id]
+        if first.finish_reason:
+            return tokens, first.finish_reason
+        finish = ""
+        async for msg in self.decode_stub.Generate(decode_pb2.DecodeRequest(
+                request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address,
+                first_token_id=first.first_token_id)):
+            tokens.extend(msg.token_ids)
+            finish = msg.finish_reason
+        return tokens, finish
+
+    def engines_idle(self) -> bool:
+        return all(e.num_free_kv_blocks == e.num_kv_blocks and not e.has_unfinished()
+                   for e in (self.prefill.host.aengine.engine, self.decode.host.aengine.engine))
+
+
+async def _start() -> Stack:
+    kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, max_claim_wait_s=1.0))
+    prefill = await start_prefill(PrefillSettings(**ENGINE))
+    decode = await start_decode(DecodeSettings(**ENGINE))
+    return Stack(kv, prefill, decode)
+
+
+async def _stop(stack: Stack) -> None:
+    for s in (stack.decode, stack.prefill, stack.kv):
+        await s.stop()
+
+
+def run(coro_fn: Any) -> Any:
+    async def main() -> Any:
+        stack = await _start()
+        try:
+            return await coro_fn(stack)
+        finally:
+            await _stop(stack)
+
+    return asyncio.run(main())
+
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about rain.",
+             "What is 12 times 12?"]
+
+
+def test_disaggregated_greedy_equals_colocated() -> None:
+    tok = packaged(MODEL).tokenizer
+    prompts = [encode_prompt(tok, q, chat=True) for q in QUESTIONS]
+    params = [SamplingParams(max_tokens=24, temperature=0.0), SamplingParams(max_tokens=1, temperature=0.0),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=42), SamplingParams(max_tokens=16, temperature=0.0)]
+    expected = packaged_engine(MODEL, max_model_len=1024).generate(prompts, params)
+
+    async def body(stack: Stack) -> list[tuple[list[int], str]]:
+        got = await asyncio.gather(*(stack.generate(p, sp) for p, sp in zip(prompts, params, strict=True)))
+        await asyncio.sleep(0.2)
+        assert stack.engines_idle()
+        assert stack.kv.store.bytes_held == 0
+        return got
+
+    got = run(body)
+    for (tokens, finish), exp in zip(got, expected, strict=True):
+        assert tokens == exp.token_ids
+        assert finish == exp.finish_reason
+
+
+def test_cancelled_decode_stream_frees_everything() -> None:
+    prompt = encode_prompt(packaged(MODEL).tokenizer, "Tell me a long story about dragons.", chat=True)
+
+    async def body(stack: Stack) -> None:
+        req = common_pb2.GenerateRequest(request_id="cancel-me", prompt_token_ids=prompt,
+                                         params=sampling_params_to_proto(SamplingParams(max_tokens=500,
+                                                                                        ignore_eos=True)))
+        first = await stack.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
+            request=req, handoff_id="h-cancel", kv_transfer_address=stack.kv.address))
+        call = stack.decode_stub.Generate(decode_pb2.DecodeRequest(
+            request=req, handoff_id="h-cancel", kv_transfer_address=stack.kv.address,
+            first_token_id=first.first_token_id))
+        n = 0
+        async for _ in call:
+            n += 1
+            if n == 3:
+                call.cancel()
+                break
+        for _ in range(100):
+            if stack.engines_idle():
+                break
+            await asyncio.sleep(0.05)
+        assert stack.engines_idle()
+
+    run(body)
+
+
+def test_errors_are_grpc_statuses() -> None:
+    async def body(stack: Stack) -> None:
+        bad = common_pb2.GenerateRequest(request_id="bad", prompt_token_ids=[1, 2],
+                                         params=common_pb2.SamplingParams(max_tokens=0))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stack.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
+                request=bad, handoff_id="h", kv_transfer_address=stack.kv.address))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        ok = common_pb2.GenerateRequest(request_id="lost", prompt_token_ids=[1, 2],
+                                        params=sampling_params_to_proto(SamplingParams(max_tokens=4)))
+        with pytest.raises(grpc.aio.AioRpcError) as e2:
+            async for _ in stack.decode_stub.Generate(decode_pb2.DecodeRequest(
+                    request=ok, handoff_id="never-stored", kv_transfer_address=stack.kv.address,
+                    first_token_id=5)):
+                pass
+        assert e2.value.code() == grpc.StatusCode.NOT_FOUND
+        too_long = common_pb2.GenerateRequest(request_id="long", prompt_token_ids=[5] * 2000,
+                                              params=sampling_params_to_proto(SamplingParams(max_tokens=4)))
+        with pytest.raises(grpc.aio.AioRpcError) as e3:
+            await stack.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
+                request=too_long, handoff_id="h2", kv_transfer_address=stack.kv.address))
+        assert e3.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stack.engines_idle()
+
+    run(body)
+
