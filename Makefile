@@ -13,10 +13,11 @@ TORCH_INDEX_URL ?=
 MODEL ?= smollm2-135m
 PORT ?= 8000
 PYTEST_ARGS ?=
+UP_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +32,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 run: setup
+	$(BIN)/baton up --model $(MODEL) --port $(PORT) $(UP_ARGS)
+
+demo: setup
 	$(BIN)/baton generate --model $(MODEL) --chat --max-tokens 96 \
 		--prompt "In two sentences, why split LLM serving into prefill and decode?"
 

@@ -11,7 +11,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
+import time
+import uuid
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -22,6 +25,9 @@ from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTrans
 from services.kv_transfer.settings import KVTransferSettings
 from services.kv_transfer.store import HandoffStore
 from shared.grpc_common import GrpcServer, make_server
+from shared.registry import make_registry
+from shared.registry.base import InstanceInfo, Load, Registry
+from shared.registry.heartbeat import Heartbeater
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,8 @@ class RunningKVTransfer:
     metrics: KVTransferMetrics
     sweeper: asyncio.Task[None]
     metrics_http: tuple[WSGIServer, threading.Thread] | None
+    heartbeater: Heartbeater | None = None
+    registry: Registry | None = None
 
     @property
     def address(self) -> str:
@@ -49,11 +57,17 @@ class RunningKVTransfer:
         """Stop taking calls, drain for the grace period, then drop every lease still held."""
         # the metrics server notices a shutdown only at its next poll (0.5 s): overlap that wait
         metrics_stopped = asyncio.create_task(asyncio.to_thread(self._stop_metrics_http))
+        if self.heartbeater is not None:
+            await self.heartbeater.set_draining(True)
         await self.grpc.stop(self.settings.shutdown_grace_s)
         self.sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.sweeper
         dropped = self.store.release_all()
+        if self.heartbeater is not None:
+            await self.heartbeater.stop()
+        if self.registry is not None:
+            await self.registry.close()
         await metrics_stopped
         logger.info("kv_transfer on %s stopped (%d leases dropped)", self.address, dropped)
 
@@ -96,6 +110,9 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
             raise
     sweeper = asyncio.create_task(_sweep(store, settings.sweep_interval_s), name="kv_transfer-sweeper")
     running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http)
+    if settings.redis_url:
+        running.registry = make_registry(settings.redis_url, settings.registry_namespace)
+        running.heartbeater = await _register(settings, running, running.registry)
     logger.info(
         "kv_transfer listening on %s (capacity %d bytes, lease timeout %.1fs, metrics %s)",
         running.address,
@@ -104,6 +121,25 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
         f"http://{settings.host}:{running.metrics_port}/metrics" if metrics_http else "off",
     )
     return running
+
+
+async def _register(settings: KVTransferSettings, running: RunningKVTransfer, registry: Registry) -> Heartbeater:
+    """Announce this instance in the registry; its load is the number of active leases."""
+    host = settings.advertise_host or running.grpc.host
+    metrics_url = f"http://{host}:{running.metrics_port}/metrics" if running.metrics_port else ""
+
+    def load() -> Load:
+        return Load(num_running=running.store.active_leases)
+
+    info = InstanceInfo(
+        service="kv_transfer",
+        instance_id=settings.instance_id or f"kv_transfer-{socket.gethostname()}-{uuid.uuid4().hex[:6]}",
+        address=f"{host}:{running.grpc.port}", metrics_url=metrics_url, model="", load=load(),
+        started_at=time.time(),
+    )
+    heartbeater = Heartbeater(registry, info, load, settings.heartbeat_ttl_s)
+    await heartbeater.start()
+    return heartbeater
 
 
 async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None) -> None:

@@ -40,6 +40,11 @@ class KVTransferSettings(BaseSettings):
     )
     shutdown_grace_s: float = Field(default=5.0, ge=0, description="time calls in flight get on shutdown")
     log_level: str = Field(default="INFO", description="logging level name")
+    redis_url: str = Field(default="", description="registry; empty = no registration")
+    registry_namespace: str = Field(default="baton", description="registry key namespace")
+    heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
+    instance_id: str = Field(default="", description="registry id; default: kv_transfer-hostname-random")
+    advertise_host: str = Field(default="", description="host others reach us at; default: `host`")
 
     @property
     def address(self) -> str:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from shared.cli import generate_cmd
+from shared.cli import generate_cmd, service_cmds, up_cmd
 from shared.errors import BatonError
 
 
@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
+    up_cmd.register(sub)
+    service_cmds.register(sub)
     return parser
 
 

@@ -27,9 +27,16 @@ def tiny_llama_config(**overrides: Any) -> Any:
     from transformers import LlamaConfig
 
     kw: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=1, bos_token_id=0,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        bos_token_id=0,
     )
     kw.update(overrides)
     return LlamaConfig(**kw)
@@ -39,10 +46,19 @@ def tiny_gemma3_config(**overrides: Any) -> Any:
     from transformers import Gemma3TextConfig
 
     kw: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-        sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=32, eos_token_id=1, bos_token_id=2,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=32,
+        eos_token_id=1,
+        bos_token_id=2,
     )
     kw.update(overrides)
     return Gemma3TextConfig(**kw)
@@ -67,8 +83,13 @@ def tiny_loaded(family: str = "llama", seed: int = 0, **overrides: Any) -> tuple
     spec = spec_from_config(config)
     model = DecoderLM(spec, hf.state_dict(), paged_attention_ref)
     loaded = LoadedModel(
-        name=f"tiny-{family}", hf_dir=Path("/nonexistent"), hf_config=config, spec=spec, model=model,
-        tokenizer=None, eos_token_ids=frozenset({1}),
+        name=f"tiny-{family}",
+        hf_dir=Path("/nonexistent"),
+        hf_config=config,
+        spec=spec,
+        model=model,
+        tokenizer=None,
+        eos_token_ids=frozenset({1}),
     )
     return loaded, hf
 
@@ -99,13 +120,20 @@ def reference_logits(model: DecoderLM, token_ids: list[int], block_size: int = 1
 
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    layout = KVLayout(model.num_layers, num_blocks + 3, block_size, model.num_kv_heads, model.head_dim,
-                      model.dtype)
+    layout = KVLayout(
+        model.num_layers, num_blocks + 3, block_size, model.num_kv_heads, model.head_dim, model.dtype
+    )
     kv = layout.allocate()
     blocks = torch.randperm(num_blocks + 3)[:num_blocks]
     pos = torch.arange(n)
     slots = blocks[pos // block_size] * block_size + pos % block_size
-    meta = AttentionMetadata(slots, torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
-                             blocks[None].int(), [n], [n])
+    meta = AttentionMetadata(
+        slots,
+        torch.tensor([0, n], dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32),
+        blocks[None].int(),
+        [n],
+        [n],
+    )
     hidden = model.forward(torch.tensor(token_ids), pos, kv, meta)
     return model.compute_logits(hidden)

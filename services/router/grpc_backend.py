@@ -1,0 +1,226 @@
+"""The router's backend over gRPC: prefill -> kv_transfer -> decode, or one colocated engine.
+
+Disaggregated request lifecycle::
+
+    pick decode (most free KV), kv_transfer, prefill (shortest queue)
+    Prefill(request, handoff_id) ──fails before the first token──► retry on another prefill
+        │ first token (streams to the client now: TTFT is prefill's time)
+        │ finish_reason set (max_tokens=1, eos) ──► done, no decode
+        ▼
+    decode.Generate(request, handoff_id, first_token) ──► token batches ──► finished
+    abort(request_id): Abort on the prefill and decode it used, Release its handoff.
+
+Instances come from the registry, refreshed in the background so a request
+never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.baton.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from services.router.backend import BackendChunk, BackendRequest
+from shared.errors import BatonError, InvalidRequestError, UnavailableError
+from shared.grpc_common import channel
+from shared.grpc_errors import error_from_rpc
+from shared.registry.base import InstanceInfo, Registry
+from shared.registry.picker import pick_decode, pick_prefill
+from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
+
+logger = logging.getLogger(__name__)
+
+# a prefill failing with one of these before its first token is retried elsewhere
+_RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass
+class _InFlight:
+    """Where one request's work lives, so that abort reaches all of it."""
+
+    prefill: str | None = None
+    decode: str | None = None
+    kv_transfer: str | None = None
+    handoff_id: str | None = None
+    done: bool = False
+
+
+@dataclass
+class InstanceCache:
+    """Live instances per service, refreshed from the registry every `interval_s`."""
+
+    registry: Registry
+    interval_s: float = 0.5
+    services: tuple[str, ...] = ("prefill", "decode", "kv_transfer", "colocated")
+    instances: dict[str, list[InstanceInfo]] = field(default_factory=dict)
+    _task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="registry-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def refresh(self) -> None:
+        for service in self.services:
+            try:
+                self.instances[service] = await self.registry.list(service)
+            except BatonError as e:
+                logger.warning("registry refresh of %s failed: %s", service, e)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.refresh()
+
+    def get(self, service: str) -> list[InstanceInfo]:
+        return [i for i in self.instances.get(service, []) if not i.draining]
+
+
+class GrpcBackend:
+    """GenerationBackend over the registry's prefill/decode/kv_transfer instances."""
+
+    def __init__(self, cache: InstanceCache, mode: str = "disagg", prefill_attempts: int = 2,
+                 max_message_bytes: int = 64 << 20) -> None:
+        if mode not in ("disagg", "colocated"):
+            raise InvalidRequestError(f"mode must be disagg or colocated, got {mode!r}")
+        self.cache = cache
+        self.mode = mode
+        self.prefill_attempts = prefill_attempts
+        self.max_message_bytes = max_message_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._inflight: dict[str, _InFlight] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address, self.max_message_bytes)
+        return ch
+
+    def healthy(self) -> bool:
+        if self.mode == "colocated":
+            return bool(self.cache.get("colocated"))
+        return all(self.cache.get(s) for s in ("prefill", "decode", "kv_transfer"))
+
+    async def generate(self, req: BackendRequest) -> AsyncIterator[BackendChunk]:
+        state = self._inflight[req.request_id] = _InFlight()
+        try:
+            if self.mode == "colocated":
+                state.decode = pick_decode(self.cache.get("colocated")).address
+                async for chunk in self._decode(req, state, first_token=None):
+                    yield chunk
+                return
+            state.decode = pick_decode(self.cache.get("decode")).address
+            state.kv_transfer = _pick_kv(self.cache.get("kv_transfer")).address
+            state.handoff_id = f"handoff-{req.request_id}"
+            first = await self._prefill(req, state)
+            state.done = bool(first.finish_reason)  # nothing left to abort once it finished
+            yield BackendChunk(
+                token_ids=[first.first_token_id],
+                logprobs=[token_logprobs_from_proto(first.first_logprobs)] if first.HasField("first_logprobs")
+                else [],
+                finished=bool(first.finish_reason), finish_reason=first.finish_reason or None,
+                num_cached_tokens=first.num_cached_tokens,
+            )
+            if not first.finish_reason:
+                async for chunk in self._decode(req, state, first_token=first):
+                    yield chunk
+        finally:
+            if not state.done:
+                await self.abort(req.request_id)
+            self._inflight.pop(req.request_id, None)
+
+    async def _prefill(self, req: BackendRequest, state: _InFlight) -> prefill_pb2.PrefillResponse:
+        tried: set[str] = set()
+        message = prefill_pb2.PrefillRequest(request=_request(req), handoff_id=state.handoff_id,
+                                             kv_transfer_address=state.kv_transfer)
+        while True:
+            instance = pick_prefill(self.cache.get("prefill"), exclude=tried)
+            state.prefill = instance.address
+            try:
+                return await prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address)).Prefill(message)
+            except grpc.RpcError as e:
+                code = e.code()  # type: ignore[attr-defined]
+                tried.add(instance.instance_id)
+                if code not in _RETRIABLE or len(tried) >= self.prefill_attempts:
+                    raise error_from_rpc(e) from e
+                logger.warning("request %s: prefill on %s failed (%s), retrying elsewhere",
+                               req.request_id, instance.address, code.name)
+                await self._release(state)
+
+    async def _decode(self, req: BackendRequest, state: _InFlight,
+                      first_token: prefill_pb2.PrefillResponse | None) -> AsyncIterator[BackendChunk]:
+        message = decode_pb2.DecodeRequest(request=_request(req))
+        if first_token is not None:
+            message.handoff_id = state.handoff_id or ""
+            message.kv_transfer_address = state.kv_transfer or ""
+            message.first_token_id = first_token.first_token_id
+            if first_token.HasField("first_logprobs"):
+                message.first_logprobs.CopyFrom(first_token.first_logprobs)
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(state.decode or ""))
+        try:
+            async for msg in stub.Generate(message):
+                if msg.finished:
+                    state.done = True
+                yield BackendChunk(
+                    token_ids=list(msg.token_ids), logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
+                    finished=msg.finished, finish_reason=msg.finish_reason or None,
+                    num_cached_tokens=msg.num_cached_tokens,
+                )
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from e
+
+    async def abort(self, request_id: str) -> None:
+        state = self._inflight.get(request_id)
+        if state is None or state.done:
+            return
+        state.done = True
+        req = common_pb2.AbortRequest(request_id=request_id)
+        calls = []
+        if state.prefill:
+            calls.append(prefill_pb2_grpc.PrefillServiceStub(self._channel(state.prefill)).Abort(req, timeout=5))
+        if state.decode:
+            calls.append(decode_pb2_grpc.DecodeServiceStub(self._channel(state.decode)).Abort(req, timeout=5))
+        results = await asyncio.gather(*calls, self._release(state), return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception):
+                logger.info("request %s: abort call failed: %s", request_id, r)
+
+    async def _release(self, state: _InFlight) -> None:
+        if state.kv_transfer and state.handoff_id:
+            stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(state.kv_transfer))
+            try:
+                await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id=state.handoff_id), timeout=5)
+            except grpc.RpcError as e:
+                logger.info("release of %s failed: %s", state.handoff_id, e.code())  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+
+def _pick_kv(instances: list[InstanceInfo]) -> InstanceInfo:
+    if not instances:
+        raise UnavailableError("no kv_transfer instance is up")
+    return min(instances, key=lambda i: (i.load.num_running, i.instance_id))
+
+
+def _request(req: BackendRequest) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                      params=sampling_params_to_proto(req.params))

@@ -1,0 +1,86 @@
+"""Entry point of the router (`baton router`): settings from `BATON_ROUTER_*`.
+
+    tokenizer (no weights) + registry (Redis, or an in-process one polling the
+    addresses `baton up` gave) ─► InstanceCache ─► GrpcBackend ─► FastAPI app ─► uvicorn
+uvicorn owns SIGTERM/SIGINT: it stops accepting, lets requests in flight finish
+(up to the grace period), then the backend and registry are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from services.router.app import create_app
+from services.router.grpc_backend import GrpcBackend, InstanceCache
+from services.router.settings import RouterSettings
+from services.router.static_registry import StaticRegistryPoller, parse_targets
+from shared.errors import ConfigError
+from shared.models.loader import resolve_model
+from shared.registry import make_registry
+from shared.registry.base import Registry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterParts:
+    app: Any
+    backend: GrpcBackend
+    cache: InstanceCache
+    registry: Registry
+    poller: StaticRegistryPoller | None
+
+    async def stop(self) -> None:
+        await self.cache.stop()
+        if self.poller is not None:
+            await self.poller.stop()
+        await self.backend.close()
+        await self.registry.close()
+
+
+async def build(settings: RouterSettings) -> RouterParts:
+    from transformers import AutoTokenizer
+
+    hf_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, hf_dir)
+    poller = None
+    if settings.redis_url:
+        registry: Registry = make_registry(settings.redis_url, settings.registry_namespace)
+    elif settings.static_instances:
+        poller = StaticRegistryPoller(parse_targets(settings.static_instances))
+        await poller.start()
+        registry = poller.registry
+    else:
+        raise ConfigError("the router needs BATON_ROUTER_REDIS_URL or BATON_ROUTER_STATIC_INSTANCES")
+    cache = InstanceCache(registry)
+    await cache.start()
+    backend = GrpcBackend(cache, settings.mode)
+    app = create_app(settings, backend, tokenizer, settings.model_name)
+    return RouterParts(app, backend, cache, registry, poller)
+
+
+async def serve(settings: RouterSettings) -> None:
+    parts = await build(settings)
+    config = uvicorn.Config(parts.app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_s), access_log=False)
+    try:
+        logger.info("router serving %s on http://%s:%d (mode %s)", settings.model_name, settings.host,
+                    settings.port, settings.mode)
+        await uvicorn.Server(config).serve()
+    finally:
+        await parts.stop()
+
+
+def main() -> None:
+    settings = RouterSettings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""`baton up`: the whole stack as local processes on 127.0.0.1.
+
+    baton up ─┬─ kv_transfer          (disagg)
+              ├─ prefill × N          (disagg)
+              ├─ decode × M           (role decode; role colocated in --mode colocated)
+              └─ router :PORT         (OpenAI HTTP)
+    waits for every health check ─► "baton ready: http://127.0.0.1:PORT/v1"
+    writes .baton/stack.json; Ctrl-C / SIGTERM stops everything it started.
+
+Services find each other through Redis when `--redis-url` is given; otherwise
+the router keeps an in-process registry fed by polling the addresses given here.
+Each child is configured only through its `BATON_<SERVICE>_*` environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.errors import ConfigError, UnavailableError
+from shared.models.loader import DEFAULT_CACHE_DIR, resolve_model
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Child:
+    name: str
+    service: str  # kv_transfer | prefill | decode | colocated | router
+    address: str
+    metrics_url: str
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+@dataclass
+class Stack:
+    children: list[Child] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {"services": [
+            {"name": c.name, "service": c.service, "pid": c.proc.pid if c.proc else None, "address": c.address,
+             "metrics_url": c.metrics_url, "log": str(c.log_path) if c.log_path else None}
+            for c in self.children
+        ]}
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("up", help="start the whole stack locally (router, prefill, kv_transfer, decode)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    p.add_argument("--spec", default="none", help="speculative decoding method (none for now)")
+    p.add_argument("--redis-url", default="", help="registry; default: an in-process registry in the router")
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per engine instance")
+    p.add_argument("--torch-threads", type=int, default=0, help="per engine process; 0 = cores / engines")
+    p.add_argument("--state-dir", type=Path, default=Path(".baton"))
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.set_defaults(func=run_up)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def plan_stack(args: argparse.Namespace) -> Stack:
+    """Ports and environments of every child, before anything starts."""
+    if args.spec != "none":
+        raise ConfigError(f"--spec {args.spec} is not available yet (only none)")
+    if args.prefill < 1 or args.decode < 1:
+        raise ConfigError("--prefill and --decode must be >= 1")
+    engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
+    threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
+    common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
+              "HOST": HOST, "CACHE_DIR": str(args.cache_dir)}
+    engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads)}
+    stack = Stack()
+
+    def add(name: str, service: str, prefix: str, values: dict[str, str]) -> Child:
+        port, metrics_port = free_port(), free_port()
+        env = {f"BATON_{prefix}_{k}": v for k, v in {**values, "PORT": str(port),
+                                                      "METRICS_PORT": str(metrics_port)}.items()}
+        child = Child(name, service, f"{HOST}:{port}", f"http://{HOST}:{metrics_port}/metrics", env)
+        stack.children.append(child)
+        return child
+
+    if args.mode == "disagg":
+        add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST})
+        for i in range(args.prefill):
+            add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
+    role = "decode" if args.mode == "disagg" else "colocated"
+    for i in range(args.decode):
+        add(f"decode-{i}", role, "DECODE", {**engine_common, "ROLE": role, "INSTANCE_ID": f"decode-{i}"})
+    static = ",".join(f"{c.service}={c.address}" for c in stack.children)
+    router_port = args.port
+    router = add("router", "router", "ROUTER", {
+        **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),
+        "STATIC_INSTANCES": "" if args.redis_url else static,
+    })
+    router.env["BATON_ROUTER_PORT"] = str(router_port)
+    router.address = f"{HOST}:{router_port}"
+    router.metrics_url = f"http://{HOST}:{router_port}/metrics"
+    return stack
+
+
+def start_children(stack: Stack, state_dir: Path) -> None:
+    logs = state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for child in stack.children:
+        child.log_path = logs / f"{child.name}.log"
+        command = {"kv_transfer": "kv-transfer", "colocated": "decode"}.get(child.service, child.service)
+        log = child.log_path.open("wb")
+        child.proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli.main", command], env={**os.environ, **child.env},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        print(f"baton: started {child.name} (pid {child.proc.pid}) on {child.address}, log {child.log_path}",
+              flush=True)
+
+
+def healthy(child: Child) -> bool:
+    if child.service == "router":
+        try:
+            with urllib.request.urlopen(f"http://{child.address}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+    import asyncio
+
+    from shared.grpc_common import check_health
+
+    return asyncio.run(check_health(child.address, timeout_s=1.0))
+
+
+def wait_ready(stack: Stack, timeout_s: float, stopping: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(stack.children)
+    while pending and not stopping():
+        for child in list(pending):
+            if child.proc is not None and child.proc.poll() is not None:
+                raise UnavailableError(f"{child.name} exited with {child.proc.returncode}; see {child.log_path}")
+            if healthy(child):
+                pending.remove(child)
+                print(f"baton: {child.name} is healthy", flush=True)
+        if pending and time.monotonic() > deadline:
+            raise UnavailableError(f"not healthy after {timeout_s:.0f} s: {[c.name for c in pending]}")
+        if pending:
+            names = ", ".join(c.name for c in pending)
+            print(f"baton: waiting for {names} (loading models) ...", flush=True)
+            time.sleep(1.0)
+
+
+def stop_children(stack: Stack, grace_s: float = 20.0) -> None:
+    running = [c for c in stack.children if c.proc is not None and c.proc.poll() is None]
+    for child in reversed(running):  # router first: no new work while engines drain
+        child.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    deadline = time.monotonic() + grace_s
+    for child in running:
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            child.proc.kill()  # type: ignore[union-attr]
+            child.proc.wait()  # type: ignore[union-attr]
+
+
+def run_up(args: argparse.Namespace) -> int:
+    resolve_model(args.model, args.cache_dir)  # convert a GGUF once here, not in every child at once
+    stack = plan_stack(args)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        start_children(stack, args.state_dir)
+        wait_ready(stack, args.ready_timeout, lambda: stopping)
+        if stopping:
+            return 130
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        (args.state_dir / "stack.json").write_text(json.dumps(stack.to_json(), indent=2))
+        print(f"baton ready: http://{HOST}:{args.port}/v1", flush=True)
+        reported: set[str] = set()
+        while not stopping:
+            time.sleep(0.2)
+            for child in stack.children:  # a dead child is reported, not fatal: the rest keep serving
+                if child.name not in reported and child.proc is not None and child.proc.poll() is not None:
+                    print(f"baton: {child.name} exited with {child.proc.returncode}", flush=True)
+                    reported.add(child.name)
+    finally:
+        print("baton: stopping ...", flush=True)
+        stop_children(stack)
+    return 0

@@ -1,0 +1,84 @@
+"""`baton up` as a subprocess for end-to-end tests: start, wait for ready, inspect, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.redis_server import free_port
+
+
+@dataclass
+class BatonStack:
+    proc: subprocess.Popen[str]
+    port: int
+    state_dir: Path
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def services(self) -> list[dict[str, Any]]:
+        return list(json.loads((self.state_dir / "stack.json").read_text())["services"])
+
+    def service(self, name: str) -> dict[str, Any]:
+        return next(s for s in self.services() if s["name"] == name)
+
+    def metric(self, name: str, metric: str) -> float:
+        """Sum of a metric's samples on one service's /metrics endpoint."""
+        with urllib.request.urlopen(self.service(name)["metrics_url"], timeout=5) as r:
+            text = r.read().decode()
+        values = [float(m.group(1)) for m in re.finditer(rf"^{metric}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        if not values:
+            raise KeyError(f"{metric} not on {name}'s /metrics")
+        return sum(values)
+
+    def kill(self, name: str) -> None:
+        os.kill(self.service(name)["pid"], signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_stack(state_dir: Path, *args: str, timeout_s: float = 300.0) -> BatonStack:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli.main", "up", "--port", str(port), "--state-dir", str(state_dir), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    stack = BatonStack(proc, port, state_dir)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        stack.output.append(line)
+        if line.startswith("baton ready:"):
+            break
+        if time.monotonic() > deadline:
+            break
+    else:
+        pass
+    if not any(line.startswith("baton ready:") for line in stack.output):
+        stack.stop()
+        logs = "".join(stack.output[-40:])
+        raise RuntimeError(f"baton up did not become ready:\n{logs}")
+    # keep draining its output so the pipe never blocks the launcher
+    import threading
+
+    threading.Thread(target=lambda: [stack.output.append(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    return stack

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import UnavailableError
+from shared.registry import Load, pick_decode, pick_prefill
+from tests.helpers.registry_factories import decode_load, make_instance
+
+
+def test_pick_decode_prefers_largest_free_kv_fraction() -> None:
+    small_but_empty = make_instance("a", load=decode_load(free=90, total=100))
+    big_but_busy = make_instance("b", load=decode_load(free=500, total=1000))  # more blocks, smaller fraction
+    assert pick_decode([big_but_busy, small_but_empty]).instance_id == "a"
+
+
+def test_pick_decode_breaks_fraction_ties_by_running_then_waiting_then_id() -> None:
+    busy = make_instance("a", load=decode_load(free=50, running=3))
+    idle = make_instance("b", load=decode_load(free=50, running=1, waiting=4))
+    idler = make_instance("c", load=decode_load(free=50, running=1, waiting=0))
+    assert pick_decode([busy, idle, idler]).instance_id == "c"
+    twin_x = make_instance("x", load=decode_load(free=50))
+    twin_y = make_instance("y", load=decode_load(free=50))
+    assert pick_decode([twin_y, twin_x]).instance_id == "x"
+    assert pick_decode([twin_x, twin_y]).instance_id == "x"
+
+
+def test_pick_decode_ranks_instance_without_kv_report_last() -> None:
+    unknown = make_instance("a", load=Load())  # total 0: has not reported its cache yet
+    nearly_full = make_instance("b", load=decode_load(free=1, total=100))
+    assert pick_decode([unknown, nearly_full]).instance_id == "b"
+
+
+def test_pick_decode_skips_draining_and_excluded() -> None:
+    best_but_draining = make_instance("a", load=decode_load(free=100), draining=True)
+    tried = make_instance("b", load=decode_load(free=90))
+    left = make_instance("c", load=decode_load(free=10))
+    assert pick_decode([best_but_draining, tried, left], exclude={"b"}).instance_id == "c"
+
+
+@pytest.mark.parametrize("draining", [True, False])
+def test_pick_decode_raises_unavailable_when_none(draining: bool) -> None:
+    with pytest.raises(UnavailableError, match="no decode instance"):
+        pick_decode([make_instance("a", draining=True)] if draining else [])
+
+
+def test_pick_prefill_prefers_shortest_queue_counting_running() -> None:
+    a = make_instance("a", "prefill", load=Load(num_running=2, num_waiting=2))
+    b = make_instance("b", "prefill", load=Load(num_running=0, num_waiting=3))
+    c = make_instance("c", "prefill", load=Load(num_running=3, num_waiting=0))
+    assert pick_prefill([a, b, c], exclude=set()).instance_id == "b"
+    assert pick_prefill([c, a]).instance_id == "c"  # 3 < 4
+
+
+def test_pick_prefill_tie_break_is_deterministic() -> None:
+    instances = [make_instance(i, "prefill", load=Load(num_waiting=1)) for i in ("p2", "p0", "p1")]
+    assert pick_prefill(instances, exclude=set()).instance_id == "p0"
+    assert pick_prefill(list(reversed(instances)), exclude=set()).instance_id == "p0"
+
+
+def test_pick_prefill_retry_walks_every_instance_then_gives_up() -> None:
+    instances = [
+        make_instance("p0", "prefill", load=Load(num_waiting=0)),
+        make_instance("p1", "prefill", load=Load(num_waiting=5)),
+        make_instance("p2", "prefill", load=Load(num_waiting=1)),
+        make_instance("p3", "prefill", draining=True),
+    ]
+    tried: set[str] = set()
+    order = []
+    for _ in range(3):
+        chosen = pick_prefill(instances, exclude=tried)
+        order.append(chosen.instance_id)
+        tried.add(chosen.instance_id)
+    assert order == ["p0", "p2", "p1"]
+    with pytest.raises(UnavailableError, match=r"1 draining, 3 already tried"):
+        pick_prefill(instances, exclude=tried)
+
+
+def test_load_kv_free_fraction_is_clamped() -> None:
+    assert Load(num_kv_blocks_total=10, num_kv_blocks_free=5).kv_free_fraction == 0.5
+    assert Load(num_kv_blocks_total=10, num_kv_blocks_free=12).kv_free_fraction == 1.0
+    assert Load().kv_free_fraction == 0.0
