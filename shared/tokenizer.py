@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,3 +37,55 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool = False, chat_templat
 
 def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
     return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def encode_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], chat_template: str | None = None
+) -> list[int]:
+    """Token ids of a whole conversation, rendered with the chat template and a generation prompt."""
+    rendered = render_chat(tokenizer, messages, chat_template)
+    return list(tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
+_BYTE_FALLBACK_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted (byte-level BPE pieces use it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in repr(getattr(backend, "decoder", None))
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token contributes to the text; a piece of a multi-byte character stays partial.
+
+    What OpenAI's logprobs report as `bytes`. Byte-level BPE pieces map back through GPT-2's
+    byte alphabet, SentencePiece byte-fallback pieces (`<0xE2>`) are one byte, and other
+    pieces are their text with SentencePiece's `▁` as a space.
+    """
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if piece is None:
+        return b""
+    if piece in getattr(tokenizer, "all_special_tokens", ()):
+        return piece.encode("utf-8")
+    byte_fallback = _BYTE_FALLBACK_PIECE.match(piece)
+    if byte_fallback:
+        return bytes([int(byte_fallback.group(1), 16)])
+    if _is_byte_level(tokenizer):
+        alphabet = _byte_level_alphabet()
+        if all(ch in alphabet for ch in piece):
+            return bytes(alphabet[ch] for ch in piece)
+    return piece.replace("\u2581", " ").encode("utf-8")

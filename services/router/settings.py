@@ -1,0 +1,56 @@
+"""Router settings: environment variables `BATON_ROUTER_<FIELD>`, parsed once in `services.router.main`.
+
+For example `BATON_ROUTER_PORT=8000`, `BATON_ROUTER_API_KEYS=key1,key2`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.models.loader import DEFAULT_CACHE_DIR
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATON_ROUTER_", extra="ignore", frozen=True)
+
+    host: str = Field(default="127.0.0.1", description="interface the HTTP server binds")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port; 0 = let the OS pick")
+    model: str = Field(default="smollm2-135m", description="model spec (alias, .gguf file or HF directory)")
+    served_model_name: str | None = Field(
+        default=None, description="the name clients send as `model`; default: the model spec"
+    )
+    cache_dir: Path = Field(default=DEFAULT_CACHE_DIR, description="where converted models (the tokenizer) live")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="accepted bearer keys, comma-separated; empty turns auth off"
+    )
+    mode: Literal["disagg", "colocated"] = Field(default="disagg", description="how the backend serves requests")
+    redis_url: str = Field(default="", description="registry; empty = use static_instances")
+    registry_namespace: str = Field(default="baton", description="registry key namespace")
+    static_instances: str = Field(default="", description="without Redis: 'service=host:port,...' to poll")
+    max_model_len: int = Field(
+        default=4096, ge=2, description="context length in tokens (prompt + completion); match the engines'"
+    )
+    max_request_body_bytes: int = Field(
+        default=4 << 20, ge=1024, description="larger request bodies are refused with 400"
+    )
+    max_stop_strings: int = Field(default=16, ge=0, le=256, description="most stop strings one request may give")
+    max_stop_string_chars: int = Field(default=256, ge=1, description="longest stop string accepted")
+    max_logprobs: int = Field(default=20, ge=0, le=20, description="most top logprobs one token may ask for")
+    abort_timeout_s: float = Field(default=10.0, gt=0, description="time allowed for a backend abort call")
+    shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
+    log_level: str = Field(default="INFO", description="logging level name")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

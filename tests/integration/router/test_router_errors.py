@@ -1,0 +1,201 @@
+"""Every error status the router returns, in OpenAI's error JSON, plus disconnects and metrics.
+
+Backends here are scripted (they raise, hang or fail mid-stream on cue); the tokenizer is SmolLM2's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from services.router.app import create_app
+from services.router.backend import BackendChunk
+from services.router.settings import RouterSettings
+from shared.errors import CapacityError, InvalidRequestError, UnavailableError
+from tests.integration.router.helpers import ScriptedBackend, raising, serve, wait_until
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "baton-test"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+DONE_CHUNK = BackendChunk([28], finished=True, finish_reason="length")
+
+
+def make_app(tokenizer: Any, backend: Any, **settings: Any) -> Any:
+    return create_app(RouterSettings(max_model_len=64, **settings), backend, tokenizer, MODEL)
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert response.headers["x-request-id"]
+    return error
+
+
+BAD_BODIES = [
+    ("/v1/completions", {**COMPLETION, "n": 2}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 3}, "n"),
+    ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature"),
+    ("/v1/completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
+    ("/v1/completions", {**COMPLETION, "top_k": -5}, "top_k"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 9}, "min_tokens"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
+    ("/v1/completions", {**COMPLETION, "stop": [""]}, "stop"),
+    ("/v1/completions", {**COMPLETION, "stop": ["x"] * 17}, "stop"),
+    ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
+    ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, -2]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [10**12]}, "prompt"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 100}, "max_completion_tokens"),  # 100 > context 64
+    ("/v1/completions", {**COMPLETION, "prompt": "word " * 80}, "prompt"),  # prompt alone overflows
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_BODIES)
+async def test_bad_requests_are_400_with_param(smol_tokenizer: Any, path: str, body: Any, param: str) -> None:
+    backend = ScriptedBackend([DONE_CHUNK])
+    async with client(make_app(smol_tokenizer, backend)) as http:
+        assert_error(await http.post(path, json=body), 400, param)
+    assert not backend.requests, "a refused request must not reach the backend"
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"", b"\xff\xfe", b'"just a string"'])
+async def test_malformed_bodies_are_400(smol_tokenizer: Any, content: bytes) -> None:
+    async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            error = assert_error(await http.post(path, content=content), 400)
+            assert error["type"] == "invalid_request_error"
+
+
+async def test_oversized_body_is_400(smol_tokenizer: Any) -> None:
+    app = make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]), max_request_body_bytes=2048)
+    async with client(app) as http:
+        error = assert_error(await http.post("/v1/completions", json={**COMPLETION, "prompt": "x" * 4096}), 400)
+        assert "exceeds" in error["message"]
+
+
+async def test_unknown_fields_are_ignored(smol_tokenizer: Any) -> None:
+    async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:
+        r = await http.post("/v1/chat/completions", json={**CHAT, "some_future_field": {"x": 1}, "user": "u1"})
+        assert r.status_code == 200, r.text
+
+
+async def test_api_keys(smol_tokenizer: Any) -> None:
+    app = make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]), api_keys=["k1", "k2"])
+    async with client(app) as http:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k1"}, {"authorization": "Basic k1"}):
+            assert_error(await http.post("/v1/chat/completions", json=CHAT, headers=headers), 401)
+            assert_error(await http.get("/v1/models", headers=headers), 401)
+        ok = await http.post("/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer k2"})
+        assert ok.status_code == 200, ok.text
+        assert (await http.get("/health")).status_code == 200  # probes and scrapers need no key
+        assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_unknown_model_and_route_are_404(smol_tokenizer: Any) -> None:
+    async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:
+        assert_error(await http.post("/v1/chat/completions", json={**CHAT, "model": "gpt-9"}), 404, "model")
+        assert_error(await http.post("/v1/completions", json={**COMPLETION, "model": "gpt-9"}), 404, "model")
+        assert_error(await http.get("/v1/models/gpt-9"), 404, "model")
+        assert (await http.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
+        assert_error(await http.get("/v1/nothing-here"), 404)
+        assert_error(await http.get("/v1/completions"), 405)
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (CapacityError("queue full"), 429), (UnavailableError("no decode instance"), 503),
+    (InvalidRequestError("prompt holds unknown ids", param="prompt"), 400),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_backend_errors_map_to_status(smol_tokenizer: Any, error: Exception, status: int, stream: bool) -> None:
+    backend = raising(error)
+    async with client(make_app(smol_tokenizer, backend)) as http:
+        r = await http.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert_error(r, status)
+        assert r.json()["error"]["message"] == str(error)
+
+
+async def test_unexpected_backend_exception_is_500_and_logged(smol_tokenizer: Any, caplog: Any) -> None:
+    caplog.set_level(logging.ERROR)
+    async with client(make_app(smol_tokenizer, raising(RuntimeError("boom")))) as http:
+        r = await http.post("/v1/completions", json=COMPLETION)
+    error = assert_error(r, 500)
+    assert error["type"] == "server_error" and "boom" not in error["message"]
+    request_id = r.headers["x-request-id"]
+    assert request_id.startswith("cmpl-")
+    assert any(request_id in rec.getMessage() for rec in caplog.records), "the log must name the request"
+
+
+async def test_error_after_stream_started_is_an_sse_event(smol_tokenizer: Any) -> None:
+    backend = ScriptedBackend([BackendChunk([28, 29])], error=UnavailableError("decode instance lost"))
+    async with client(make_app(smol_tokenizer, backend)) as http:
+        r = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "service_unavailable"
+    assert json.loads(events[1])["choices"][0]["delta"]["content"]  # the tokens before the failure arrived
+    assert backend.aborted == [r.headers["x-request-id"]]
+
+
+async def test_health_follows_backend(smol_tokenizer: Any) -> None:
+    backend = ScriptedBackend([DONE_CHUNK])
+    async with client(make_app(smol_tokenizer, backend)) as http:
+        assert (await http.get("/health")).status_code == 200
+        backend.is_healthy = False
+        assert_error(await http.get("/health"), 503)
+
+
+async def test_metrics_count_statuses(smol_tokenizer: Any) -> None:
+    async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:
+        await http.post("/v1/chat/completions", json=CHAT)
+        await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        await http.post("/v1/chat/completions", json={**CHAT, "n": 2})
+        text = (await http.get("/metrics")).text
+    assert 'baton_requests_total{status="200"} 2.0' in text
+    assert 'baton_requests_total{status="400"} 1.0' in text
+    for name in ("baton_time_to_first_token_seconds", "baton_inter_token_latency_seconds",
+                 "baton_e2e_request_latency_seconds"):
+        assert f"{name}_count" in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_backend_request(smol_tokenizer: Any, stream: bool) -> None:
+    """A real server: the client gives up (non-streamed: while waiting; streamed: mid-stream)."""
+    backend = ScriptedBackend([BackendChunk([28])], hang=True)
+    with serve(make_app(smol_tokenizer, backend)) as url, httpx.Client(base_url=url, timeout=0.5) as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+                assert r.status_code == 200
+                request_id = r.headers["x-request-id"]
+                assert next(r.iter_lines()).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=COMPLETION)
+            wait_until(lambda: len(backend.requests) == 1, 5.0)
+            request_id = backend.requests[0].request_id
+        wait_until(lambda: request_id in backend.aborted, 5.0, lambda: f"aborted: {backend.aborted}")
