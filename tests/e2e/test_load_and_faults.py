@@ -1,0 +1,128 @@
+"""Concurrency, cancellation and dead instances against real `baton up` stacks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import MODEL_ARGS
+from tests.helpers.stack import BatonStack, start_stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+HEADERS = {"Authorization": "Bearer test-key"}
+
+
+def body(i: int, stream: bool, max_tokens: int = 24) -> dict[str, object]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+
+
+async def stream_text(client: httpx.AsyncClient, url: str, payload: dict[str, object],
+                      stop_after: int | None = None) -> tuple[str, str | None]:
+    """Concatenated deltas and the finish reason; with stop_after, close the connection early."""
+    parts: list[str] = []
+    finish = None
+    async with client.stream("POST", f"{url}/chat/completions", json=payload, headers=HEADERS) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                parts.append(choice["delta"].get("content") or "")
+                finish = choice.get("finish_reason") or finish
+            if stop_after is not None and len(parts) >= stop_after:
+                return "".join(parts), None  # leaving the block closes the connection
+    return "".join(parts), finish
+
+
+def wait_idle(stack: BatonStack, engines: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = {n: (stack.metric(n, "baton_kv_blocks_free"), stack.metric(n, "baton_kv_blocks_total"))
+                for n in engines}
+        leases = stack.metric("kv_transfer", "baton_handoff_leases_active")
+        if all(f == t for f, t in free.values()) and leases == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout_s} s: blocks {free}, leases {leases}")
+        time.sleep(0.25)
+
+
+def test_32_concurrent_streams_16_cancelled(disagg_stack: BatonStack) -> None:
+    url = disagg_stack.base_url
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            expected = await asyncio.gather(*(client.post(f"{url}/chat/completions", json=body(i, False),
+                                                          headers=HEADERS) for i in range(16)))
+            texts = [r.json()["choices"][0]["message"]["content"] for r in expected]
+            long = [stream_text(client, url, body(i, True, max_tokens=400), stop_after=3) for i in range(16)]
+            full = [stream_text(client, url, body(i, True)) for i in range(16)]
+            results = await asyncio.gather(*full, *long)
+        for i, (text, finish) in enumerate(results[:16]):
+            assert text == texts[i], f"stream {i} lost or duplicated tokens"
+            assert finish in ("stop", "length")
+
+    asyncio.run(run())
+    wait_idle(disagg_stack, ["prefill-0", "prefill-1", "decode-0"], timeout_s=10)
+
+
+def _fresh_stack(tmp_path: Path, redis_url: str, *args: str) -> BatonStack:
+    return start_stack(tmp_path, *MODEL_ARGS, "--redis-url", redis_url, "--api-key", "test-key", *args)
+
+
+def test_killing_one_prefill_keeps_serving(tmp_path: Path, redis_url: str) -> None:
+    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "2", "--decode", "1")
+    try:
+        url = stack.base_url
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                inflight = [asyncio.create_task(client.post(f"{url}/chat/completions", json=body(i, False, 64),
+                                                            headers=HEADERS)) for i in range(6)]
+                await asyncio.sleep(0.5)
+                stack.kill("prefill-1")
+                t0 = time.monotonic()
+                done = await asyncio.gather(*inflight, return_exceptions=True)
+                assert time.monotonic() - t0 < 30
+                for r in done:  # completed, or a clean error: never a hang
+                    assert isinstance(r, httpx.Response) and r.status_code in (200, 500, 503), r
+                await asyncio.sleep(7)  # the dead instance's heartbeat lapses
+                after = await asyncio.gather(*(client.post(f"{url}/chat/completions", json=body(i, False, 8),
+                                                           headers=HEADERS) for i in range(4)))
+                assert all(r.status_code == 200 for r in after)
+
+        asyncio.run(run())
+    finally:
+        stack.stop()
+
+
+def test_killing_the_only_decode_gives_errors_not_hangs(tmp_path: Path, redis_url: str) -> None:
+    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "1", "--decode", "1")
+    try:
+        url = stack.base_url
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                streams = [asyncio.create_task(stream_text(client, url, body(i, True, 300))) for i in range(3)]
+                await asyncio.sleep(1.0)
+                stack.kill("decode-0")
+                t0 = time.monotonic()
+                results = await asyncio.gather(*streams, return_exceptions=True)
+                assert time.monotonic() - t0 < 30
+                assert all(isinstance(r, (AssertionError, httpx.HTTPError)) or r[1] is None for r in results)
+                r = await client.post(f"{url}/chat/completions", json=body(0, False, 4), headers=HEADERS)
+                assert r.status_code == 503 and r.json()["error"]["message"]
+
+        asyncio.run(run())
+    finally:
+        stack.stop()

@@ -1,0 +1,125 @@
+"""The whole stack through the official `openai` client: router -> prefill -> kv_transfer -> decode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.stack import BatonStack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+KEY = "test-key"
+
+
+def client(stack: BatonStack, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0, timeout=120)
+
+
+def chat_text(c: openai.OpenAI, content: str, **kw: object) -> openai.types.chat.ChatCompletion:
+    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_chat_streamed_equals_non_streamed_with_usage(disagg_stack: BatonStack) -> None:
+    c = client(disagg_stack)
+    full = chat_text(c, "What is the capital of France?", max_tokens=24, temperature=0)
+    assert full.choices[0].message.content
+    assert full.usage.completion_tokens <= 24 and full.usage.prompt_tokens > 10
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    parts, usage = [], None
+    for chunk in chat_text(c, "What is the capital of France?", max_tokens=24, temperature=0, stream=True,
+                           stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(parts) == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_stop_strings_and_max_tokens(disagg_stack: BatonStack) -> None:
+    c = client(disagg_stack)
+    out = c.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0)
+    text = out.choices[0].text
+    assert out.choices[0].finish_reason in ("length", "stop")
+    stopped = c.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=30, temperature=0, stop=[" 8"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert " 8" not in stopped.choices[0].text
+    assert text.startswith(stopped.choices[0].text)
+    one = c.completions.create(model=MODEL, prompt="Hello", max_tokens=1, temperature=0)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_repeats_and_logprobs(disagg_stack: BatonStack) -> None:
+    c = client(disagg_stack)
+    kw = dict(max_tokens=20, temperature=1.0, seed=1234)
+    a = chat_text(c, "Tell me a word.", **kw).choices[0].message.content
+    b = chat_text(c, "Tell me a word.", **kw).choices[0].message.content
+    assert a == b
+    lp = chat_text(c, "Say hi.", max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_disaggregated_equals_colocated_and_generate(disagg_stack: BatonStack, colocated_stack: BatonStack) -> None:
+    prompts = ["What is the capital of France?", "Name three colors.", "Write a haiku about rain."]
+    for prompt in prompts:
+        d = chat_text(client(disagg_stack), prompt, max_tokens=32, temperature=0).choices[0].message.content
+        colo = chat_text(client(colocated_stack), prompt, max_tokens=32, temperature=0).choices[0].message.content
+        assert d == colo
+    proc = subprocess.run([sys.executable, "-m", "shared.cli.main", "generate", "--chat", "--prompt", prompts[0],
+                           "--max-tokens", "32", "--json"], capture_output=True, text=True, timeout=300)
+    expected = json.loads(proc.stdout.strip().splitlines()[-1])["text"]
+    assert chat_text(client(disagg_stack), prompts[0], max_tokens=32, temperature=0).choices[0].message.content \
+        == expected
+
+
+def test_error_statuses(disagg_stack: BatonStack) -> None:
+    url = disagg_stack.base_url
+    with pytest.raises(openai.AuthenticationError):
+        chat_text(client(disagg_stack, key="wrong"), "hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client(disagg_stack).chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        chat_text(client(disagg_stack), "hi", max_tokens=2, top_p=7.0)
+    with pytest.raises(openai.BadRequestError):
+        client(disagg_stack).completions.create(model=MODEL, prompt="word " * 3000, max_tokens=2)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{url}/chat/completions", content=b"{not json", headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "hi", "n": 2}, headers=headers, timeout=30)
+    assert r.status_code == 400
+
+
+def test_no_healthy_backend_is_503(disagg_stack: BatonStack, tmp_path: object) -> None:
+    """A router whose only backends are gone answers 503, not a hang."""
+    from tests.helpers.redis_server import free_port
+
+    port = free_port()
+    env = {"BATON_ROUTER_PORT": str(port), "BATON_ROUTER_STATIC_INSTANCES": f"decode=127.0.0.1:{free_port()},"
+           f"prefill=127.0.0.1:{free_port()},kv_transfer=127.0.0.1:{free_port()}"}
+    import os
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "router"], env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(120):
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert health.status_code == 503
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
