@@ -42,9 +42,10 @@ from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
 
 logger = logging.getLogger(__name__)
 
-# a prefill failing with one of these before its first token is retried elsewhere
+# a prefill failing with one of these before its first token is retried elsewhere (a full
+# kv_transfer store, RESOURCE_EXHAUSTED, is not the prefill's fault: it goes back as 429)
 _RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+              grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 @dataclass
@@ -128,7 +129,6 @@ class GrpcBackend:
                 return
             state.decode = pick_decode(self.cache.get("decode")).address
             state.kv_transfer = _pick_kv(self.cache.get("kv_transfer")).address
-            state.handoff_id = f"handoff-{req.request_id}"
             first = await self._prefill(req, state)
             state.done = bool(first.finish_reason)  # nothing left to abort once it finished
             yield BackendChunk(
@@ -148,18 +148,26 @@ class GrpcBackend:
 
     async def _prefill(self, req: BackendRequest, state: _InFlight) -> prefill_pb2.PrefillResponse:
         tried: set[str] = set()
-        message = prefill_pb2.PrefillRequest(request=_request(req), handoff_id=state.handoff_id,
-                                             kv_transfer_address=state.kv_transfer)
+        message = prefill_pb2.PrefillRequest(request=_request(req), kv_transfer_address=state.kv_transfer)
+        last_error: BatonError | None = None
         while True:
-            instance = pick_prefill(self.cache.get("prefill"), exclude=tried)
+            try:
+                instance = pick_prefill(self.cache.get("prefill"), exclude=tried)
+            except UnavailableError:
+                if last_error is not None:  # nowhere left to retry: the real failure, not "none left"
+                    raise last_error from None
+                raise
             state.prefill = instance.address
+            # a fresh handoff id per attempt: a released id is refused for good by kv_transfer
+            state.handoff_id = message.handoff_id = f"handoff-{req.request_id}-{len(tried)}"
             try:
                 return await prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address)).Prefill(message)
             except grpc.RpcError as e:
                 code = e.code()  # type: ignore[attr-defined]
                 tried.add(instance.instance_id)
+                last_error = error_from_rpc(e)
                 if code not in _RETRIABLE or len(tried) >= self.prefill_attempts:
-                    raise error_from_rpc(e) from e
+                    raise last_error from e
                 logger.warning("request %s: prefill on %s failed (%s), retrying elsewhere",
                                req.request_id, instance.address, code.name)
                 await self._release(state)

@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per engine instance")
+    p.add_argument("--kv-transfer-capacity-bytes", type=int, default=2 << 30, help="handoff store size")
     p.add_argument("--torch-threads", type=int, default=0, help="per engine process; 0 = cores / engines")
     p.add_argument("--state-dir", type=Path, default=Path(".baton"))
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
@@ -103,7 +104,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         return child
 
     if args.mode == "disagg":
-        add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST})
+        add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST,
+                                                          "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
     role = "decode" if args.mode == "disagg" else "colocated"

@@ -15,11 +15,10 @@ are kept next to the hash and re-checked on a hit.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-from array import array
 
 BlockHash = bytes
 

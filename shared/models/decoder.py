@@ -27,6 +27,7 @@ from shared.models.common import (
     AttentionFn,
     LayerDoneFn,
     RotaryEmbedding,
+    apply_rope,
     rms_norm,
     rms_norm_offset,
     take,
@@ -138,8 +139,9 @@ class DecoderLM:
         x = F.embedding(input_ids, self.embed)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        rope = {theta: r.cos_sin(positions, x.dtype) for theta, r in self.ropes.items()}
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, positions, kv_cache, meta)
+            x = self._layer(i, layer, x, rope[self.spec.layer_rope_theta[i]], kv_cache, meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self._norm(x, self.norm_final, self.spec.rms_eps)
@@ -149,7 +151,7 @@ class DecoderLM:
         i: int,
         w: _LayerWeights,
         x: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -163,7 +165,7 @@ class DecoderLM:
         if w.q_norm is not None and w.k_norm is not None:
             q = self._norm(q, w.q_norm, s.rms_eps)
             k = self._norm(k, w.k_norm, s.rms_eps)
-        q, k = self.ropes[s.layer_rope_theta[i]](q, k, positions)
+        q, k = apply_rope(q, k, cos_sin)
         k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         a = self.attention(q, k, v, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])

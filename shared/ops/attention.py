@@ -14,7 +14,7 @@ The reference runs anywhere (the CPU serving path uses it); the Triton kernel in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,8 @@ class AttentionMetadata:
     # host-side copies (the planner has them anyway; the reference needs them to split work)
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # per-step values every layer shares (index tensors, masks), built once by the first layer
+    step_cache: dict[object, object] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -75,6 +77,18 @@ def _position_mask(
     if sliding_window is not None:
         mask &= key_pos.unsqueeze(-2) > (query_pos.unsqueeze(-1) - sliding_window)
     return mask
+
+
+def _chunk_mask(
+    meta: AttentionMetadata, seq: int, q_len: int, s_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Causal (and windowed) mask of one prefill chunk, [q_len, s_len], built once per step."""
+    key = ("chunk", seq, sliding_window)
+    mask = meta.step_cache.get(key)
+    if mask is None:
+        q_pos = torch.arange(s_len - q_len, s_len, device=device)
+        mask = meta.step_cache[key] = _position_mask(q_pos, torch.arange(s_len, device=device), sliding_window)
+    return mask  # type: ignore[return-value]
 
 
 def _sdpa_grouped(
@@ -131,13 +145,43 @@ def paged_attention_ref(
         else:
             keys = _gather_keys(k_cache, meta.block_tables[i], s_len)
             values = _gather_keys(v_cache, meta.block_tables[i], s_len)
-        q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
-        k_pos = torch.arange(s_len, device=query.device)
-        mask = _position_mask(q_pos, k_pos, sliding_window)
+        mask = _chunk_mask(meta, i, q_len, s_len, sliding_window, query.device)
         out[lo:hi] = _sdpa_grouped(query[None, lo:hi], keys[None], values[None], mask[None], scale)[0]
     if decode_seqs:
         _decode_batch(query, k_cache, v_cache, meta, scale, sliding_window, decode_seqs, starts, out)
     return out
+
+
+@dataclass
+class _DecodeGroup:
+    """Gather indices and mask of the single-query sequences of one step (shared by all layers)."""
+
+    rows: torch.Tensor  # [B] query row of each sequence
+    tables: torch.Tensor  # [B, n] block ids, padded
+    mask: torch.Tensor  # [B, 1, n * block_size] bool
+
+
+def _decode_group(
+    meta: AttentionMetadata, seq_ids: list[int], starts: list[int], block_size: int,
+    sliding_window: int | None, device: torch.device,
+) -> _DecodeGroup:
+    key = ("decode", block_size, sliding_window)
+    cached = meta.step_cache.get(key)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    seq_lens = [meta.seq_lens_host[i] for i in seq_ids]
+    num_blocks = (max(seq_lens) + block_size - 1) // block_size
+    idx = torch.tensor(seq_ids, device=device)
+    tables = meta.block_tables[idx, :num_blocks].long()
+    lens = torch.tensor(seq_lens, device=device)
+    k_pos = torch.arange(num_blocks * block_size, device=device).expand(len(seq_ids), -1)
+    group = _DecodeGroup(
+        rows=torch.tensor([starts[i] for i in seq_ids], device=device),
+        tables=tables,
+        mask=_position_mask((lens - 1).unsqueeze(-1), k_pos, sliding_window),
+    )
+    meta.step_cache[key] = group
+    return group
 
 
 def _decode_batch(
@@ -152,18 +196,8 @@ def _decode_batch(
     out: torch.Tensor,
 ) -> None:
     """All single-query sequences at once, padded to the longest context."""
-    block_size = k_cache.shape[1]
-    seq_lens = [meta.seq_lens_host[i] for i in seq_ids]
-    max_len = max(seq_lens)
-    num_blocks = (max_len + block_size - 1) // block_size
-    idx = torch.tensor(seq_ids, device=query.device)
-    tables = meta.block_tables[idx, :num_blocks].long()  # [B, n]
-    b = len(seq_ids)
-    keys = k_cache[tables].reshape(b, num_blocks * block_size, *k_cache.shape[2:])
-    values = v_cache[tables].reshape(b, num_blocks * block_size, *v_cache.shape[2:])
-    rows = torch.tensor([starts[i] for i in seq_ids], device=query.device)
-    q = query[rows].unsqueeze(1)  # [B, 1, H, D]
-    lens = torch.tensor(seq_lens, device=query.device)
-    k_pos = torch.arange(num_blocks * block_size, device=query.device).expand(b, -1)
-    mask = _position_mask((lens - 1).unsqueeze(-1), k_pos, sliding_window)  # [B, 1, L]
-    out[rows] = _sdpa_grouped(q, keys, values, mask, scale)[:, 0]
+    g = _decode_group(meta, seq_ids, starts, k_cache.shape[1], sliding_window, query.device)
+    b, n = g.tables.shape
+    keys = k_cache[g.tables].reshape(b, n * k_cache.shape[1], *k_cache.shape[2:])
+    values = v_cache[g.tables].reshape(b, n * v_cache.shape[1], *v_cache.shape[2:])
+    out[g.rows] = _sdpa_grouped(query[g.rows].unsqueeze(1), keys, values, g.mask, scale)[:, 0]

@@ -158,3 +158,39 @@ def test_errors_are_grpc_statuses() -> None:
 
     run(body)
 
+
+
+def test_router_backend_retries_a_dead_prefill_elsewhere() -> None:
+    """The registry lists a dead prefill first; the request still succeeds on the live one."""
+    import time
+
+    from services.router.backend import BackendRequest
+    from services.router.grpc_backend import GrpcBackend, InstanceCache
+    from shared.registry.base import InstanceInfo, Load
+    from shared.registry.memory_registry import MemoryRegistry
+    from tests.helpers.redis_server import free_port
+
+    prompt = encode_prompt(packaged(MODEL).tokenizer, "What is the capital of France?", chat=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = packaged_engine(MODEL, max_model_len=1024).generate([prompt], params)[0].token_ids
+
+    async def body(stack: Stack) -> list[int]:
+        registry = MemoryRegistry()
+
+        def info(service: str, instance_id: str, address: str) -> InstanceInfo:
+            return InstanceInfo(service, instance_id, address, "", MODEL, Load(0, 0, 100, 100), time.time())
+
+        await registry.register(info("prefill", "a-dead", f"127.0.0.1:{free_port()}"), 60)
+        await registry.register(info("prefill", "b-live", stack.prefill.address), 60)
+        await registry.register(info("decode", "d", stack.decode.address), 60)
+        await registry.register(info("kv_transfer", "kv", stack.kv.address), 60)
+        cache = InstanceCache(registry)
+        await cache.refresh()
+        backend = GrpcBackend(cache)
+        tokens: list[int] = []
+        async for chunk in backend.generate(BackendRequest("retry-1", prompt, params)):
+            tokens.extend(chunk.token_ids)
+        await backend.close()
+        return tokens
+
+    assert run(body) == expected
