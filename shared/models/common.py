@@ -44,17 +44,25 @@ class PagedCausalLM(Protocol):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: fp32 statistics, weight applied after casting back."""
+    """Llama RMSNorm: fp32 statistics, weight applied after casting back.
+
+    In fp32 the fused kernel gives the same bits as transformers' four-op form
+    (checked in tests); other dtypes take the explicit form to keep its rounding.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm: scale by (1 + weight) in fp32, then cast."""
+def rms_norm_offset(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm, scaled by (1 + w) in fp32; takes (1 + w) precomputed at load."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight_plus_one.shape, weight_plus_one, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
+    return (xf * weight_plus_one.float()).to(x.dtype)
 
 
 class RotaryEmbedding:

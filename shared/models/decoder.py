@@ -33,6 +33,7 @@ from shared.models.common import (
     take,
 )
 from shared.ops.attention import AttentionMetadata, write_kv
+from shared.ops.linear import LinearWeight
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,10 @@ class DecoderSpec:
 
 @dataclass
 class _LayerWeights:
-    w_qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    w_o: torch.Tensor  # [hidden, num_heads * head_dim]
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    w_down: torch.Tensor  # [hidden, intermediate]
+    w_qkv: LinearWeight  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    w_o: LinearWeight  # [hidden, num_heads * head_dim]
+    w_gate_up: LinearWeight  # [2 * intermediate, hidden]
+    w_down: LinearWeight  # [hidden, intermediate]
     norm_in: torch.Tensor
     norm_ffn_in: torch.Tensor
     norm_attn_out: torch.Tensor | None
@@ -97,34 +98,39 @@ class DecoderLM:
         def get(name: str) -> torch.Tensor:
             return take(weights, name).to(device=self.device, dtype=dtype).contiguous()
 
+        def get_norm(name: str) -> torch.Tensor:
+            # Gemma scales by (1 + w): fold the 1 in once here (in fp32, as transformers does)
+            w = take(weights, name).to(device=self.device, dtype=torch.float32)
+            return ((1.0 + w) if spec.norm_offset else w).to(dtype).contiguous()
+
         self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if spec.tie_word_embeddings else get("lm_head.weight")
-        self.norm_final = get("model.norm.weight")
-        self.layers = [self._load_layer(get, i) for i in range(spec.num_layers)]
+        self.lm_head = LinearWeight(self.embed if spec.tie_word_embeddings else get("lm_head.weight"))
+        self.norm_final = get_norm("model.norm.weight")
+        self.layers = [self._load_layer(get, get_norm, i) for i in range(spec.num_layers)]
         self.ropes = {
             theta: RotaryEmbedding(spec.head_dim, theta, spec.max_positions, self.device)
             for theta in set(spec.layer_rope_theta)
         }
         self._norm = rms_norm_offset if spec.norm_offset else rms_norm
 
-    def _load_layer(self, get, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
+    def _load_layer(self, get, get_norm, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
         p = f"model.layers.{i}."
         s = self.spec
         w_qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         return _LayerWeights(
-            w_qkv=w_qkv,
-            w_o=get(p + "self_attn.o_proj.weight"),
-            w_gate_up=w_gate_up,
-            w_down=get(p + "mlp.down_proj.weight"),
-            norm_in=get(p + "input_layernorm.weight"),
+            w_qkv=LinearWeight(w_qkv),
+            w_o=LinearWeight(get(p + "self_attn.o_proj.weight")),
+            w_gate_up=LinearWeight(w_gate_up),
+            w_down=LinearWeight(get(p + "mlp.down_proj.weight")),
+            norm_in=get_norm(p + "input_layernorm.weight"),
             # Llama names its pre-MLP norm "post_attention_layernorm"; Gemma's is a true post-norm
-            norm_ffn_in=get(p + ("pre_feedforward_layernorm" if s.sandwich_norm else "post_attention_layernorm")
-                            + ".weight"),
-            norm_attn_out=get(p + "post_attention_layernorm.weight") if s.sandwich_norm else None,
-            norm_ffn_out=get(p + "post_feedforward_layernorm.weight") if s.sandwich_norm else None,
-            q_norm=get(p + "self_attn.q_norm.weight") if s.qk_norm else None,
-            k_norm=get(p + "self_attn.k_norm.weight") if s.qk_norm else None,
+            norm_ffn_in=get_norm(p + ("pre_feedforward_layernorm" if s.sandwich_norm
+                                      else "post_attention_layernorm") + ".weight"),
+            norm_attn_out=get_norm(p + "post_attention_layernorm.weight") if s.sandwich_norm else None,
+            norm_ffn_out=get_norm(p + "post_feedforward_layernorm.weight") if s.sandwich_norm else None,
+            q_norm=get_norm(p + "self_attn.q_norm.weight") if s.qk_norm else None,
+            k_norm=get_norm(p + "self_attn.k_norm.weight") if s.qk_norm else None,
         )
 
     @torch.inference_mode()
@@ -158,7 +164,7 @@ class DecoderLM:
         s = self.spec
         h = self._norm(x, w.norm_in, s.rms_eps)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q, k, v = F.linear(h, w.w_qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = w.w_qkv(h).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -169,21 +175,21 @@ class DecoderLM:
         k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         a = self.attention(q, k, v, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])
-        a = F.linear(a.reshape(-1, q_size), w.w_o)
+        a = w.w_o(a.reshape(-1, q_size))
         if w.norm_attn_out is not None:
             a = self._norm(a, w.norm_attn_out, s.rms_eps)
         x = x + a
         h = self._norm(x, w.norm_ffn_in, s.rms_eps)
-        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)
+        gate, up = w.w_gate_up(h).chunk(2, dim=-1)
         act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
-        m = F.linear(act * up, w.w_down)
+        m = w.w_down(act * up)
         if w.norm_ffn_out is not None:
             m = self._norm(m, w.norm_ffn_out, s.rms_eps)
         return x + m
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.lm_head(hidden).float()
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -56,7 +56,7 @@ def write_kv(
 ) -> None:
     block_size = k_cache.shape[1]
     block_idx = slot_mapping // block_size
-    offset = slot_mapping % block_size
+    offset = slot_mapping - block_idx * block_size
     k_cache[block_idx, offset] = key
     v_cache[block_idx, offset] = value
 

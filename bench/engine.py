@@ -1,0 +1,155 @@
+"""Engine throughput against transformers `generate`, same weights, same run.
+
+For each batch size: output tokens/s of baton's engine and of transformers
+(greedy, exactly N new tokens each, prompts of the chat set), their ratio, and
+for batch 1 the DRAM roofline: weight bytes a decode step must read divided by
+the read bandwidth measured in this run. Writes JSON to bench/results/ and
+prints it as the last line.
+
+    python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.request import SamplingParams
+from shared.ops.linear import LinearWeight
+from shared.tokenizer import encode_prompt
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain why the sky is blue.",
+    "Name three famous painters.", "How do airplanes fly?", "Give me a recipe for pancakes.",
+    "What is machine learning?", "Describe a cat to someone who has never seen one.",
+    "Why do we have seasons?", "What are prime numbers?", "Tell me a short story about a robot.",
+    "How does a computer store numbers?", "What is the tallest mountain?", "Summarize the water cycle.",
+    "What makes a good friend?", "How do bees make honey?",
+]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best-of-N streaming read bandwidth (sum over a buffer much larger than cache)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes one decode step reads: every layer's weights plus the LM head (embedding rows are gathered)."""
+    m = engine.loaded.model
+    total = m.lm_head.nbytes + m.norm_final.numel() * m.norm_final.element_size()
+    for layer in m.layers:
+        for w in vars(layer).values():
+            if isinstance(w, LinearWeight):
+                total += w.nbytes
+            elif isinstance(w, torch.Tensor):
+                total += w.numel() * w.element_size()
+    return total
+
+
+def time_baton(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    assert all(len(r.token_ids) == new_tokens for r in results)
+    return elapsed
+
+
+def time_transformers(hf: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        hf.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=4, do_sample=False)  # warm-up
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=pad)
+        elapsed = time.perf_counter() - t0
+    assert out.shape[1] == width + new_tokens
+    return elapsed
+
+
+def machine() -> dict[str, Any]:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "commit": commit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="32 new tokens")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    new_tokens = 32 if args.quick else args.new_tokens
+
+    from transformers import AutoModelForCausalLM
+
+    log(f"loading {args.model} ...")
+    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=512 << 20))
+    tokenizer = engine.loaded.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(engine.loaded.hf_dir, dtype=torch.float32).eval()
+    chat = engine.loaded.chat_template is not None
+    all_prompts = [encode_prompt(tokenizer, q, chat=chat) for q in QUESTIONS]
+
+    log("measuring read bandwidth ...")
+    bandwidth = read_bandwidth_gbs()
+    wbytes = weight_bytes(engine)
+    rows = []
+    for batch in args.batch:
+        prompts = (all_prompts * (batch // len(all_prompts) + 1))[:batch]
+        log(f"batch {batch}: baton ...")
+        t_baton = time_baton(engine, prompts, new_tokens)
+        log(f"batch {batch}: transformers ...")
+        t_hf = time_transformers(hf, tokenizer, prompts, new_tokens)
+        row = {
+            "batch": batch, "new_tokens": new_tokens,
+            "baton_tok_s": batch * new_tokens / t_baton, "transformers_tok_s": batch * new_tokens / t_hf,
+        }
+        row["speedup"] = row["baton_tok_s"] / row["transformers_tok_s"]
+        rows.append(row)
+        log(f"batch {batch}: baton {row['baton_tok_s']:.1f} tok/s, transformers "
+            f"{row['transformers_tok_s']:.1f} tok/s, x{row['speedup']:.2f}")
+    roofline = bandwidth * 1e9 / wbytes
+    result = {
+        "bench": "engine", "model": args.model, "dtype": "float32", "machine": machine(),
+        "read_bandwidth_gbs": bandwidth, "weight_bytes": wbytes, "roofline_batch1_tok_s": roofline,
+        "rows": rows,
+    }
+    b1 = next((r for r in rows if r["batch"] == 1), None)
+    if b1 is not None:
+        result["batch1_fraction_of_roofline"] = b1["baton_tok_s"] / roofline
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    log(f"wrote {path}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
