@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -108,6 +108,19 @@ class GrpcBackend:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[str, _InFlight] = {}
 
+    def _with_inflight(self, service: str) -> list[InstanceInfo]:
+        """Registry load plus what this router sent since, so requests between heartbeats spread out."""
+        field_name = "prefill" if service == "prefill" else "decode"
+        counts: dict[str, int] = {}
+        for state in self._inflight.values():
+            address = getattr(state, field_name)
+            if address:
+                counts[address] = counts.get(address, 0) + 1
+        return [
+            replace(i, load=replace(i.load, num_running=i.load.num_running + counts.get(i.address, 0)))
+            for i in self.cache.get(service)
+        ]
+
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
@@ -123,11 +136,11 @@ class GrpcBackend:
         state = self._inflight[req.request_id] = _InFlight()
         try:
             if self.mode == "colocated":
-                state.decode = pick_decode(self.cache.get("colocated")).address
+                state.decode = pick_decode(self._with_inflight("colocated")).address
                 async for chunk in self._decode(req, state, first_token=None):
                     yield chunk
                 return
-            state.decode = pick_decode(self.cache.get("decode")).address
+            state.decode = pick_decode(self._with_inflight("decode")).address
             state.kv_transfer = _pick_kv(self.cache.get("kv_transfer")).address
             first = await self._prefill(req, state)
             state.done = bool(first.finish_reason)  # nothing left to abort once it finished
@@ -152,7 +165,7 @@ class GrpcBackend:
         last_error: BatonError | None = None
         while True:
             try:
-                instance = pick_prefill(self.cache.get("prefill"), exclude=tried)
+                instance = pick_prefill(self._with_inflight("prefill"), exclude=tried)
             except UnavailableError:
                 if last_error is not None:  # nowhere left to retry: the real failure, not "none left"
                     raise last_error from None

@@ -194,3 +194,26 @@ def test_router_backend_retries_a_dead_prefill_elsewhere() -> None:
         return tokens
 
     assert run(body) == expected
+
+
+def test_router_backend_spreads_requests_between_heartbeats() -> None:
+    """With registry loads frozen (no heartbeat yet), in-flight counts still spread prefills."""
+    import time
+
+    from services.router.grpc_backend import GrpcBackend, InstanceCache, _InFlight
+    from shared.registry.base import InstanceInfo, Load
+    from shared.registry.memory_registry import MemoryRegistry
+
+    async def main() -> set[str]:
+        registry = MemoryRegistry()
+        for name in ("p0", "p1"):
+            await registry.register(InstanceInfo("prefill", name, f"{name}:1", "", MODEL, Load(), time.time()), 60)
+        cache = InstanceCache(registry)
+        await cache.refresh()
+        backend = GrpcBackend(cache)
+        backend._inflight["a"] = _InFlight(prefill="p0:1")
+        chosen = {i.address for i in backend._with_inflight("prefill") if i.load.num_running == 0}
+        await backend.close()
+        return chosen
+
+    assert asyncio.run(main()) == {"p1:1"}
