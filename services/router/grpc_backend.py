@@ -2,11 +2,12 @@
 
 Disaggregated request lifecycle::
 
-    pick decode (most free KV), kv_transfer, prefill (shortest queue)
+    pick kv_transfer, then prefill (shortest queue)
     Prefill(request, handoff_id) ──fails before the first token──► retry on another prefill
         │ first token (streams to the client now: TTFT is prefill's time)
         │ finish_reason set (max_tokens=1, eos) ──► done, no decode
         ▼
+    pick decode now (most free KV; draining ones skipped) ──refused before reaching it──► another decode
     decode.Generate(request, handoff_id, first_token) ──► token batches ──► finished
     abort(request_id): Abort on the prefill and decode it used, Release its handoff.
 
@@ -136,11 +137,9 @@ class GrpcBackend:
         state = self._inflight[req.request_id] = _InFlight()
         try:
             if self.mode == "colocated":
-                state.decode = pick_decode(self._with_inflight("colocated")).address
                 async for chunk in self._decode(req, state, first_token=None):
                     yield chunk
                 return
-            state.decode = pick_decode(self._with_inflight("decode")).address
             state.kv_transfer = _pick_kv(self.cache.get("kv_transfer")).address
             first = await self._prefill(req, state)
             state.done = bool(first.finish_reason)  # nothing left to abort once it finished
@@ -187,6 +186,11 @@ class GrpcBackend:
 
     async def _decode(self, req: BackendRequest, state: _InFlight,
                       first_token: prefill_pb2.PrefillResponse | None) -> AsyncIterator[BackendChunk]:
+        """Stream from a decode instance, picked now (after prefill) so draining ones are skipped.
+
+        A call refused before it reached an instance (UNAVAILABLE with nothing received) is
+        retried on another one: the handoff is still unclaimed in kv_transfer.
+        """
         message = decode_pb2.DecodeRequest(request=_request(req))
         if first_token is not None:
             message.handoff_id = state.handoff_id or ""
@@ -194,18 +198,32 @@ class GrpcBackend:
             message.first_token_id = first_token.first_token_id
             if first_token.HasField("first_logprobs"):
                 message.first_logprobs.CopyFrom(first_token.first_logprobs)
-        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(state.decode or ""))
-        try:
-            async for msg in stub.Generate(message):
-                if msg.finished:
-                    state.done = True
-                yield BackendChunk(
-                    token_ids=list(msg.token_ids), logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
-                    finished=msg.finished, finish_reason=msg.finish_reason or None,
-                    num_cached_tokens=msg.num_cached_tokens,
-                )
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from e
+        service = "colocated" if self.mode == "colocated" else "decode"
+        tried: set[str] = set()
+        while True:
+            instance = pick_decode(self._with_inflight(service), exclude=tried)
+            state.decode = instance.address
+            received = False
+            try:
+                async for msg in decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address)).Generate(message):
+                    received = True
+                    if msg.finished:
+                        state.done = True
+                    yield BackendChunk(
+                        token_ids=list(msg.token_ids),
+                        logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
+                        finished=msg.finished, finish_reason=msg.finish_reason or None,
+                        num_cached_tokens=msg.num_cached_tokens,
+                    )
+                return
+            except grpc.RpcError as e:
+                tried.add(instance.instance_id)
+                retriable = e.code() == grpc.StatusCode.UNAVAILABLE and not received  # type: ignore[attr-defined]
+                others = [i for i in self.cache.get(service) if i.instance_id not in tried]
+                if not (retriable and others):
+                    raise error_from_rpc(e) from e
+                logger.warning("request %s: decode %s unavailable before its first token, retrying elsewhere",
+                               req.request_id, instance.address)
 
     async def abort(self, request_id: str) -> None:
         state = self._inflight.get(request_id)
