@@ -24,7 +24,7 @@ from typing import Any
 from shared.engine.engine import LLMEngine
 from shared.engine.handoff import KVHandoff
 from shared.engine.request import RequestOutput, SamplingParams
-from shared.errors import RequestAbortedError, UnavailableError
+from shared.errors import BatonError, RequestAbortedError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,16 @@ class _Stream:
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._stop = threading.Event()
@@ -73,6 +76,11 @@ class AsyncEngine:
     @property
     def load(self) -> EngineLoad:
         return self._load
+
+    @property
+    def running(self) -> bool:
+        """The engine thread is alive and not stopping."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     # ---- requests ------------------------------------------------------------------
     async def generate(
@@ -129,19 +137,14 @@ class AsyncEngine:
         finally:
             if not stream.finished:
                 logger.info("request %s: stream left early, aborting", request_id)
-                self._commands.put(lambda: self._abort_now(request_id))
+                self._commands.put((lambda: self._abort_now(request_id), concurrent.futures.Future()))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread; its result or exception comes back here."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def command() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # delivered to the caller, not swallowed
-                future.set_exception(e)
-
-        self._commands.put(command)
+        if not self.running:
+            raise UnavailableError("engine is not running")
+        self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
     # ---- the engine thread ---------------------------------------------------------------
@@ -162,36 +165,62 @@ class AsyncEngine:
             stream.put(out)
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # an engine bug must not hang every caller
-                    logger.exception("engine step failed; failing all requests in flight")
-                    self._fail_all(e)
-                    continue
-                self.num_steps += 1
-                self._deliver(outputs)
-            self._publish_load()
-        self._fail_all(UnavailableError("engine stopped"))
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+                self._publish_load()
+        except BaseException:
+            logger.exception("engine thread died")
+            raise
+        finally:
+            self._stop.set()
+            self._fail_all(UnavailableError("engine stopped"))
+            self._fail_pending_commands()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # an engine bug must not hang every caller
+            logger.exception("engine step failed; failing all requests in flight")
+            self._fail_all(BatonError(f"engine step failed: {type(e).__name__}"))
+            return
+        self.num_steps += 1
+        self._deliver(outputs)
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
-            command()
+            fn, future = item
             try:
-                command = self._commands.get_nowait()
+                future.set_result(fn())
+            except BaseException as e:  # delivered to the caller, not swallowed
+                future.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
             except queue.Empty:
                 return
 
+    def _fail_pending_commands(self) -> None:
+        """Commands that arrived as the thread stopped: refuse them rather than leave callers waiting."""
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.done():
+                future.set_exception(UnavailableError("engine stopped"))
+
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):
-            self.engine.abort(request_id)
-            self._streams.pop(request_id).put(error)
+            try:
+                self.engine.abort(request_id)
+            finally:
+                self._streams.pop(request_id).put(error)
 
     def _publish_load(self) -> None:
         sched = self.engine.scheduler
