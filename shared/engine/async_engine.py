@@ -226,7 +226,7 @@ class AsyncEngine:
         sched = self.engine.scheduler
         self._load = EngineLoad(
             num_running=sched.num_running,
-            num_waiting=sched.num_waiting + len(self.engine._pending_handoffs),
+            num_waiting=sched.num_waiting + self.engine.num_pending_handoffs,
             num_kv_blocks_total=self.engine.num_kv_blocks,
             num_kv_blocks_free=self.engine.num_free_kv_blocks,
         )

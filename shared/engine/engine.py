@@ -240,6 +240,11 @@ class LLMEngine:
     def num_free_kv_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def num_pending_handoffs(self) -> int:
+        """Handed-off requests waiting for blocks (decode role)."""
+        return len(self._pending_handoffs)
+
     def check_no_leaks(self) -> None:
         assert not self.has_unfinished(), "requests still in flight"
         self.kv.check_no_leaks()
