@@ -1,0 +1,184 @@
+"""EAGLE-style draft head: predicts the target's next hidden state from its current one.
+
+The head owns one fc and one Llama-style decoder layer; the token embedding and
+the LM head are the target's own tensors, passed in and never copied or saved::
+
+    hidden_t  [n, H] (target, final-norm) ─┐
+                                           ├─ concat [n, 2H] ─ fc ─► x [n, H]
+    embed(token_{t+1}) [n, H] ─────────────┘
+    x = x + attn(rms_norm(x))        causal over the n rows given, RoPE at `positions`
+    x = x + mlp(rms_norm(x))         silu(gate) * up -> down
+    next_hidden = x   [n, H]         regressed onto the target's hidden_{t+1}
+    logits = next_hidden @ lm_head.T [n, V]   (softcapped when the target is)
+
+Row r pairs the target's hidden state at position t with the token at t + 1 and
+predicts the hidden state (and so the token) at t + 2. Drafting k tokens feeds
+each prediction back in as the next row's hidden state. This first version keeps
+no KV cache: every call attends causally over exactly the rows it is given.
+
+Weights live in one safetensors file: the head's parameters plus its config as
+JSON metadata (`save` / `EagleHead.load`); the target's tensors are not in it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from shared.errors import ConfigError
+from shared.models.common import RotaryEmbedding, apply_rope, rms_norm
+from shared.models.decoder import DecoderSpec
+
+__all__ = ["EagleHead", "EagleHeadConfig"]
+
+_CONFIG_KEY = "baton_eagle_config"
+_INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_positions: int = 8192
+    embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden)
+    final_logit_softcap: float | None = None
+
+    @classmethod
+    def from_decoder_spec(cls, spec: DecoderSpec) -> EagleHeadConfig:
+        """A head shaped like one layer of the target (full-attention RoPE base)."""
+        return cls(
+            hidden_size=spec.hidden_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate_size=spec.intermediate_size,
+            vocab_size=spec.vocab_size,
+            rms_eps=spec.rms_eps,
+            rope_theta=max(spec.layer_rope_theta),
+            max_positions=spec.max_positions,
+            embed_scale=spec.embed_scale,
+            final_logit_softcap=spec.final_logit_softcap,
+        )
+
+
+class EagleHead(nn.Module):
+    """fc over [hidden, embedding] plus one decoder layer; see the module docstring."""
+
+    def __init__(
+        self,
+        config: EagleHeadConfig,
+        embed: torch.Tensor,  # [vocab, hidden] the target's, shared
+        lm_head: torch.Tensor,  # [vocab, hidden] the target's, shared
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        c = config
+        expected = (c.vocab_size, c.hidden_size)
+        for name, t in (("embed", embed), ("lm_head", lm_head)):
+            if tuple(t.shape) != expected:
+                raise ConfigError(f"EAGLE head expects {name} of shape {expected}, got {tuple(t.shape)}")
+        self.config = c
+        # plain attributes, not parameters or buffers: never trained, moved or saved with the head
+        self.embed = embed
+        self.lm_head = lm_head
+        h, q_size, kv_size = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Linear(h, q_size, bias=False)
+        self.k_proj = nn.Linear(h, kv_size, bias=False)
+        self.v_proj = nn.Linear(h, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, h, bias=False)
+        self.post_attention_norm = nn.Parameter(torch.ones(h))
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.to(device=embed.device, dtype=embed.dtype)
+        self.reset_parameters(generator)
+        self._rope: RotaryEmbedding | None = None
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Random init: N(0, 0.02) projections, unit norms (on the CPU, so a seed gives the same weights anywhere)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                w = torch.empty(module.weight.shape).normal_(0.0, _INIT_STD, generator=generator)
+                module.weight.copy_(w)
+        self.input_norm.fill_(1.0)
+        self.post_attention_norm.fill_(1.0)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        if self._rope is None or self._rope.cos.device != positions.device:
+            self._rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.max_positions, positions.device)
+        return self._rope.cos_sin(positions, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [n, hidden] target hidden states at positions t
+        token_ids: torch.Tensor,  # [n] tokens at positions t + 1
+        positions: torch.Tensor | None = None,  # [n] positions t + 1 (RoPE); default 0 .. n - 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # next_hidden [n, hidden], logits [n, vocab] float32
+        c = self.config
+        n = hidden.shape[0]
+        if positions is None:
+            positions = torch.arange(n, device=hidden.device)
+        emb = F.embedding(token_ids, self.embed).to(hidden.dtype)
+        if c.embed_scale is not None:
+            emb = emb * c.embed_scale
+        x = self.fc(torch.cat([hidden, emb], dim=-1))  # [n, hidden]
+
+        h = rms_norm(x, self.input_norm, c.rms_eps)
+        q = self.q_proj(h).view(n, c.num_heads, c.head_dim)
+        k = self.k_proj(h).view(n, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(h).view(n, c.num_kv_heads, c.head_dim)
+        q, k = apply_rope(q, k, self._cos_sin(positions, x.dtype))
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            is_causal=True, scale=c.head_dim**-0.5, enable_gqa=True,
+        )  # fmt: skip
+        x = x + self.o_proj(attn.transpose(0, 1).reshape(n, -1))
+
+        h = rms_norm(x, self.post_attention_norm, c.rms_eps)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        logits = F.linear(x, self.lm_head).float()
+        if c.final_logit_softcap is not None:
+            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        return x, logits
+
+    def save(self, path: str | Path) -> None:
+        """The head's own weights and config to one safetensors file (the shared tensors stay out)."""
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        save_file(tensors, str(path), metadata={_CONFIG_KEY: json.dumps(asdict(self.config))})
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        embed: torch.Tensor,  # [vocab, hidden] the target's
+        lm_head: torch.Tensor,  # [vocab, hidden] the target's
+    ) -> EagleHead:
+        """A head saved by `save`, on the device and in the dtype of `embed`."""
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            if _CONFIG_KEY not in metadata:
+                raise ConfigError(f"{path} is not an EAGLE head saved by baton (no {_CONFIG_KEY} metadata)")
+            config = EagleHeadConfig(**json.loads(metadata[_CONFIG_KEY]))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        head = cls(config, embed, lm_head)
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise ConfigError(f"EAGLE head file {path}: missing {missing}, unexpected {unexpected}")
+        return head

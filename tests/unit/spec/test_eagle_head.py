@@ -1,0 +1,119 @@
+"""EAGLE draft head: shapes, causality, sharing the target's tensors, safetensors round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from shared.errors import ConfigError
+from shared.models.decoder import DecoderSpec
+from shared.spec.eagle_head import EagleHead, EagleHeadConfig
+
+CONFIG = EagleHeadConfig(
+    hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=50
+)
+
+
+def make_head(seed: int = 0) -> EagleHead:
+    gen = torch.Generator().manual_seed(100)
+    embed = torch.randn(CONFIG.vocab_size, CONFIG.hidden_size, generator=gen)
+    return EagleHead(CONFIG, embed, embed, generator=torch.Generator().manual_seed(seed))
+
+
+def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(n, CONFIG.hidden_size, generator=gen), torch.randint(
+        0, CONFIG.vocab_size, (n,), generator=gen
+    )
+
+
+def test_forward_shapes_and_shared_lm_head() -> None:
+    head = make_head()
+    hidden, ids = inputs(7)
+    with torch.no_grad():
+        next_hidden, logits = head(hidden, ids)
+    assert next_hidden.shape == (7, CONFIG.hidden_size) and logits.shape == (7, CONFIG.vocab_size)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, next_hidden @ head.lm_head.T)
+    # the target's tensors are shared, not registered: nothing of theirs is trained or saved
+    names = set(head.state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert "fc.weight" in names and head.fc.weight.shape == (CONFIG.hidden_size, 2 * CONFIG.hidden_size)
+
+
+def test_causal_over_rows_and_positions_matter() -> None:
+    head = make_head()
+    hidden, ids = inputs(6)
+    with torch.no_grad():
+        _, a = head(hidden, ids)
+        ids2 = ids.clone()
+        ids2[-1] = (ids2[-1] + 1) % CONFIG.vocab_size
+        _, b = head(hidden, ids2)
+        _, shifted = head(hidden, ids, positions=torch.arange(10, 16))
+        _, gapped = head(hidden, ids, positions=torch.tensor([0, 2, 3, 7, 8, 12]))
+    torch.testing.assert_close(a[:-1], b[:-1])  # later rows never leak into earlier ones
+    assert not torch.allclose(a[-1], b[-1])
+    # RoPE sees relative positions: a uniform shift changes nothing, gaps do (row 0 sees only itself)
+    torch.testing.assert_close(a, shifted, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(a[1:], gapped[1:], atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_init_is_reproducible_and_trainable() -> None:
+    a, b = make_head(seed=3), make_head(seed=3)
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    hidden, ids = inputs(5)
+    _, logits = a(hidden, ids)
+    torch.nn.functional.cross_entropy(logits, ids).backward()
+    assert a.fc.weight.grad is not None and a.down_proj.weight.grad is not None
+    assert not a.embed.requires_grad and a.embed.grad is None
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    head = make_head(seed=5)
+    path = tmp_path / "eagle.safetensors"
+    head.save(path)
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(head.state_dict())
+    loaded = EagleHead.load(path, head.embed, head.lm_head)
+    assert loaded.config == CONFIG
+    hidden, ids = inputs(4)
+    with torch.no_grad():
+        for x, y in zip(head(hidden, ids), loaded(hidden, ids), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_load_rejects_foreign_files_and_wrong_target(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    foreign = tmp_path / "other.safetensors"
+    save_file({"w": torch.zeros(2)}, str(foreign))
+    head = make_head()
+    with pytest.raises(ConfigError, match="not an EAGLE head"):
+        EagleHead.load(foreign, head.embed, head.lm_head)
+    path = tmp_path / "eagle.safetensors"
+    head.save(path)
+    small = torch.zeros(CONFIG.vocab_size - 1, CONFIG.hidden_size)
+    with pytest.raises(ConfigError, match="embed"):
+        EagleHead.load(path, small, small)
+
+
+def test_config_from_target_spec() -> None:
+    spec = DecoderSpec(
+        model_type="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=40, rms_eps=1e-5, attn_scale=0.25, layer_sliding_window=(None, None),
+        layer_rope_theta=(10000.0, 10000.0), max_positions=512,
+    )  # fmt: skip
+    config = EagleHeadConfig.from_decoder_spec(spec)
+    assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.vocab_size) == (
+        spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.vocab_size,
+    )  # fmt: skip
+    embed = torch.randn(spec.vocab_size, spec.hidden_size)
+    head = EagleHead(config, embed, embed)
+    with torch.no_grad():
+        _, logits = head(torch.randn(3, spec.hidden_size), torch.tensor([1, 2, 3]))
+    assert logits.shape == (3, spec.vocab_size)
