@@ -1,0 +1,144 @@
+"""deploy/compose/docker-compose.yml against the Compose Specification, with no docker engine.
+
+Two independent checks of the interpolated file (what `docker compose config` would see):
+the Compose Specification's JSON schema (the copy check-jsonschema vendors, validated with
+jsonschema), and the `compose-spec` package's parser (Rust `compose_spec` bindings). Then
+what the stack needs: scalable services, real health checks, variables that name settings.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import re
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.compose_file import COMPOSE_FILE, REPO_ROOT, load_compose, service_environment
+from tests.deploy.conftest import require_module
+from tests.deploy.settings_check import parse_for_service, unknown_baton_variables
+
+OTEL_ENV_FILE = REPO_ROOT / "deploy" / "compose" / "otel.env"
+SCALED = ("prefill", "decode", "kv_transfer")
+BATON_SERVICES = {"router": "BATON_ROUTER_", "prefill": "BATON_PREFILL_", "decode": "BATON_DECODE_",
+                  "kv_transfer": "BATON_KV_TRANSFER_"}
+
+
+def _env_file(path: Any) -> dict[str, str]:
+    lines = [ln.strip() for ln in path.read_text().splitlines()]
+    return dict(ln.split("=", 1) for ln in lines if ln and not ln.startswith("#"))
+
+
+VARIABLE_SETS = {
+    "defaults": {},
+    "otel": _env_file(OTEL_ENV_FILE),
+    "overrides": {"BATON_MODEL": "/models/gemma3-270m", "BATON_API_KEYS": "k1,k2", "BATON_HTTP_PORT": "8080",
+                  "BATON_DEVICE": "cuda", "BATON_DTYPE": "bfloat16", "BATON_IMAGE": "registry.example/baton:1"},
+}
+
+
+def _compose_schema() -> dict[str, Any]:
+    require_module("check_jsonschema", "check-jsonschema")
+    path = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
+    return dict(json.loads(path.read_text()))
+
+
+@pytest.mark.parametrize("variables", list(VARIABLE_SETS), ids=list(VARIABLE_SETS))
+def test_compose_file_matches_the_compose_spec_schema(variables: str) -> None:
+    jsonschema = require_module("jsonschema", "jsonschema")
+    schema = _compose_schema()
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator = validator_cls(schema, format_checker=validator_cls.FORMAT_CHECKER)
+    compose = load_compose(VARIABLE_SETS[variables])
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_schema_check_catches_a_bad_file() -> None:
+    """The validator is live: an unknown service key and a bad depends_on condition are both reported."""
+    jsonschema = require_module("jsonschema", "jsonschema")
+    schema = _compose_schema()
+    compose = load_compose()
+    compose["services"]["router"]["restart_policy"] = "always"
+    compose["services"]["decode"]["depends_on"]["redis"]["condition"] = "service_ready"
+    errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(compose))
+    assert any("restart_policy" in e.message for e in errors)
+    assert any(list(e.absolute_path)[:2] == ["services", "decode"] for e in errors)
+
+
+@pytest.mark.parametrize("variables", list(VARIABLE_SETS), ids=list(VARIABLE_SETS))
+def test_compose_spec_package_parses_and_validates_the_file(variables: str) -> None:
+    compose_spec = require_module("compose_spec", "compose-spec")
+    compose = load_compose(VARIABLE_SETS[variables])
+    parsed = compose_spec.PyCompose.from_yaml(yaml.safe_dump(compose))
+    parsed.validate()
+    assert set(parsed.service_names()) == {"redis", "router", "prefill", "decode", "kv_transfer", "otel-collector"}
+
+
+def test_scaled_services_publish_no_host_port_and_advertise_their_own_hostname() -> None:
+    services = load_compose()["services"]
+    for name in SCALED:
+        svc = services[name]
+        assert "ports" not in svc and "container_name" not in svc and "hostname" not in svc, name
+        script = " ".join([*svc.get("entrypoint", []), *svc.get("command", [])])
+        var = f"{BATON_SERVICES[name]}ADVERTISE_HOST"
+        assert re.search(rf"\b{var}=\$\{{{var}:-\$\(hostname\)\}}", script), f"{name}: {script}"
+        assert script.rstrip().endswith(f"exec baton {name.replace('_', '-')}"), f"{name}: {script}"
+    assert services["router"]["ports"] == ["8000:8000"]
+    assert services["router"]["command"] == ["router"]
+
+
+def test_every_service_has_a_health_check_on_its_real_endpoint() -> None:
+    services = load_compose()["services"]
+    for name, prefix in BATON_SERVICES.items():
+        test = " ".join(services[name]["healthcheck"]["test"])
+        port_var = f"os.environ['{prefix}PORT']"
+        assert port_var in test, f"{name}: {test}"
+        probe = "/health" if name == "router" else "HealthStub"
+        assert probe in test, f"{name}: {test}"
+        if name != "router":
+            assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_ports_are_exposed_and_variables_name_real_settings() -> None:
+    services = load_compose()["services"]
+    for name, prefix in BATON_SERVICES.items():
+        env = service_environment(services[name])
+        assert not unknown_baton_variables(env), f"{name}: {unknown_baton_variables(env)}"
+        assert all(k.startswith(prefix) or k.startswith("OTEL_") for k in env), name
+        assert env["OTEL_SERVICE_NAME"] == f"baton-{name.replace('_', '-')}"
+        ports = {v for k, v in env.items() if k.endswith("_PORT")}
+        assert ports <= set(services[name]["expose"]), f"{name}: {ports} not all in expose"
+        settings = parse_for_service(prefix, env)  # every value parses
+        assert settings.host == "0.0.0.0"  # type: ignore[attr-defined]
+        redis_url = env[f"{prefix}REDIS_URL"]
+        assert redis_url == "redis://redis:6379/0", name
+
+
+def test_stop_grace_periods_cover_each_services_drain() -> None:
+    services = load_compose()["services"]
+    for name, prefix in BATON_SERVICES.items():
+        env = service_environment(services[name])
+        grace_s = float(env[f"{prefix}SHUTDOWN_GRACE_S"])
+        stop_s = float(services[name]["stop_grace_period"].removesuffix("s"))
+        assert stop_s >= grace_s + 5, f"{name}: stop_grace_period {stop_s}s < drain {grace_s}s + 5s"
+
+
+def test_otel_profile_runs_a_collector_that_the_services_point_at() -> None:
+    compose = load_compose(VARIABLE_SETS["otel"])
+    collector = compose["services"]["otel-collector"]
+    assert collector["profiles"] == ["otel"]
+    assert collector["image"].startswith("otel/opentelemetry-collector:")
+    config_path = (COMPOSE_FILE.parent / collector["volumes"][0].split(":")[0]).resolve()
+    config = yaml.safe_load(config_path.read_text())
+    assert config["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
+    assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
+    for name in BATON_SERVICES:
+        env = service_environment(compose["services"][name])
+        assert env["OTEL_SDK_DISABLED"] == "false"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+    for name in BATON_SERVICES:  # tracing is off without the profile
+        assert service_environment(load_compose()["services"][name])["OTEL_SDK_DISABLED"] == "true"

@@ -1,0 +1,214 @@
+"""deploy/k8s: every rendered manifest valid for the Kubernetes API, and wired as baton needs.
+
+Each kustomization (base, overlays/cpu, overlays/gpu) is rendered by tests/deploy/kustomize_render.py
+(checked against `kubectl kustomize` when a kubectl binary is found: on PATH or $KUBECTL), then
+each resource is validated with kubernetes-validate in strict mode (unknown fields rejected)
+against the newest Kubernetes it knows and the oldest we support (grpc probes: 1.27).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import require_module
+from tests.deploy.kustomize_render import Resource, render, resource_id
+from tests.deploy.settings_check import SETTINGS_BY_PREFIX, parse_for_service, unknown_baton_variables
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+K8S = REPO_ROOT / "deploy" / "k8s"
+KUSTOMIZATIONS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+OLDEST_SUPPORTED = "1.27.0"
+# Deployment -> (settings prefix, probe kind, port name)
+SERVICES = {
+    "baton-router": ("BATON_ROUTER_", "http", "http"),
+    "baton-prefill": ("BATON_PREFILL_", "grpc", "grpc"),
+    "baton-decode": ("BATON_DECODE_", "grpc", "grpc"),
+    "baton-kv-transfer": ("BATON_KV_TRANSFER_", "grpc", "grpc"),
+}
+HPA_SIGNALS = {
+    "baton-router": ("Resource", "cpu"),
+    "baton-kv-transfer": ("Resource", "cpu"),
+    "baton-prefill": ("Pods", "baton_num_requests_waiting"),
+    "baton-decode": ("Pods", "baton_num_requests_running"),
+}
+
+
+def _by_kind(resources: list[Resource], kind: str) -> dict[str, Resource]:
+    return {r["metadata"]["name"]: r for r in resources if r["kind"] == kind}
+
+
+def _container(deployment: Resource) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, deployment["metadata"]["name"]
+    return dict(containers[0])
+
+
+@pytest.fixture(scope="module", params=list(KUSTOMIZATIONS))
+def rendered(request: pytest.FixtureRequest) -> tuple[str, list[Resource]]:
+    return request.param, render(KUSTOMIZATIONS[request.param])
+
+
+def test_every_manifest_is_valid_for_the_kubernetes_api(rendered: tuple[str, list[Resource]]) -> None:
+    kv = require_module("kubernetes_validate", "kubernetes-validate")
+    _, resources = rendered
+    assert len(resources) == 21
+    for version in (kv.latest_version(), OLDEST_SUPPORTED):
+        for r in resources:
+            kv.validate(r, version, strict=True)  # raises ValidationError with the path and reason
+
+
+def test_strict_validation_rejects_an_unknown_field() -> None:
+    kv = require_module("kubernetes_validate", "kubernetes-validate")
+    deployment = _by_kind(render(KUSTOMIZATIONS["base"]), "Deployment")["baton-decode"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"grpc": {"port": 50052}}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(deployment, kv.latest_version(), strict=True)
+
+
+def _kubectl() -> str | None:
+    return os.environ.get("KUBECTL") or shutil.which("kubectl")
+
+
+@pytest.mark.skipif(_kubectl() is None, reason="no kubectl binary (PATH or $KUBECTL) to compare with")
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_renderer_matches_kubectl_kustomize(name: str) -> None:
+    out = subprocess.run([str(_kubectl()), "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    real = {resource_id(r): r for r in yaml.safe_load_all(out) if r}
+    mine = {resource_id(r): r for r in render(KUSTOMIZATIONS[name])}
+    assert mine == real
+
+
+def test_deployments_probe_real_health_endpoints_and_drain(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    deployments = _by_kind(resources, "Deployment")
+    config = _by_kind(resources, "ConfigMap")["baton-config"]["data"]
+    assert set(deployments) == {*SERVICES, "baton-redis"}
+    for name, (prefix, probe, port_name) in SERVICES.items():
+        pod = deployments[name]["spec"]["template"]["spec"]
+        c = _container(deployments[name])
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == port_name)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe == "grpc":
+                assert c[kind]["grpc"]["port"] == port, (name, kind)
+            else:
+                assert c[kind]["httpGet"]["port"] == port_name, (name, kind)
+        if probe == "http":
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["args"] == [name.removeprefix("baton-")]
+        pre_stop_s = float(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        grace_s = float(config[f"{prefix}SHUTDOWN_GRACE_S"])
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop_s + grace_s + 5, name
+
+
+def test_engines_register_their_own_pod_address_and_settings_parse(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    deployments = _by_kind(resources, "Deployment")
+    config = _by_kind(resources, "ConfigMap")["baton-config"]["data"]
+    assert not unknown_baton_variables(config)
+    redis = _by_kind(resources, "Service")["baton-redis"]
+    for name, (prefix, _, _) in SERVICES.items():
+        c = _container(deployments[name])
+        env = {e["name"]: e for e in c["env"]}
+        assert not unknown_baton_variables(env), name
+        assert c["envFrom"] == [{"configMapRef": {"name": "baton-config"}}]
+        if name != "baton-router":
+            assert env[f"{prefix}ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        # what the process parses: the ConfigMap, then the container's env (downward API stand-ins)
+        plain = {k: v["value"] for k, v in env.items() if "value" in v}
+        downward = {k: "10.0.0.7" if k.endswith("ADVERTISE_HOST") else "pod-0" if k.endswith("INSTANCE_ID")
+                    else "4" for k, v in env.items() if "fieldRef" in v.get("valueFrom", {})
+                    or "resourceFieldRef" in v.get("valueFrom", {})}
+        settings: Any = parse_for_service(prefix, {**config, **plain, **downward, f"{prefix}API_KEYS": "k"})
+        assert settings.host == "0.0.0.0"
+        assert settings.redis_url == f"redis://{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}/0"
+    assert set(SETTINGS_BY_PREFIX) == {p for p, _, _ in SERVICES.values()}
+
+
+def test_router_api_keys_come_from_the_secret(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    router = _container(_by_kind(resources, "Deployment")["baton-router"])
+    ref = next(e for e in router["env"] if e["name"] == "BATON_ROUTER_API_KEYS")["valueFrom"]["secretKeyRef"]
+    secret = _by_kind(resources, "Secret")[ref["name"]]
+    assert ref["key"] in secret["stringData"]
+
+
+def test_each_service_has_an_hpa_on_its_own_signal(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    hpas = _by_kind(resources, "HorizontalPodAutoscaler")
+    deployments = _by_kind(resources, "Deployment")
+    exported = (REPO_ROOT / "shared" / "service" / "engine_metrics.py").read_text()
+    for name, (metric_type, metric) in HPA_SIGNALS.items():
+        hpa = hpas[name]
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+        (spec,) = hpa["spec"]["metrics"]
+        assert spec["type"] == metric_type
+        if metric_type == "Resource":
+            assert spec["resource"]["name"] == metric
+            assert "cpu" in _container(deployments[name])["resources"]["requests"]  # utilization needs it
+        else:
+            assert spec["pods"]["metric"]["name"] == metric
+            assert f'"{metric}"' in exported, f"{metric} is not a metric the engines export"
+
+
+def test_selectors_of_services_and_pdbs_match_their_pods(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    deployments = _by_kind(resources, "Deployment")
+    pdbs = _by_kind(resources, "PodDisruptionBudget")
+    services = _by_kind(resources, "Service")
+    assert set(pdbs) == set(SERVICES)
+    assert set(services) == {*SERVICES, "baton-redis"}
+    for name, deployment in deployments.items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        service = services[name]
+        assert service["spec"]["selector"].items() <= labels.items()
+        port_names = {p["name"] for p in _container(deployment)["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
+        if name in pdbs:
+            assert pdbs[name]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for name in ("baton-prefill", "baton-decode", "baton-kv-transfer"):
+        assert services[name]["spec"]["clusterIP"] == "None"  # addressed per pod through Redis
+    assert "clusterIP" not in services["baton-router"]["spec"]
+
+
+def test_pods_run_as_the_images_non_root_user(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    dockerfile = (REPO_ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    uid = int(re.search(r"^USER (\d+)", dockerfile, re.M).group(1))  # type: ignore[union-attr]
+    for name in SERVICES:
+        pod = _by_kind(resources, "Deployment")[name]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == uid
+        assert _container(_by_kind(resources, "Deployment")[name])["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_overlays_pick_image_device_and_resources(rendered: tuple[str, list[Resource]]) -> None:
+    overlay, resources = rendered
+    deployments = _by_kind(resources, "Deployment")
+    config = _by_kind(resources, "ConfigMap")["baton-config"]["data"]
+    tag = "0.1.0-cuda" if overlay == "gpu" else "0.1.0-cpu"
+    for name in SERVICES:
+        assert _container(deployments[name])["image"] == f"baton:{tag}"
+    for name, prefix in (("baton-prefill", "BATON_PREFILL_"), ("baton-decode", "BATON_DECODE_")):
+        resources_ = _container(deployments[name])["resources"]
+        if overlay == "gpu":
+            assert resources_["limits"]["nvidia.com/gpu"] == 1
+            assert config[f"{prefix}DEVICE"] == "cuda"
+            assert deployments[name]["spec"]["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+        else:
+            assert "nvidia.com/gpu" not in resources_.get("limits", {})
+            assert config[f"{prefix}DEVICE"] == "cpu"
+    for name in ("baton-router", "baton-kv-transfer"):
+        assert "nvidia.com/gpu" not in _container(deployments[name])["resources"].get("limits", {})
+    if overlay == "cpu":
+        assert _container(deployments["baton-prefill"])["resources"]["requests"]["cpu"] == "4"
