@@ -78,7 +78,8 @@ class LLMEngine:
             spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim, config.torch_dtype
         )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=spec.model_type.encode())
+        # prefix hashes name the model too: blocks of two models never match, in this process or another
+        self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())
         sched_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role
         )
@@ -112,11 +113,14 @@ class LLMEngine:
             arrival_index=self._arrivals, output_token_ids=list(output_token_ids),
         )
 
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.scheduler.requests or any(r.request_id == request_id for r, _ in self._pending_handoffs):
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         if self.config.role == "decode":
             raise InvalidRequestError("a decode engine admits requests with their KV (add_handoff)")
-        if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        self._check_new_id(request_id)
         request = self._new_request(request_id, prompt_token_ids, params)
         self.runner.add_request(request_id, params.seed)
         self.scheduler.add_request(request)
@@ -127,6 +131,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"handoff block size {handoff.block_size} != engine block size {self.config.block_size}"
             )
+        self._check_new_id(request_id)
         request = self._new_request(request_id, handoff.prompt_token_ids, params, [handoff.first_token_id])
         if handoff.first_logprobs is not None:
             request.output_logprobs.append(handoff.first_logprobs)

@@ -188,3 +188,18 @@ def test_prefill_hidden_states_cover_only_computed_positions(make_tiny) -> None:
     assert second.hidden_start == 28 and second.hidden_states.shape[0] == 2
     torch.testing.assert_close(second.hidden_states, first.hidden_states[28:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(second.kv, first.kv)
+
+
+def test_duplicate_request_ids_are_refused(make_tiny, engines) -> None:
+    engine, _ = make_tiny("llama")
+    engine.add_request("dup", [3, 4, 5], greedy(2))
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        engine.add_request("dup", [3, 4, 5], greedy(2))
+    handoff = tiny_engine(engine.loaded, role="prefill").generate([[3, 4, 5, 6]], greedy(2))[0].handoff
+    decode = tiny_engine(engine.loaded, role="decode")
+    engines.append(decode)
+    decode.add_handoff("h", greedy(2), handoff)
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        decode.add_handoff("h", greedy(2), handoff)
+    engine.run_to_completion()
+    decode.run_to_completion()
