@@ -15,6 +15,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.service.engine_host import RunningEngineService, start_engine_service
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run_until_signal
+from shared.telemetry import setup_tracing
 
 
 @dataclass
@@ -47,6 +48,7 @@ async def start(settings: DecodeSettings) -> RunningDecode:
 def main() -> None:
     settings = DecodeSettings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("baton-decode")
     asyncio.run(run_until_signal(lambda: start(settings)))
 
 

@@ -11,9 +11,11 @@ The client cancelling the stream aborts the request; its blocks are freed once.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 import grpc
+from opentelemetry import trace
 
 from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.engine.async_engine import AsyncEngine
@@ -22,11 +24,21 @@ from shared.engine.request import RequestOutput
 from shared.errors import InvalidRequestError
 from shared.handoff_stream import HandoffInfo
 from shared.service.kv_client import KVTransferClient
+from shared.telemetry import (
+    HANDOFF_ID,
+    KV_NBYTES,
+    KV_NUM_BLOCKS,
+    OUTPUT_TOKENS,
+    REQUEST_ID,
+    server_span,
+    tracer,
+)
 from shared.wire import sampling_params_from_proto, token_logprobs_to_proto
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "baton.v1.DecodeService"
+_tracer = tracer(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -42,6 +54,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        attributes = {REQUEST_ID: request.request.request_id, HANDOFF_ID: request.handoff_id}
+        with server_span(_tracer, context, "decode.Generate", attributes) as span:
+            num_tokens = 0
+            try:
+                async with aclosing(self._generate(request)) as responses:
+                    async for response in responses:
+                        num_tokens += len(response.token_ids)
+                        yield response
+            finally:  # a cancelled stream reports what it sent too
+                span.set_attribute(OUTPUT_TOKENS, num_tokens)
+
+    async def _generate(
+        self, request: decode_pb2.DecodeRequest
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         req = request.request
         params = sampling_params_from_proto(req.params)
         if request.handoff_id:
@@ -60,6 +86,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             timeout_s=self.claim_timeout_s,
         )
         self._check_compatible(info, request.request)
+        trace.get_current_span().set_attributes({KV_NBYTES: handoff.nbytes,
+                                                 KV_NUM_BLOCKS: handoff.num_blocks})
         logger.info("request %s: claimed handoff %s (%d blocks, %d prompt tokens)", request.request.request_id,
                     request.handoff_id, handoff.num_blocks, len(handoff.prompt_token_ids))
         return handoff
@@ -80,7 +108,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def Abort(  # noqa: N802
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        return common_pb2.AbortResponse(found=await self.aengine.abort(request.request_id))
+        with server_span(_tracer, context, "decode.Abort", {REQUEST_ID: request.request_id}):
+            return common_pb2.AbortResponse(found=await self.aengine.abort(request.request_id))
 
     async def GetLoad(  # noqa: N802
         self, request: decode_pb2.DecodeLoadRequest, context: grpc.aio.ServicerContext

@@ -28,6 +28,7 @@ from shared.grpc_common import GrpcServer, make_server
 from shared.registry import make_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
+from shared.telemetry import setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def main() -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    setup_tracing("baton-kv-transfer")
     asyncio.run(serve(settings))
 
 

@@ -13,20 +13,24 @@ NOT_FOUND, bad stream -> INVALID_ARGUMENT).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 import grpc.aio
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services.kv_transfer.store import HandoffStore, LeaseState
 from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError
 from shared.handoff_stream import HandoffInfo
+from shared.telemetry import HANDOFF_ID, KV_NBYTES, KV_NUM_BLOCKS, REQUEST_ID, server_span, tracer
 from shared.wire import part_from_chunk, payload_chunks
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name
+_tracer = tracer(__name__)
 
 
 class KVTransferMetrics:
@@ -79,6 +83,12 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         request_iterator: AsyncIterator[kv_transfer_pb2.HandoffChunk],
         context: grpc.aio.ServicerContext,
     ) -> kv_transfer_pb2.PutResponse:
+        with server_span(_tracer, context, "kv_transfer.Put"):
+            return await self._put(request_iterator)
+
+    async def _put(
+        self, request_iterator: AsyncIterator[kv_transfer_pb2.HandoffChunk]
+    ) -> kv_transfer_pb2.PutResponse:
         handoff_id: str | None = None
         committed = False
         received = self._metrics.transfer_bytes.labels(direction="received")
@@ -88,8 +98,16 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                 if isinstance(part, HandoffInfo):
                     if handoff_id is not None:
                         raise InvalidRequestError(f"handoff {handoff_id}: a second header in one Put")
-                    self._begin_put(part)
+                    try:
+                        self._begin_put(part)
+                    except CapacityError:
+                        # read the rest before refusing: a client still writing when the call ends
+                        # sees gRPC core's opaque INTERNAL instead of RESOURCE_EXHAUSTED
+                        async for _ in request_iterator:
+                            pass
+                        raise
                     handoff_id = part.handoff_id
+                    trace.get_current_span().set_attributes(_span_attributes(part))
                 elif handoff_id is None:
                     raise InvalidRequestError("a Put stream must start with its header")
                 else:
@@ -99,6 +117,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                 raise InvalidRequestError("empty Put stream")
             nbytes = self._store.commit(handoff_id)
             committed = True
+            trace.get_current_span().set_attribute(KV_NBYTES, nbytes)
         finally:
             # a broken stream (client cancelled, bad data, deadline) frees what it reserved
             if handoff_id is not None and not committed and self._store.abort_put(handoff_id):
@@ -115,6 +134,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     async def Claim(
         self, request: kv_transfer_pb2.ClaimRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kv_transfer_pb2.HandoffChunk]:
+        with server_span(_tracer, context, "kv_transfer.Claim", {HANDOFF_ID: request.handoff_id}):
+            async with aclosing(self._claim(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _claim(
+        self, request: kv_transfer_pb2.ClaimRequest
+    ) -> AsyncGenerator[kv_transfer_pb2.HandoffChunk, None]:
         if not request.handoff_id:
             raise InvalidRequestError("Claim needs a handoff_id", param="handoff_id")
         wait_s = min(request.wait_ms / 1000, self._max_claim_wait_s)
@@ -123,6 +150,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         except HandoffNotFoundError:
             self._metrics.failures.labels(reason="claim_not_found").inc()
             raise
+        trace.get_current_span().set_attributes({**_span_attributes(payload.info),
+                                                 KV_NBYTES: payload.info.total_nbytes})
         # The lease ended at claim (bytes freed in the store); the payload lives until streamed.
         sent = self._metrics.transfer_bytes.labels(direction="sent")
         for chunk in payload_chunks(payload):
@@ -138,7 +167,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     ) -> kv_transfer_pb2.ReleaseResponse:
         if not request.handoff_id:
             raise InvalidRequestError("Release needs a handoff_id", param="handoff_id")
-        return kv_transfer_pb2.ReleaseResponse(found=self._store.release(request.handoff_id))
+        with server_span(_tracer, context, "kv_transfer.Release", {HANDOFF_ID: request.handoff_id}):
+            return kv_transfer_pb2.ReleaseResponse(found=self._store.release(request.handoff_id))
 
     async def Stats(
         self, request: kv_transfer_pb2.StatsRequest, context: grpc.aio.ServicerContext
@@ -149,3 +179,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             bytes_held=stats.bytes_held,
             capacity_bytes=stats.capacity_bytes,
         )
+
+
+def _span_attributes(info: HandoffInfo) -> dict[str, str | int]:
+    return {HANDOFF_ID: info.handoff_id, REQUEST_ID: info.request_id, KV_NUM_BLOCKS: info.layout.num_blocks}

@@ -15,6 +15,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.service.engine_host import RunningEngineService, start_engine_service
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run_until_signal
+from shared.telemetry import setup_tracing
 
 
 @dataclass
@@ -45,6 +46,7 @@ async def start(settings: PrefillSettings) -> RunningPrefill:
 def main() -> None:
     settings = PrefillSettings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("baton-prefill")
     asyncio.run(run_until_signal(lambda: start(settings)))
 
 

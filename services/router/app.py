@@ -9,12 +9,16 @@ up front (429, 503, 400) gets its real status; later failures become an SSE erro
 event followed by [DONE]. A client that goes away aborts its request on the backend:
 while waiting (non-streamed, or before the first delta) a watcher on the ASGI receive
 channel notices the disconnect; while streaming, the server cancels the stream.
+Each generation request is one SERVER span (`POST /v1/chat/completions`), current while
+the backend starts its calls so that every service's spans join its trace; it ends
+with the response (for a stream, when the stream ends).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import time
@@ -23,6 +27,9 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, StatusCode
+from opentelemetry.util.types import AttributeValue
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -64,18 +71,33 @@ from shared.errors import (
     RequestAbortedError,
     UnavailableError,
 )
+from shared.telemetry import (
+    CACHED_TOKENS,
+    INPUT_TOKENS,
+    OUTPUT_TOKENS,
+    REQUEST_ID,
+    STREAM,
+    extract_http,
+    tracer,
+)
 
 logger = logging.getLogger(__name__)
+_tracer = tracer(__name__)
 
 T = TypeVar("T")
 ModelT = TypeVar("ModelT", bound=BaseModel)
 DONE_EVENT = "data: [DONE]\n\n"
+# FastAPI >= 0.165 traces every request itself once a tracer provider is set; the router's own span
+# (one per generation request, carrying baton's attributes) takes its place, and probes stay untraced.
+_FASTAPI_OPTIONS: dict[str, Any] = (
+    {"telemetry": {"tracing": False}} if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
+)
 
 
 def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: Any, model_name: str) -> FastAPI:
     """The router app. The caller owns the backend's lifecycle (start before serving, close after)."""
     service = RouterService(settings, backend, tokenizer, model_name)
-    app = FastAPI(title="baton router", version="0.1.0")
+    app = FastAPI(title="baton router", version="0.1.0", **_FASTAPI_OPTIONS)
     app.state.router = service
     install_error_handlers(app, service.record_error_status)
     app.add_middleware(ErrorBoundary)
@@ -226,25 +248,35 @@ class RouterService:
         params = prepared.params
         logger.info("request %s: %d prompt tokens, max_tokens=%d, temperature=%s, stream=%s", prepared.request_id,
                     len(prepared.prompt_token_ids), params.max_tokens, params.temperature, prepared.stream)
-        deltas = self.runner.run(prepared, timer)
-        if not prepared.stream:
-            result = await until_disconnected(request, _collect(deltas))
-            self.metrics.record_status(200)
-            return _json(fmt.response(result))
-        first = await until_disconnected(request, _next(deltas))
-        return _ClosingStreamingResponse(self._events(prepared, fmt, first, deltas),
+        span = _request_span(request, prepared)
+        try:
+            # current while the backend starts its calls: they take their trace context from it
+            with trace.use_span(span, set_status_on_exception=False):
+                deltas = self.runner.run(prepared, timer)
+                if not prepared.stream:
+                    result = await until_disconnected(request, _collect(deltas))
+                    _end_span(span, 200, result.num_tokens, result.num_cached_tokens)
+                    self.metrics.record_status(200)
+                    return _json(fmt.response(result))
+                first = await until_disconnected(request, _next(deltas))
+        except BaseException as e:
+            _end_span(span, _http_status(e))
+            raise
+        return _ClosingStreamingResponse(self._events(prepared, fmt, first, deltas, span),
                                          media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
     async def _events(
-        self, prepared: PreparedRequest, fmt: ResponseFormat, first: Delta, deltas: AsyncGenerator[Delta, None]
+        self, prepared: PreparedRequest, fmt: ResponseFormat, first: Delta,
+        deltas: AsyncGenerator[Delta, None], span: Span,
     ) -> AsyncIterator[str]:
-        """The SSE body of a streamed request whose first delta is in hand."""
+        """The SSE body of a streamed request whose first delta is in hand; ends its span."""
         status = RequestAbortedError.http_status  # unless it ends below: the client went away
         exclude = None if prepared.include_usage else {"usage"}
+        num_tokens, num_cached = 0, 0
         try:
             for chunk in fmt.start_chunks():
                 yield _event(chunk, exclude)
-            delta, num_tokens, num_cached = first, 0, 0
+            delta = first
             while True:
                 num_tokens += len(delta.token_ids)
                 num_cached = max(num_cached, delta.num_cached_tokens)
@@ -259,16 +291,19 @@ class RouterService:
             status = 200
         except BatonError as e:
             status = e.http_status
+            span.record_exception(e)
             logger.warning("request %s: stream failed: %s (%s)", prepared.request_id, e.message, e.code)
             yield f"data: {_dumps(error_payload(e))}\n\n{DONE_EVENT}"
-        except Exception:
+        except Exception as e:
             status = 500
+            span.record_exception(e)
             logger.exception("request %s: stream failed unexpectedly", prepared.request_id)
             error = BatonError("internal server error; see the server log for this request id")
             yield f"data: {_dumps(error_payload(error))}\n\n{DONE_EVENT}"
         finally:
             await deltas.aclose()  # a no-op once finished; otherwise aborts on the backend
             self.metrics.record_status(status)
+            _end_span(span, status, num_tokens, num_cached)
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -292,6 +327,35 @@ def _request_id(request: Request) -> str:
     request_id = request_id_of(request)
     assert request_id is not None, "ErrorBoundary assigns every request an id"
     return request_id
+
+
+def _request_span(request: Request, prepared: PreparedRequest) -> Span:
+    """The request's SERVER span, continuing the client's trace when it sent a traceparent header."""
+    route = request.url.path
+    attributes: dict[str, AttributeValue] = {
+        REQUEST_ID: prepared.request_id, INPUT_TOKENS: len(prepared.prompt_token_ids),
+        STREAM: prepared.stream, "http.request.method": request.method, "http.route": route,
+    }
+    return _tracer.start_span(f"{request.method} {route}", context=extract_http(request.headers),
+                              kind=SpanKind.SERVER, attributes=attributes)
+
+
+def _http_status(error: BaseException) -> int:
+    if isinstance(error, BatonError):
+        return error.http_status
+    return RequestAbortedError.http_status if isinstance(error, asyncio.CancelledError) else 500
+
+
+def _end_span(span: Span, status: int, num_tokens: int | None = None, num_cached_tokens: int = 0) -> None:
+    """End the request span with its HTTP status and token counts (no-op when off or already ended)."""
+    if not span.is_recording():
+        return
+    span.set_attribute("http.response.status_code", status)
+    if num_tokens is not None:
+        span.set_attributes({OUTPUT_TOKENS: num_tokens, CACHED_TOKENS: num_cached_tokens})
+    if status >= 500:
+        span.set_status(StatusCode.ERROR)
+    span.end()
 
 
 def _json(model: BaseModel) -> Response:

@@ -12,7 +12,9 @@ Disaggregated request lifecycle::
     abort(request_id): Abort on the prefill and decode it used, Release its handoff.
 
 Instances come from the registry, refreshed in the background so a request
-never waits on Redis.
+never waits on Redis. Every call made for a request carries the trace context that
+was current when `generate` started (the router's request span), so the services'
+spans join the request's trace whichever task sends the call (aborts included).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.registry.base import InstanceInfo, Registry
 from shared.registry.picker import pick_decode, pick_prefill
+from shared.telemetry import inject_metadata
 from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class _InFlight:
     kv_transfer: str | None = None
     handoff_id: str | None = None
     done: bool = False
+    metadata: list[tuple[str, str]] = field(default_factory=list)  # W3C trace context of the request
 
 
 @dataclass
@@ -134,7 +138,7 @@ class GrpcBackend:
         return all(self.cache.get(s) for s in ("prefill", "decode", "kv_transfer"))
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[BackendChunk]:
-        state = self._inflight[req.request_id] = _InFlight()
+        state = self._inflight[req.request_id] = _InFlight(metadata=inject_metadata())
         try:
             if self.mode == "colocated":
                 async for chunk in self._decode(req, state, first_token=None):
@@ -173,7 +177,8 @@ class GrpcBackend:
             # a fresh handoff id per attempt: a released id is refused for good by kv_transfer
             state.handoff_id = message.handoff_id = f"handoff-{req.request_id}-{len(tried)}"
             try:
-                return await prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address)).Prefill(message)
+                stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address))
+                return await stub.Prefill(message, metadata=state.metadata)
             except grpc.RpcError as e:
                 code = e.code()  # type: ignore[attr-defined]
                 tried.add(instance.instance_id)
@@ -205,7 +210,8 @@ class GrpcBackend:
             state.decode = instance.address
             received = False
             try:
-                async for msg in decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address)).Generate(message):
+                stub = decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address))
+                async for msg in stub.Generate(message, metadata=state.metadata):
                     received = True
                     if msg.finished:
                         state.done = True
@@ -233,9 +239,11 @@ class GrpcBackend:
         req = common_pb2.AbortRequest(request_id=request_id)
         calls = []
         if state.prefill:
-            calls.append(prefill_pb2_grpc.PrefillServiceStub(self._channel(state.prefill)).Abort(req, timeout=5))
+            calls.append(prefill_pb2_grpc.PrefillServiceStub(self._channel(state.prefill)).Abort(
+                req, timeout=5, metadata=state.metadata))
         if state.decode:
-            calls.append(decode_pb2_grpc.DecodeServiceStub(self._channel(state.decode)).Abort(req, timeout=5))
+            calls.append(decode_pb2_grpc.DecodeServiceStub(self._channel(state.decode)).Abort(
+                req, timeout=5, metadata=state.metadata))
         results = await asyncio.gather(*calls, self._release(state), return_exceptions=True)
         for r in results:
             if isinstance(r, Exception):
@@ -245,7 +253,8 @@ class GrpcBackend:
         if state.kv_transfer and state.handoff_id:
             stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(state.kv_transfer))
             try:
-                await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id=state.handoff_id), timeout=5)
+                await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id=state.handoff_id), timeout=5,
+                                   metadata=state.metadata)
             except grpc.RpcError as e:
                 logger.info("release of %s failed: %s", state.handoff_id, e.code())  # type: ignore[attr-defined]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from shared.errors import ConfigError
 from shared.models.loader import resolve_model
 from shared.registry import make_registry
 from shared.registry.base import Registry
+from shared.telemetry import setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +70,24 @@ async def serve(settings: RouterSettings) -> None:
     parts = await build(settings)
     config = uvicorn.Config(parts.app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s), access_log=False)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler that was there
+    # before it; a no-op one lets control come back here so the backend and registry close cleanly
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         logger.info("router serving %s on http://%s:%d (mode %s)", settings.model_name, settings.host,
                     settings.port, settings.mode)
         await uvicorn.Server(config).serve()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         await parts.stop()
+        logger.info("router stopped")
 
 
 def main() -> None:
     settings = RouterSettings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("baton-router")
     asyncio.run(serve(settings))
 
 

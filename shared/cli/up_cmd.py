@@ -64,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     p.add_argument("--spec", default="none", help="speculative decoding method (none for now)")
     p.add_argument("--redis-url", default="", help="registry; default: an in-process registry in the router")
+    p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -91,7 +92,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
     common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
-              "HOST": HOST, "CACHE_DIR": str(args.cache_dir)}
+              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir)}
     engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads)}
     stack = Stack()
 
@@ -105,6 +106,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
 
     if args.mode == "disagg":
         add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST,
+                                                          "REGISTRY_NAMESPACE": args.registry_namespace,
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})

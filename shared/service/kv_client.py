@@ -1,7 +1,8 @@
 """Client side of kv_transfer for the engine services: push a handoff, claim one.
 
 Channels are kept per address for the life of the service (one HTTP/2
-connection each, reused by every request).
+connection each, reused by every request). Every call carries the current trace
+context, so kv_transfer's spans join the request's trace.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from shared.engine.handoff import KVHandoff
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.handoff_stream import HandoffInfo
+from shared.telemetry import inject_metadata
 from shared.wire import decode_handoff_stream, encode_handoff
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class KVTransferClient:
         """Store the handoff under `handoff_id`; returns the bytes kv_transfer holds."""
         chunks = encode_handoff(handoff, handoff_id=handoff_id, request_id=request_id, model=model)
         try:
-            reply = await self._stub(address).Put(chunks, timeout=timeout_s)
+            reply = await self._stub(address).Put(chunks, timeout=timeout_s, metadata=inject_metadata())
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
         logger.debug("request %s: handoff %s stored (%d bytes)", request_id, handoff_id, reply.nbytes)
@@ -52,13 +54,15 @@ class KVTransferClient:
         """Take the handoff (its lease ends when the stream completes)."""
         request = kv_transfer_pb2.ClaimRequest(handoff_id=handoff_id, wait_ms=int(wait_s * 1000))
         try:
-            return await decode_handoff_stream(self._stub(address).Claim(request, timeout=timeout_s))
+            call = self._stub(address).Claim(request, timeout=timeout_s, metadata=inject_metadata())
+            return await decode_handoff_stream(call)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
 
     async def release(self, address: str, handoff_id: str) -> None:
         try:
-            await self._stub(address).Release(kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id), timeout=5)
+            request = kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id)
+            await self._stub(address).Release(request, timeout=5, metadata=inject_metadata())
         except grpc.RpcError as e:
             logger.warning("release of handoff %s failed: %s", handoff_id, error_from_rpc(e))
 

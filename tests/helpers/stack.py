@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,10 @@ class BatonStack:
 
 
 def start_stack(state_dir: Path, *args: str, timeout_s: float = 300.0) -> BatonStack:
+    """Start `baton up`; stacks sharing a Redis each get their own registry namespace."""
     port = free_port()
+    if "--redis-url" in args and "--registry-namespace" not in args:
+        args = (*args, "--registry-namespace", f"test-{uuid.uuid4().hex[:8]}")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli.main", "up", "--port", str(port), "--state-dir", str(state_dir), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
