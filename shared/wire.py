@@ -12,6 +12,7 @@ that module says what a whole stream is.
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,10 @@ from shared.handoff_stream import (
     payload_to_handoff,
 )
 from shared.kv.layout import KVLayout
+from shared.registry.base import Load
+
+if TYPE_CHECKING:  # the engine's load snapshot; importing the engine here would pull in the models
+    from shared.engine.async_engine import EngineLoad
 
 __all__ = [
     "HandoffInfo",
@@ -43,6 +48,8 @@ __all__ = [
     "encode_handoff",
     "header_from_proto",
     "header_to_proto",
+    "load_from_proto",
+    "load_report_to_proto",
     "part_from_chunk",
     "part_to_chunk",
     "payload_chunks",
@@ -108,6 +115,17 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
+
+
+def load_report_to_proto(load: EngineLoad) -> common_pb2.LoadReport:
+    return common_pb2.LoadReport(
+        num_running=load.num_running, num_waiting=load.num_waiting,
+        num_kv_blocks_total=load.num_kv_blocks_total, num_kv_blocks_free=load.num_kv_blocks_free,
+    )
+
+
+def load_from_proto(report: common_pb2.LoadReport) -> Load:
+    return Load(report.num_running, report.num_waiting, report.num_kv_blocks_total, report.num_kv_blocks_free)
 
 
 def token_logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import grpc.aio
 
@@ -12,27 +11,13 @@ from proto.baton.v1 import decode_pb2_grpc
 from services.decode.server import SERVICE_NAME, DecodeServicer
 from services.decode.settings import DecodeSettings
 from shared.engine.async_engine import AsyncEngine
-from shared.service.engine_host import RunningEngineService, start_engine_service
+from shared.service.engine_host import RunningKVService, start_engine_service
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run_until_signal
 from shared.telemetry import setup_tracing
 
 
-@dataclass
-class RunningDecode:
-    host: RunningEngineService
-    kv: KVTransferClient
-
-    @property
-    def address(self) -> str:
-        return self.host.address
-
-    async def stop(self) -> None:
-        await self.host.stop()
-        await self.kv.close()
-
-
-async def start(settings: DecodeSettings) -> RunningDecode:
+async def start(settings: DecodeSettings) -> RunningKVService:
     kv = KVTransferClient(settings.max_message_bytes)
 
     def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
@@ -42,7 +27,7 @@ async def start(settings: DecodeSettings) -> RunningDecode:
 
     service = "colocated" if settings.role == "colocated" else "decode"
     host = await start_engine_service(settings, service, settings.role, add, SERVICE_NAME)
-    return RunningDecode(host, kv)
+    return RunningKVService(host, kv)
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from shared.telemetry import (
     server_span,
     tracer,
 )
-from shared.wire import sampling_params_from_proto, token_logprobs_to_proto
+from shared.wire import load_report_to_proto, sampling_params_from_proto, token_logprobs_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +114,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def GetLoad(  # noqa: N802
         self, request: decode_pb2.DecodeLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.LoadReport:
-        load = self.aengine.load
-        return common_pb2.LoadReport(
-            num_running=load.num_running, num_waiting=load.num_waiting,
-            num_kv_blocks_total=load.num_kv_blocks_total, num_kv_blocks_free=load.num_kv_blocks_free,
-        )
+        return load_report_to_proto(self.aengine.load)
 
 
 def _response(out: RequestOutput) -> decode_pb2.DecodeResponse:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import threading
 import time
@@ -28,6 +27,7 @@ from shared.grpc_common import GrpcServer, make_server
 from shared.registry import make_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
+from shared.service.lifecycle import run_until_signal
 from shared.telemetry import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -145,21 +145,7 @@ async def _register(settings: KVTransferSettings, running: RunningKVTransfer, re
 
 async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None) -> None:
     """Run one instance until `stop` is set or the process gets SIGTERM/SIGINT."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    handled: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-            handled.append(sig)
-    running = await start(settings)
-    try:
-        await stop.wait()
-        logger.info("kv_transfer on %s shutting down", running.address)
-    finally:
-        await running.stop()
-        for sig in handled:
-            loop.remove_signal_handler(sig)
+    await run_until_signal(lambda: start(settings), stop)
 
 
 def main() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import grpc.aio
 
@@ -12,27 +11,13 @@ from proto.baton.v1 import prefill_pb2_grpc
 from services.prefill.server import SERVICE_NAME, PrefillServicer
 from services.prefill.settings import PrefillSettings
 from shared.engine.async_engine import AsyncEngine
-from shared.service.engine_host import RunningEngineService, start_engine_service
+from shared.service.engine_host import RunningKVService, start_engine_service
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run_until_signal
 from shared.telemetry import setup_tracing
 
 
-@dataclass
-class RunningPrefill:
-    host: RunningEngineService
-    kv: KVTransferClient
-
-    @property
-    def address(self) -> str:
-        return self.host.address
-
-    async def stop(self) -> None:
-        await self.host.stop()
-        await self.kv.close()
-
-
-async def start(settings: PrefillSettings) -> RunningPrefill:
+async def start(settings: PrefillSettings) -> RunningKVService:
     kv = KVTransferClient(settings.max_message_bytes)
 
     def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
@@ -40,7 +25,7 @@ async def start(settings: PrefillSettings) -> RunningPrefill:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
 
     host = await start_engine_service(settings, "prefill", "prefill", add, SERVICE_NAME)
-    return RunningPrefill(host, kv)
+    return RunningKVService(host, kv)
 
 
 def main() -> None:

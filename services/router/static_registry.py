@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from proto.baton.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from shared.errors import ConfigError
 from shared.grpc_common import channel, check_health
 from shared.registry.base import InstanceInfo, Load
 from shared.registry.memory_registry import MemoryRegistry
+from shared.wire import load_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,4 @@ class StaticRegistryPoller:
             else:
                 report = await decode_pb2_grpc.DecodeServiceStub(ch).GetLoad(decode_pb2.DecodeLoadRequest(),
                                                                               timeout=1.0)
-        return _load_from(report)
-
-
-def _load_from(report: common_pb2.LoadReport) -> Load:
-    return Load(report.num_running, report.num_waiting, report.num_kv_blocks_total, report.num_kv_blocks_free)
+        return load_from_proto(report)

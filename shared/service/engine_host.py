@@ -28,6 +28,7 @@ from shared.registry import make_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
 from shared.service.engine_metrics import engine_registry
+from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import MetricsHTTP
 from shared.service.settings import EngineServiceSettings
 
@@ -98,3 +99,19 @@ async def start_engine_service(
         await running.heartbeater.start()
     logger.info("%s ready on %s (metrics %s)", service, running.address, metrics.url if metrics else "off")
     return running
+
+
+@dataclass
+class RunningKVService:
+    """An engine service plus its kv_transfer client (prefill pushes, decode claims)."""
+
+    host: RunningEngineService
+    kv: KVTransferClient
+
+    @property
+    def address(self) -> str:
+        return self.host.address
+
+    async def stop(self) -> None:
+        await self.host.stop()
+        await self.kv.close()
