@@ -20,7 +20,8 @@ def _layer_types(config: Any) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types:
         return list(types)
-    pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
+    pattern = int(getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", None)
+                  or 6)  # Gemma 3's default: every 6th layer is global
     return [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
         for i in range(config.num_hidden_layers)

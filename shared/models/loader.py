@@ -123,7 +123,7 @@ def export_gguf_to_hf(gguf: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     # transformers refuses to save GGUF-loaded models until the quantizer is dropped
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)
