@@ -15,6 +15,7 @@ import torch
 
 from shared.engine.request import TokenLogprobs
 from shared.errors import InvalidRequestError
+from shared.kv.layout import cdiv
 
 
 @dataclass
@@ -47,8 +48,7 @@ class KVHandoff:
 
 def extract_kv(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
     """Copy the blocks holding the first `num_tokens` tokens out of the cache."""
-    num_blocks = -(-num_tokens // block_size)
-    index = torch.tensor(block_ids[:num_blocks], dtype=torch.long, device=kv_cache.device)
+    index = torch.tensor(block_ids[: cdiv(num_tokens, block_size)], dtype=torch.long, device=kv_cache.device)
     return kv_cache.index_select(1, index).cpu()
 
 

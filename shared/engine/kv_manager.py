@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from shared.engine.block_pool import BlockHash, BlockPool, hash_block
 from shared.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from shared.kv.layout import cdiv
 
 
 class KVCacheManager:

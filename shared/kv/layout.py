@@ -24,6 +24,11 @@ from dataclasses import dataclass
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for `a` tokens at `b` tokens per block."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class ByteRange:
     """A contiguous span inside the KV region: offset from the region's base."""

@@ -119,6 +119,3 @@ def take(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     except KeyError:
         raise ConfigError(f"checkpoint lacks tensor {name!r}") from None
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)

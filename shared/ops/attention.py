@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from shared.kv.layout import cdiv
+
 
 @dataclass
 class AttentionMetadata:
@@ -64,7 +66,7 @@ def write_kv(
 def _gather_keys(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` keys (or values) of one sequence: [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
+    num_blocks = cdiv(seq_len, block_size)
     blocks = cache[block_table_row[:num_blocks].long()]  # [n, block_size, H, D]
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
@@ -170,7 +172,7 @@ def _decode_group(
     if cached is not None:
         return cached  # type: ignore[return-value]
     seq_lens = [meta.seq_lens_host[i] for i in seq_ids]
-    num_blocks = (max(seq_lens) + block_size - 1) // block_size
+    num_blocks = cdiv(max(seq_lens), block_size)
     idx = torch.tensor(seq_ids, device=device)
     tables = meta.block_tables[idx, :num_blocks].long()
     lens = torch.tensor(seq_lens, device=device)
