@@ -8,16 +8,13 @@ several in one process); `serve(settings)` runs one until SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from proto.baton.v1 import kv_transfer_pb2_grpc
 from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTransferServicer
@@ -27,7 +24,7 @@ from shared.grpc_common import GrpcServer, make_server
 from shared.registry import make_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
-from shared.service.lifecycle import run_until_signal
+from shared.service.lifecycle import MetricsHTTP, cancel, every, run_until_signal
 from shared.telemetry import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -42,7 +39,7 @@ class RunningKVTransfer:
     store: HandoffStore
     metrics: KVTransferMetrics
     sweeper: asyncio.Task[None]
-    metrics_http: tuple[WSGIServer, threading.Thread] | None
+    metrics_http: MetricsHTTP | None
     heartbeater: Heartbeater | None = None
     registry: Registry | None = None
 
@@ -52,18 +49,17 @@ class RunningKVTransfer:
 
     @property
     def metrics_port(self) -> int | None:
-        return self.metrics_http[0].server_address[1] if self.metrics_http else None
+        return self.metrics_http.port if self.metrics_http else None
 
     async def stop(self) -> None:
         """Stop taking calls, drain for the grace period, then drop every lease still held."""
         # the metrics server notices a shutdown only at its next poll (0.5 s): overlap that wait
-        metrics_stopped = asyncio.create_task(asyncio.to_thread(self._stop_metrics_http))
+        metrics = self.metrics_http
+        metrics_stopped = asyncio.create_task(asyncio.to_thread(metrics.stop if metrics else lambda: None))
         if self.heartbeater is not None:
             await self.heartbeater.set_draining(True)
         await self.grpc.stop(self.settings.shutdown_grace_s)
-        self.sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.sweeper
+        await cancel(self.sweeper)
         dropped = self.store.release_all()
         if self.heartbeater is not None:
             await self.heartbeater.stop()
@@ -71,19 +67,6 @@ class RunningKVTransfer:
             await self.registry.close()
         await metrics_stopped
         logger.info("kv_transfer on %s stopped (%d leases dropped)", self.address, dropped)
-
-    def _stop_metrics_http(self) -> None:
-        if self.metrics_http is not None:
-            httpd, thread = self.metrics_http
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=5)
-
-
-async def _sweep(store: HandoffStore, interval_s: float) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        store.sweep()
 
 
 async def start(settings: KVTransferSettings) -> RunningKVTransfer:
@@ -103,13 +86,11 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
     metrics_http = None
     if settings.metrics_port >= 0:
         try:
-            metrics_http = start_http_server(
-                settings.metrics_port, addr=settings.host, registry=metrics.registry
-            )
+            metrics_http = MetricsHTTP(settings.host, settings.metrics_port, metrics.registry)
         except OSError:
             await server.stop(0)
             raise
-    sweeper = asyncio.create_task(_sweep(store, settings.sweep_interval_s), name="kv_transfer-sweeper")
+    sweeper = every(settings.sweep_interval_s, store.sweep, "kv_transfer-sweeper")
     running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http)
     if settings.redis_url:
         running.registry = make_registry(settings.redis_url, settings.registry_namespace)

@@ -41,6 +41,7 @@ from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.registry.base import InstanceInfo, Registry
 from shared.registry.picker import pick_decode, pick_prefill
+from shared.service.lifecycle import cancel, every
 from shared.telemetry import inject_metadata
 from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
 
@@ -76,12 +77,10 @@ class InstanceCache:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._run(), name="registry-refresh")
+        self._task = every(self.interval_s, self.refresh, "registry-refresh")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel(self._task)
 
     async def refresh(self) -> None:
         for service in self.services:
@@ -89,11 +88,6 @@ class InstanceCache:
                 self.instances[service] = await self.registry.list(service)
             except BatonError as e:
                 logger.warning("registry refresh of %s failed: %s", service, e)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.refresh()
 
     def get(self, service: str) -> list[InstanceInfo]:
         return [i for i in self.instances.get(service, []) if not i.draining]

@@ -20,6 +20,7 @@ from shared.errors import ConfigError
 from shared.grpc_common import channel, check_health
 from shared.registry.base import InstanceInfo, Load
 from shared.registry.memory_registry import MemoryRegistry
+from shared.service.lifecycle import cancel, every
 from shared.wire import load_from_proto
 
 logger = logging.getLogger(__name__)
@@ -53,17 +54,10 @@ class StaticRegistryPoller:
 
     async def start(self) -> None:
         await self.poll_once()
-        self._task = asyncio.create_task(self._run(), name="static-registry")
+        self._task = every(self.interval_s, self.poll_once, "static-registry")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.poll_once()
+        await cancel(self._task)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(t) for t in self.targets))

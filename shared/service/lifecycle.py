@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
 import threading
@@ -36,6 +37,26 @@ async def run_until_signal(start: Callable[[], Awaitable[Stoppable]], stop: asyn
         await running.stop()
         for sig in handled:
             loop.remove_signal_handler(sig)
+
+
+def every(interval_s: float, fn: Callable[[], Awaitable[object] | object], name: str) -> asyncio.Task[None]:
+    """A background task calling `fn` (sync or async) every `interval_s`; cancel it to stop."""
+
+    async def run() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            result = fn()
+            if inspect.isawaitable(result):
+                await result
+
+    return asyncio.create_task(run(), name=name)
+
+
+async def cancel(task: asyncio.Task[None] | None) -> None:
+    """Cancel a background task and wait until it has stopped."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class MetricsHTTP:
