@@ -96,10 +96,12 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads)}
     stack = Stack()
 
-    def add(name: str, service: str, prefix: str, values: dict[str, str]) -> Child:
-        port, metrics_port = free_port(), free_port()
-        env = {f"BATON_{prefix}_{k}": v for k, v in {**values, "PORT": str(port),
-                                                      "METRICS_PORT": str(metrics_port)}.items()}
+    def add(name: str, service: str, prefix: str, values: dict[str, str], http_port: int | None = None) -> Child:
+        """A child with its own ports; an HTTP service (the router) serves /metrics on its one port."""
+        port = http_port or free_port()
+        metrics_port = port if http_port else free_port()
+        ports = {"PORT": str(port)} if http_port else {"PORT": str(port), "METRICS_PORT": str(metrics_port)}
+        env = {f"BATON_{prefix}_{k}": v for k, v in {**values, **ports}.items()}
         child = Child(name, service, f"{HOST}:{port}", f"http://{HOST}:{metrics_port}/metrics", env)
         stack.children.append(child)
         return child
@@ -114,14 +116,10 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     for i in range(args.decode):
         add(f"decode-{i}", role, "DECODE", {**engine_common, "ROLE": role, "INSTANCE_ID": f"decode-{i}"})
     static = ",".join(f"{c.service}={c.address}" for c in stack.children)
-    router_port = args.port
-    router = add("router", "router", "ROUTER", {
+    add("router", "router", "ROUTER", {
         **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),
         "STATIC_INSTANCES": "" if args.redis_url else static,
-    })
-    router.env["BATON_ROUTER_PORT"] = str(router_port)
-    router.address = f"{HOST}:{router_port}"
-    router.metrics_url = f"http://{HOST}:{router_port}/metrics"
+    }, http_port=args.port)
     return stack
 
 
