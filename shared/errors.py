@@ -60,6 +60,12 @@ class UnavailableError(BatonError):
     code = "service_unavailable"
 
 
+class KVTransferError(UnavailableError):
+    """Moving a request's KV between services failed (a peer died, a transfer broke or timed out)."""
+
+    code = "kv_transfer_failed"
+
+
 class RequestAbortedError(BatonError):
     """The request was aborted (client gone, deadline, peer failure)."""
 

@@ -4,55 +4,28 @@ Services call these in `server.py` (and in their gRPC clients) only; inside a
 service everything is a dataclass. Whatever comes off the wire is validated
 here and fails with `InvalidRequestError`.
 
-A handoff travels as a stream of `HandoffChunk`s, one per part of
-`shared.handoff_stream` (header, one KVData per layer, HiddenData if any);
-that module says what a whole stream is.
+kv_transfer's messages (the KV handoff's control path) are in `shared.wire_kv`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
-from proto.baton.v1 import common_pb2, kv_transfer_pb2
-from shared.engine.handoff import KVHandoff
+from proto.baton.v1 import common_pb2
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import InvalidRequestError
-from shared.handoff_stream import (
-    HandoffAssembly,
-    HandoffInfo,
-    HandoffPart,
-    HandoffPayload,
-    HiddenStateData,
-    KVLayerData,
-    handoff_info,
-    handoff_parts,
-    payload_to_handoff,
-)
-from shared.kv.layout import KVLayout
 from shared.registry.base import Load
 
 if TYPE_CHECKING:  # the engine's load snapshot; importing the engine here would pull in the models
     from shared.engine.async_engine import EngineLoad
 
 __all__ = [
-    "HandoffInfo",
-    "HandoffPayload",
-    "HandoffStreamReader",
-    "decode_handoff",
-    "decode_handoff_stream",
     "dtype_from_name",
     "dtype_name",
-    "encode_handoff",
-    "header_from_proto",
-    "header_to_proto",
     "load_from_proto",
     "load_report_to_proto",
-    "part_from_chunk",
-    "part_to_chunk",
-    "payload_chunks",
     "sampling_params_from_proto",
     "sampling_params_to_proto",
     "token_logprobs_from_proto",
@@ -64,8 +37,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-MAX_HANDOFF_ID_CHARS = 256
-MAX_NUM_LAYERS = 4096  # bounds what a header can make a receiver allocate before any data
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -140,169 +111,3 @@ def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(
         token_id=msg.token_id, logprob=msg.logprob, top=[(alt.token_id, alt.logprob) for alt in msg.top]
     )
-
-
-# --- handoff: header and parts ----------------------------------------------------------------
-
-
-def header_to_proto(info: HandoffInfo) -> kv_transfer_pb2.HandoffHeader:
-    layout = info.layout
-    msg = kv_transfer_pb2.HandoffHeader(
-        handoff_id=info.handoff_id,
-        request_id=info.request_id,
-        prompt_token_ids=info.prompt_token_ids,
-        first_token_id=info.first_token_id,
-        layout=kv_transfer_pb2.KVLayoutDesc(
-            model=info.model,
-            num_layers=layout.num_layers,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            dtype=dtype_name(layout.dtype),
-        ),
-        num_blocks=layout.num_blocks,
-        hidden_size=info.hidden_size,
-        num_hidden_tokens=info.num_hidden_tokens,
-        lease_timeout_ms=info.lease_timeout_ms,
-    )
-    if info.first_logprobs is not None:
-        msg.first_logprobs.CopyFrom(token_logprobs_to_proto(info.first_logprobs))
-    return msg
-
-
-def _check_header(msg: kv_transfer_pb2.HandoffHeader) -> None:
-    if not msg.handoff_id or len(msg.handoff_id) > MAX_HANDOFF_ID_CHARS:
-        raise InvalidRequestError(
-            f"handoff_id must be 1..{MAX_HANDOFF_ID_CHARS} characters", param="handoff_id"
-        )
-    desc = msg.layout
-    if desc.num_layers > MAX_NUM_LAYERS:
-        raise InvalidRequestError(
-            f"handoff {msg.handoff_id}: num_layers {desc.num_layers} > {MAX_NUM_LAYERS}", param="num_layers"
-        )
-    dims = {
-        "num_layers": desc.num_layers,
-        "block_size": desc.block_size,
-        "num_kv_heads": desc.num_kv_heads,
-        "head_dim": desc.head_dim,
-        "num_blocks": msg.num_blocks,
-    }
-    for name, value in dims.items():
-        if value < 1:
-            raise InvalidRequestError(
-                f"handoff {msg.handoff_id}: {name} must be >= 1, got {value}", param=name
-            )
-    if not msg.prompt_token_ids:
-        raise InvalidRequestError(f"handoff {msg.handoff_id}: no prompt tokens", param="prompt_token_ids")
-    if msg.num_hidden_tokens > 0 and msg.hidden_size < 1:
-        raise InvalidRequestError(
-            f"handoff {msg.handoff_id}: hidden states announced without hidden_size", param="hidden_size"
-        )
-
-
-def header_from_proto(msg: kv_transfer_pb2.HandoffHeader) -> HandoffInfo:
-    """A validated HandoffInfo (ids present, every dimension positive, dtype known)."""
-    _check_header(msg)
-    desc = msg.layout
-    layout = KVLayout(
-        num_layers=desc.num_layers,
-        num_blocks=msg.num_blocks,
-        block_size=desc.block_size,
-        num_kv_heads=desc.num_kv_heads,
-        head_dim=desc.head_dim,
-        dtype=dtype_from_name(desc.dtype),
-    )
-    first_logprobs = msg.first_logprobs if msg.HasField("first_logprobs") else None
-    return HandoffInfo(
-        handoff_id=msg.handoff_id,
-        request_id=msg.request_id,
-        model=desc.model,
-        layout=layout,
-        prompt_token_ids=list(msg.prompt_token_ids),
-        first_token_id=msg.first_token_id,
-        first_logprobs=token_logprobs_from_proto(first_logprobs) if first_logprobs is not None else None,
-        hidden_size=msg.hidden_size,
-        num_hidden_tokens=msg.num_hidden_tokens,
-        lease_timeout_ms=msg.lease_timeout_ms,
-    )
-
-
-def part_to_chunk(part: HandoffPart) -> kv_transfer_pb2.HandoffChunk:
-    if isinstance(part, HandoffInfo):
-        return kv_transfer_pb2.HandoffChunk(header=header_to_proto(part))
-    if isinstance(part, KVLayerData):
-        return kv_transfer_pb2.HandoffChunk(kv=kv_transfer_pb2.KVData(layer=part.layer, data=part.data))
-    return kv_transfer_pb2.HandoffChunk(hidden=kv_transfer_pb2.HiddenData(data=part.data))
-
-
-def part_from_chunk(chunk: kv_transfer_pb2.HandoffChunk) -> HandoffPart:
-    kind = chunk.WhichOneof("kind")
-    if kind == "header":
-        return header_from_proto(chunk.header)
-    if kind == "kv":
-        return KVLayerData(layer=chunk.kv.layer, data=chunk.kv.data)
-    if kind == "hidden":
-        return HiddenStateData(data=chunk.hidden.data)
-    raise InvalidRequestError("empty HandoffChunk (no header, kv or hidden set)")
-
-
-# --- handoff: whole streams -------------------------------------------------------------------
-
-
-def payload_chunks(payload: HandoffPayload) -> Iterator[kv_transfer_pb2.HandoffChunk]:
-    """The HandoffChunk stream of a stored payload (what Claim sends)."""
-    return (part_to_chunk(part) for part in payload.parts())
-
-
-class HandoffStreamReader:
-    """Feeds a HandoffChunk stream (header first) into a HandoffAssembly."""
-
-    def __init__(self) -> None:
-        self.assembly: HandoffAssembly | None = None
-
-    def feed(self, chunk: kv_transfer_pb2.HandoffChunk) -> HandoffPart:
-        part = part_from_chunk(chunk)
-        if isinstance(part, HandoffInfo):
-            if self.assembly is not None:
-                raise InvalidRequestError(f"handoff {part.handoff_id}: a second header in one stream")
-            self.assembly = HandoffAssembly(part)
-        elif self.assembly is None:
-            raise InvalidRequestError("a handoff stream must start with its header")
-        else:
-            self.assembly.add(part)
-        return part
-
-    def finish(self) -> HandoffPayload:
-        if self.assembly is None:
-            raise InvalidRequestError("empty handoff stream")
-        return self.assembly.finish()
-
-
-def encode_handoff(
-    handoff: KVHandoff, *, handoff_id: str, request_id: str, model: str, lease_timeout_ms: int = 0
-) -> Iterator[kv_transfer_pb2.HandoffChunk]:
-    """The HandoffChunk stream for a Put: header, one KVData per layer, HiddenData (if any)."""
-    info = handoff_info(
-        handoff, handoff_id=handoff_id, request_id=request_id, model=model, lease_timeout_ms=lease_timeout_ms
-    )
-    return (part_to_chunk(part) for part in handoff_parts(handoff, info))
-
-
-def decode_handoff(chunks: Iterable[kv_transfer_pb2.HandoffChunk]) -> tuple[HandoffInfo, KVHandoff]:
-    """Collect a HandoffChunk stream back into its header and a KVHandoff (sizes checked)."""
-    reader = HandoffStreamReader()
-    for chunk in chunks:
-        reader.feed(chunk)
-    payload = reader.finish()
-    return payload.info, payload_to_handoff(payload)
-
-
-async def decode_handoff_stream(
-    chunks: AsyncIterable[kv_transfer_pb2.HandoffChunk],
-) -> tuple[HandoffInfo, KVHandoff]:
-    """`decode_handoff` for an async stream (e.g. a grpc.aio Claim call)."""
-    reader = HandoffStreamReader()
-    async for chunk in chunks:
-        reader.feed(chunk)
-    payload = reader.finish()
-    return payload.info, payload_to_handoff(payload)

@@ -21,8 +21,7 @@ async def start(settings: DecodeSettings) -> RunningKVService:
     kv = KVTransferClient(settings.max_message_bytes)
 
     def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
-        servicer = DecodeServicer(aengine, kv, aengine.engine.loaded.identity, settings.kv_claim_wait_s,
-                                  settings.kv_claim_timeout_s)
+        servicer = DecodeServicer(aengine, kv, settings.kv_claim_wait_s)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
 
     service = "colocated" if settings.role == "colocated" else "decode"

@@ -1,15 +1,18 @@
 """The decode servicer: protobuf at the edge, the engine (decode role) inside.
 
-Generate(request, handoff_id, first_token) — server streaming
-  ├ handoff_id set: Claim the KV from kv_transfer (lease ends with the claim),
-  │   check it was made by the same model with the same layout, admit it
+Generate(request, handoff_id, kv_transfer_address) — server streaming
+  ├ handoff_id set: Claim it from kv_transfer (waits for prefill's Commit) and learn where its
+  │   blocks are; the engine checks model and layout, reserves blocks (its own prefix-cache hits
+  │   kept), READs only the missing ones (+ hidden states), then runs it; Release once pulled
   └ handoff_id empty (colocated role): compute the prompt here
   then stream DecodeResponse batches until one has finished = true.
-The client cancelling the stream aborts the request; its blocks are freed once.
+The client cancelling the stream aborts the request (its reads stopped before the lease is
+released); its blocks are freed once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -19,14 +22,12 @@ from opentelemetry import trace
 
 from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.handoff import KVHandoff
 from shared.engine.request import RequestOutput
-from shared.errors import InvalidRequestError
-from shared.handoff_stream import HandoffInfo
+from shared.errors import InvalidRequestError, UnavailableError
+from shared.kv.remote import AgentAddress, ClaimedHandoff
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
     HANDOFF_ID,
-    KV_NBYTES,
     KV_NUM_BLOCKS,
     OUTPUT_TOKENS,
     REQUEST_ID,
@@ -38,18 +39,15 @@ from shared.wire import load_report_to_proto, sampling_params_from_proto, token_
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "baton.v1.DecodeService"
+_CLAIM_RPC_SLACK_S = 5.0  # a Claim's deadline: its wait plus this
 _tracer = tracer(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(
-        self, aengine: AsyncEngine, kv: KVTransferClient, model: str, claim_wait_s: float, claim_timeout_s: float
-    ) -> None:
+    def __init__(self, aengine: AsyncEngine, kv: KVTransferClient, claim_wait_s: float) -> None:
         self.aengine = aengine
         self.kv = kv
-        self.model = model
         self.claim_wait_s = claim_wait_s
-        self.claim_timeout_s = claim_timeout_s
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -70,40 +68,46 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         req = request.request
         params = sampling_params_from_proto(req.params)
-        if request.handoff_id:
-            handoff = await self._claim(request)
-            stream = await self.aengine.generate_from_handoff(req.request_id, params, handoff)
-        else:
+        if not request.handoff_id:
             if self.aengine.engine.config.role != "colocated":
                 raise InvalidRequestError("this decode instance needs a handoff_id (it does not prefill)")
-            stream = await self.aengine.generate(req.request_id, list(req.prompt_token_ids), params)
-        async for out in stream:
-            yield _response(out)
+            async for out in await self.aengine.generate(req.request_id, list(req.prompt_token_ids), params):
+                yield _response(out)
+            return
+        address = request.kv_transfer_address
+        claimed, agent = await self._claim(request)
+        released = False
+        try:
+            stream = await self.aengine.generate_pulled(req.request_id, params, claimed, agent)
+            async for out in stream:
+                if not released:  # the first output comes after the pull is over: the slots can go
+                    released = True
+                    await self.kv.release(address, request.handoff_id)
+                yield _response(out)
+        finally:
+            if not released:
+                # stop our reads before the slots can go to anyone else, even if this task is cancelled
+                cleanup = asyncio.ensure_future(self._drop(req.request_id, address, request.handoff_id))
+                await asyncio.shield(cleanup)
 
-    async def _claim(self, request: decode_pb2.DecodeRequest) -> KVHandoff:
-        info, handoff = await self.kv.claim(
+    async def _claim(self, request: decode_pb2.DecodeRequest) -> tuple[ClaimedHandoff, AgentAddress]:
+        claimed, agent = await self.kv.claim(
             request.kv_transfer_address, request.handoff_id, wait_s=self.claim_wait_s,
-            timeout_s=self.claim_timeout_s,
+            timeout_s=self.claim_wait_s + _CLAIM_RPC_SLACK_S,
         )
-        self._check_compatible(info, request.request)
-        trace.get_current_span().set_attributes({KV_NBYTES: handoff.nbytes,
-                                                 KV_NUM_BLOCKS: handoff.num_blocks})
-        logger.info("request %s: claimed handoff %s (%d blocks, %d prompt tokens)", request.request.request_id,
-                    request.handoff_id, handoff.num_blocks, len(handoff.prompt_token_ids))
-        return handoff
+        spec = claimed.spec
+        trace.get_current_span().set_attributes({KV_NUM_BLOCKS: spec.num_blocks})
+        logger.info("request %s: claimed handoff %s (%d blocks of %d tokens, %d prompt tokens)",
+                    request.request.request_id, request.handoff_id, spec.num_blocks, spec.layout.block_size,
+                    len(spec.prompt_token_ids))
+        return claimed, agent
 
-    def _check_compatible(self, info: HandoffInfo, req: object) -> None:
-        engine = self.aengine.engine
-        mine, theirs = engine.layout, info.layout
-        problems = []
-        if info.model != self.model:
-            problems.append(f"model {info.model} != {self.model}")
-        for field in ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"):
-            if getattr(mine, field) != getattr(theirs, field):
-                problems.append(f"{field} {getattr(theirs, field)} != {getattr(mine, field)}")
-        if problems:
-            raise InvalidRequestError(f"handoff {info.handoff_id} does not fit this decode engine: "
-                                      + "; ".join(problems))
+    async def _drop(self, request_id: str, address: str, handoff_id: str) -> None:
+        try:
+            await self.aengine.abort(request_id)
+        except UnavailableError:
+            pass  # engine stopped: its transports are closed, nothing reads any more
+        await self.kv.release(address, handoff_id)
 
     async def Abort(  # noqa: N802
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -18,5 +18,4 @@ class DecodeSettings(EngineServiceSettings):
     role: Literal["decode", "colocated"] = Field(
         default="decode", description="decode: continue handed-off requests; colocated: also prefill itself"
     )
-    kv_claim_wait_s: float = Field(default=10.0, ge=0, description="how long to wait for a Put in flight")
-    kv_claim_timeout_s: float = Field(default=60.0, gt=0, description="deadline of one handoff Claim")
+    kv_claim_wait_s: float = Field(default=10.0, ge=0, description="how long a Claim waits for prefill's Commit")

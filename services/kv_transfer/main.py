@@ -17,15 +17,19 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from proto.baton.v1 import kv_transfer_pb2_grpc
-from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTransferServicer
+from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTransferServicer, slab_space
 from services.kv_transfer.settings import KVTransferSettings
 from services.kv_transfer.store import HandoffStore
 from shared.grpc_common import GrpcServer, make_server
+from shared.kv.remote import AgentAddress, SlotSpace
 from shared.registry import make_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
 from shared.service.lifecycle import MetricsHTTP, cancel, every, run_until_signal
 from shared.telemetry import setup_tracing
+from shared.transport import Transport
+from shared.transport.factory import service_transport
+from shared.transport.memory import host_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ class RunningKVTransfer:
     metrics: KVTransferMetrics
     sweeper: asyncio.Task[None]
     metrics_http: MetricsHTTP | None
+    transport: Transport
     heartbeater: Heartbeater | None = None
     registry: Registry | None = None
 
@@ -61,6 +66,8 @@ class RunningKVTransfer:
         await self.grpc.stop(self.settings.shutdown_grace_s)
         await cancel(self.sweeper)
         dropped = self.store.release_all()
+        # after the gRPC server: no Reserve can hand out a slot any more; peers mid-transfer fail
+        await asyncio.to_thread(self.transport.close)
         if self.heartbeater is not None:
             await self.heartbeater.stop()
         if self.registry is not None:
@@ -70,39 +77,57 @@ class RunningKVTransfer:
 
 
 async def start(settings: KVTransferSettings) -> RunningKVTransfer:
-    """Build the store, servicer, gRPC server (with health) and metrics endpoint; start them."""
+    """Build the slab and its agent, the store, servicer, gRPC server (with health) and metrics; start them."""
+    agent_name = f"kv_transfer-{uuid.uuid4().hex[:12]}"
+    transport, address = await asyncio.to_thread(_make_slab, settings, agent_name)
     metrics = KVTransferMetrics(CollectorRegistry())
     store = HandoffStore(
-        settings.capacity_bytes,
-        settings.lease_timeout_s,
-        max_lease_timeout_s=settings.max_lease_timeout_s,
-        on_end=metrics.on_lease_end,
+        settings.capacity_bytes, slab_space(agent_name, address.space.base_addr, settings.slot_nbytes,
+                                            settings.capacity_bytes),
+        lease_timeout_s=settings.lease_timeout_s, claim_timeout_s=settings.claim_timeout_s,
+        max_lease_timeout_s=settings.max_lease_timeout_s, on_end=metrics.on_lease_end,
     )
+    if store.space is not None:
+        address = AgentAddress(address.kind, address.metadata, store.space)
     metrics.watch(store)
     server = make_server(settings.address, settings.max_message_bytes)
-    servicer = KVTransferServicer(store, metrics, settings.max_claim_wait_s)
+    servicer = KVTransferServicer(store, metrics, address, settings.capacity_bytes, settings.max_claim_wait_s)
     kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, server.server)
-    await server.start(SERVICE_NAME)
-    metrics_http = None
-    if settings.metrics_port >= 0:
-        try:
+    try:
+        await server.start(SERVICE_NAME)
+        metrics_http = None
+        if settings.metrics_port >= 0:
             metrics_http = MetricsHTTP(settings.host, settings.metrics_port, metrics.registry)
-        except OSError:
-            await server.stop(0)
-            raise
+    except BaseException:
+        await server.stop(0)
+        transport.close()
+        raise
     sweeper = every(settings.sweep_interval_s, store.sweep, "kv_transfer-sweeper")
-    running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http)
+    running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http, transport)
     if settings.redis_url:
         running.registry = make_registry(settings.redis_url, settings.registry_namespace)
         running.heartbeater = await _register(settings, running, running.registry)
     logger.info(
-        "kv_transfer listening on %s (capacity %d bytes, lease timeout %.1fs, metrics %s)",
-        running.address,
-        settings.capacity_bytes,
-        settings.lease_timeout_s,
+        "kv_transfer listening on %s (%s transport, slab %d bytes, lease timeout %.1fs, metrics %s)",
+        running.address, address.kind, settings.capacity_bytes, settings.lease_timeout_s,
         f"http://{settings.host}:{running.metrics_port}/metrics" if metrics_http else "off",
     )
     return running
+
+
+def _make_slab(settings: KVTransferSettings, agent_name: str) -> tuple[Transport, AgentAddress]:
+    """The transport agent and the slab it registers (huge pages, faulted in as slots fill)."""
+    transport = service_transport(settings.transport, agent_name, host=settings.host,
+                                  advertise_host=settings.advertise_host)
+    try:
+        slab = host_buffer(max(settings.capacity_bytes, 1), prefault=False)
+        region = transport.register(slab)
+        metadata = transport.metadata()
+    except BaseException:
+        transport.close()
+        raise
+    return transport, AgentAddress(transport.kind, metadata, SlotSpace(agent_name, region.addr, 0, 0,
+                                                                       region.device_id))
 
 
 async def _register(settings: KVTransferSettings, running: RunningKVTransfer, registry: Registry) -> Heartbeater:

@@ -1,20 +1,22 @@
 """The kv_transfer gRPC servicer: protobuf in and out here, the HandoffStore inside.
 
-    Put    (stream HandoffChunk) ─► begin_put / add_part ... / commit   (abort_put if the stream breaks)
-    Claim  (handoff_id, wait_ms) ─► claim ─► stream HandoffChunk back
-    Release(handoff_id)          ─► release (idempotent)
-    Stats                        ─► store occupancy
+    GetAgent ─► the slab's agent (name, metadata, slot geometry)
+    Reserve  ─► store.reserve  (slots pinned; pool hits marked present)      ─┐ prefill WRITEs the
+    Commit   ─► store.commit   (claimable; new full blocks join the pool)     ─┘ slots in between
+    Claim    ─► store.claim    (waits for the commit; decode READs the slots after)
+    Release  ─► store.release  (pulled / aborted / failed; idempotent)
+    Stats    ─► occupancy
 
-Errors are raised as `BatonError`s; the interceptor from `shared.grpc_common`
-maps them to gRPC status (full store -> RESOURCE_EXHAUSTED, unknown handoff ->
-NOT_FOUND, bad stream -> INVALID_ARGUMENT).
+No KV byte passes through here: the data moves between the peers' transport
+agents and the slab this service registered. Errors are raised as
+`BatonError`s; the interceptor maps them to gRPC status (full store ->
+RESOURCE_EXHAUSTED, unknown handoff -> NOT_FOUND, bad request -> INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from dataclasses import replace
 
 import grpc.aio
 from opentelemetry import trace
@@ -23,9 +25,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services.kv_transfer.store import HandoffStore, LeaseState
 from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError
-from shared.handoff_stream import HandoffInfo
-from shared.telemetry import HANDOFF_ID, KV_NBYTES, KV_NUM_BLOCKS, REQUEST_ID, server_span, tracer
-from shared.wire import part_from_chunk, payload_chunks
+from shared.kv.remote import AgentAddress, HandoffSpec, SlotSpace, slot_nbytes_for
+from shared.telemetry import HANDOFF_ID, KV_NUM_BLOCKS, REQUEST_ID, server_span, tracer
+from shared.wire_kv import (
+    agent_to_proto,
+    claimed_to_proto,
+    commit_from_proto,
+    reserve_from_proto,
+    slots_to_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,148 +46,131 @@ class KVTransferMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.leases_active = Gauge(
-            "baton_handoff_leases_active",
-            "Handoffs held (receiving or leased), not yet released",
-            registry=registry,
-        )
-        self.bytes_held = Gauge(
-            "baton_kv_transfer_bytes_held", "Bytes reserved by live handoffs", registry=registry
-        )
-        self.capacity_bytes = Gauge("baton_kv_transfer_capacity_bytes", "Store capacity", registry=registry)
-        self.transfer_bytes = Counter(
-            "baton_kv_transfer_bytes", "KV and hidden-state bytes moved", ["direction"], registry=registry
-        )
-        self.failures = Counter(
-            "baton_kv_transfer_failures", "Handoffs that failed, by reason", ["reason"], registry=registry
-        )
-        self.leases_ended = Counter(
-            "baton_handoff_leases_ended", "Leases ended, by final state", ["state"], registry=registry
-        )
+        self.leases_active = Gauge("baton_handoff_leases_active", "Handoffs live (writing, leased or claimed)",
+                                   registry=registry)
+        self.slots_pinned = Gauge("baton_kv_transfer_slots_pinned", "Slots held by live handoffs",
+                                  registry=registry)
+        self.slots_cached = Gauge("baton_prefix_pool_blocks", "Blocks in the prefix pool", registry=registry)
+        self.capacity_bytes = Gauge("baton_kv_transfer_capacity_bytes", "Slab size", registry=registry)
+        self.failures = Counter("baton_kv_transfer_failures", "Handoffs that failed, by reason", ["reason"],
+                                registry=registry)
+        self.leases_ended = Counter("baton_handoff_leases_ended", "Leases ended, by final state", ["state"],
+                                    registry=registry)
+        self.hit_tokens = Counter("baton_prefix_pool_hit_tokens", "Prompt tokens found in the prefix pool",
+                                  registry=registry)
+        self.reserved_tokens = Counter("baton_prefix_pool_query_tokens", "Prompt tokens of reserved handoffs",
+                                       registry=registry)
 
     def watch(self, store: HandoffStore) -> None:
         """Read the gauges from `store` at scrape time."""
         self.leases_active.set_function(lambda: store.active_leases)
-        self.bytes_held.set_function(lambda: store.bytes_held)
+        self.slots_pinned.set_function(lambda: store.pool.num_pinned)
+        self.slots_cached.set_function(lambda: store.pool.num_cached)
         self.capacity_bytes.set(store.capacity_bytes)
 
-    def on_lease_end(self, info: HandoffInfo, state: LeaseState, nbytes: int) -> None:
+    def on_lease_end(self, spec: HandoffSpec, state: LeaseState, num_slots: int) -> None:
         """HandoffStore end listener."""
         self.leases_ended.labels(state=state.value).inc()
-        if state is LeaseState.EXPIRED:
-            self.failures.labels(reason="expired").inc()
-        elif state is LeaseState.FAILED:
-            self.failures.labels(reason="put_failed").inc()
+        if state in (LeaseState.EXPIRED, LeaseState.FAILED):
+            self.failures.labels(reason=state.value).inc()
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
-    def __init__(self, store: HandoffStore, metrics: KVTransferMetrics, max_claim_wait_s: float) -> None:
+    def __init__(
+        self, store: HandoffStore, metrics: KVTransferMetrics, address: AgentAddress, capacity_bytes: int,
+        max_claim_wait_s: float,
+    ) -> None:
+        """`address`: the slab's agent; its slot size is 0 until the first Reserve cuts the slab."""
         self._store = store
         self._metrics = metrics
+        self._address = address
+        self._capacity_bytes = capacity_bytes
         self._max_claim_wait_s = max_claim_wait_s
 
-    async def Put(
-        self,
-        request_iterator: AsyncIterator[kv_transfer_pb2.HandoffChunk],
-        context: grpc.aio.ServicerContext,
-    ) -> kv_transfer_pb2.PutResponse:
-        with server_span(_tracer, context, "kv_transfer.Put"):
-            return await self._put(request_iterator)
+    async def GetAgent(  # noqa: N802 (gRPC method name)
+        self, request: kv_transfer_pb2.GetAgentRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.AgentInfo:
+        if request.kind and request.kind != self._address.kind:
+            raise InvalidRequestError(f"this kv_transfer speaks {self._address.kind}, not {request.kind}",
+                                      param="kind")
+        return agent_to_proto(self._address)
 
-    async def _put(
-        self, request_iterator: AsyncIterator[kv_transfer_pb2.HandoffChunk]
-    ) -> kv_transfer_pb2.PutResponse:
-        handoff_id: str | None = None
-        committed = False
-        received = self._metrics.transfer_bytes.labels(direction="received")
-        try:
-            async for chunk in request_iterator:
-                part = part_from_chunk(chunk)
-                if isinstance(part, HandoffInfo):
-                    if handoff_id is not None:
-                        raise InvalidRequestError(f"handoff {handoff_id}: a second header in one Put")
-                    try:
-                        self._begin_put(part)
-                    except CapacityError:
-                        # read the rest before refusing: a client still writing when the call ends
-                        # sees gRPC core's opaque INTERNAL instead of RESOURCE_EXHAUSTED
-                        async for _ in request_iterator:
-                            pass
-                        raise
-                    handoff_id = part.handoff_id
-                    trace.get_current_span().set_attributes(_span_attributes(part))
-                elif handoff_id is None:
-                    raise InvalidRequestError("a Put stream must start with its header")
-                else:
-                    self._store.add_part(handoff_id, part)
-                    received.inc(len(part.data))
-            if handoff_id is None:
-                raise InvalidRequestError("empty Put stream")
-            nbytes = self._store.commit(handoff_id)
-            committed = True
-            trace.get_current_span().set_attribute(KV_NBYTES, nbytes)
-        finally:
-            # a broken stream (client cancelled, bad data, deadline) frees what it reserved
-            if handoff_id is not None and not committed and self._store.abort_put(handoff_id):
-                logger.warning("handoff %s: Put did not complete, freed", handoff_id)
-        return kv_transfer_pb2.PutResponse(handoff_id=handoff_id, nbytes=nbytes)
+    async def Reserve(  # noqa: N802
+        self, request: kv_transfer_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.ReserveResponse:
+        attributes = {HANDOFF_ID: request.handoff_id, REQUEST_ID: request.request_id,
+                      KV_NUM_BLOCKS: request.num_blocks}
+        with server_span(_tracer, context, "kv_transfer.Reserve", attributes):
+            spec = reserve_from_proto(request)
+            self._cut_slab(spec)
+            try:
+                slots = self._store.reserve(spec)
+            except CapacityError:
+                self._metrics.failures.labels(reason="capacity").inc()
+                raise
+            bs = spec.layout.block_size
+            hit_tokens = min(slots.num_leading_hits * bs, len(spec.prompt_token_ids))
+            self._metrics.hit_tokens.inc(hit_tokens)
+            self._metrics.reserved_tokens.inc(len(spec.prompt_token_ids))
+            trace.get_current_span().set_attribute("baton.prefix_pool.hit_tokens", hit_tokens)
+            return slots_to_proto(slots, self._address)
 
-    def _begin_put(self, info: HandoffInfo) -> None:
-        try:
-            self._store.begin_put(info)
-        except CapacityError:
-            self._metrics.failures.labels(reason="capacity").inc()
-            raise
+    def _cut_slab(self, spec: HandoffSpec) -> None:
+        """The first Reserve sizes the slots for its block format (unless configured)."""
+        if self._store.space is not None:
+            return
+        space = self._address.space
+        slot_nbytes = slot_nbytes_for(spec.layout)
+        num_slots = self._capacity_bytes // slot_nbytes
+        space = replace(space, slot_nbytes=slot_nbytes, num_slots=num_slots)
+        self._store.cut_slots(space)
+        self._address = replace(self._address, space=space)
+        logger.info("slab cut into %d slots of %d bytes for %s", num_slots, slot_nbytes, spec.key)
 
-    async def Claim(
+    async def Commit(  # noqa: N802
+        self, request: kv_transfer_pb2.CommitRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.CommitResponse:
+        with server_span(_tracer, context, "kv_transfer.Commit", {HANDOFF_ID: request.handoff_id}):
+            handoff_id, result = commit_from_proto(request)
+            return kv_transfer_pb2.CommitResponse(nbytes=self._store.commit(handoff_id, result))
+
+    async def Claim(  # noqa: N802
         self, request: kv_transfer_pb2.ClaimRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_transfer_pb2.HandoffChunk]:
+    ) -> kv_transfer_pb2.ClaimResponse:
         with server_span(_tracer, context, "kv_transfer.Claim", {HANDOFF_ID: request.handoff_id}):
-            async with aclosing(self._claim(request)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            if not request.handoff_id:
+                raise InvalidRequestError("Claim needs a handoff_id", param="handoff_id")
+            wait_s = min(request.wait_ms / 1000, self._max_claim_wait_s)
+            try:
+                claimed = await self._store.claim(request.handoff_id, wait_s)
+            except HandoffNotFoundError:
+                self._metrics.failures.labels(reason="claim_not_found").inc()
+                raise
+            trace.get_current_span().set_attributes({REQUEST_ID: claimed.spec.request_id,
+                                                     KV_NUM_BLOCKS: claimed.spec.num_blocks})
+            return claimed_to_proto(claimed, self._address)
 
-    async def _claim(
-        self, request: kv_transfer_pb2.ClaimRequest
-    ) -> AsyncGenerator[kv_transfer_pb2.HandoffChunk, None]:
-        if not request.handoff_id:
-            raise InvalidRequestError("Claim needs a handoff_id", param="handoff_id")
-        wait_s = min(request.wait_ms / 1000, self._max_claim_wait_s)
-        try:
-            payload = await self._store.claim(request.handoff_id, wait_s)
-        except HandoffNotFoundError:
-            self._metrics.failures.labels(reason="claim_not_found").inc()
-            raise
-        trace.get_current_span().set_attributes({**_span_attributes(payload.info),
-                                                 KV_NBYTES: payload.info.total_nbytes})
-        # The lease ended at claim (bytes freed in the store); the payload lives until streamed.
-        sent = self._metrics.transfer_bytes.labels(direction="sent")
-        for chunk in payload_chunks(payload):
-            yield chunk
-            kind = chunk.WhichOneof("kind")
-            if kind == "kv":
-                sent.inc(len(chunk.kv.data))
-            elif kind == "hidden":
-                sent.inc(len(chunk.hidden.data))
-
-    async def Release(
+    async def Release(  # noqa: N802
         self, request: kv_transfer_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.ReleaseResponse:
         if not request.handoff_id:
             raise InvalidRequestError("Release needs a handoff_id", param="handoff_id")
         with server_span(_tracer, context, "kv_transfer.Release", {HANDOFF_ID: request.handoff_id}):
-            return kv_transfer_pb2.ReleaseResponse(found=self._store.release(request.handoff_id))
+            found = self._store.release(request.handoff_id, failed=request.failed)
+            return kv_transfer_pb2.ReleaseResponse(found=found)
 
-    async def Stats(
+    async def Stats(  # noqa: N802
         self, request: kv_transfer_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.StatsResponse:
-        stats = self._store.stats()
+        s = self._store.stats()
         return kv_transfer_pb2.StatsResponse(
-            active_leases=stats.active_leases,
-            bytes_held=stats.bytes_held,
-            capacity_bytes=stats.capacity_bytes,
+            active_leases=s.active_leases, num_slots=s.num_slots, slots_pinned=s.slots_pinned,
+            slots_cached=s.slots_cached, slot_nbytes=s.slot_nbytes, capacity_bytes=s.capacity_bytes,
         )
 
 
-def _span_attributes(info: HandoffInfo) -> dict[str, str | int]:
-    return {HANDOFF_ID: info.handoff_id, REQUEST_ID: info.request_id, KV_NUM_BLOCKS: info.layout.num_blocks}
+def slab_space(agent_name: str, base_addr: int, slot_nbytes: int, capacity_bytes: int) -> SlotSpace | None:
+    """The slot geometry when it is configured; None leaves it to the first Reserve."""
+    if slot_nbytes <= 0:
+        return None
+    return SlotSpace(agent_name, base_addr, slot_nbytes, capacity_bytes // slot_nbytes)

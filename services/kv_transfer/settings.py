@@ -1,6 +1,6 @@
 """Settings of the kv_transfer service: environment variables `BATON_KV_TRANSFER_<FIELD>`.
 
-For example `BATON_KV_TRANSFER_PORT=50053`, `BATON_KV_TRANSFER_CAPACITY_BYTES=8589934592`.
+For example `BATON_KV_TRANSFER_PORT=50053`, `BATON_KV_TRANSFER_TRANSPORT=nixl`.
 Parsed once, in `services.kv_transfer.main`.
 """
 
@@ -18,15 +18,25 @@ class KVTransferSettings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="interface the gRPC server binds")
     port: int = Field(default=50053, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
     capacity_bytes: int = Field(
-        default=4 << 30,
+        default=2 << 30,
         ge=0,
-        description="host memory the store may hold; a Put that does not fit is refused",
+        description="host memory of the slot slab; a Reserve that does not fit is refused (backpressure)",
+    )
+    slot_nbytes: int = Field(
+        default=0, ge=0, description="bytes per slot (one KV block of every layer); 0 = sized by the first Reserve"
+    )
+    transport: str = Field(
+        default="auto", pattern="^(auto|nixl|ucxx|tcp)$",
+        description="data-path transport; auto = the first of nixl, ucxx, tcp that works here",
+    )
+    claim_timeout_s: float = Field(
+        default=30.0, gt=0, description="how long decode may take to pull a claimed handoff before it expires"
     )
     lease_timeout_s: float = Field(
-        default=30.0, gt=0, description="how long an unclaimed handoff is kept when its header does not say"
+        default=30.0, gt=0, description="how long an unclaimed handoff is kept when its Reserve does not say"
     )
     max_lease_timeout_s: float = Field(
-        default=600.0, gt=0, description="upper bound on a header's own lease timeout"
+        default=600.0, gt=0, description="upper bound on a Reserve's own lease timeout"
     )
     max_claim_wait_s: float = Field(default=60.0, ge=0, description="upper bound on a Claim's wait_ms")
     sweep_interval_s: float = Field(
@@ -36,7 +46,7 @@ class KVTransferSettings(BaseSettings):
         default=9403, ge=-1, le=65535, description="Prometheus /metrics port, on `host`; 0 = any, -1 = off"
     )
     max_message_bytes: int = Field(
-        default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20, description="largest gRPC message (one layer of KV)"
+        default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20, description="largest gRPC message"
     )
     shutdown_grace_s: float = Field(default=5.0, ge=0, description="time calls in flight get on shutdown")
     log_level: str = Field(default="INFO", description="logging level name")

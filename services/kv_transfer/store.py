@@ -1,23 +1,25 @@
-"""HandoffStore: holds each handoff under a lease until decode claims it. No gRPC here.
+"""HandoffStore: each request's KV held in slots under a lease until decode has pulled it. No gRPC here.
 
 Lifecycle of one handoff (one lease, one owner: the store)::
 
-    begin_put ──► RECEIVING ──commit──► LEASED ──claim────► CLAIMED   (deadline restarts at commit)
-                     │                    ├──release──► RELEASED
-                     │                    └──deadline─► EXPIRED
-                     ├──abort_put (stream broke, bad data) ──► FAILED
-                     ├──release (request aborted mid-Put) ───► RELEASED
-                     └──deadline (Put stalled) ──────────────► EXPIRED
+    reserve ──► WRITING ──commit──► LEASED ──claim──► CLAIMED ──release(done)──► DONE
+                  │                   │                  └──deadline──► EXPIRED     (decode died mid-pull)
+                  │                   ├──release──► RELEASED                        (request aborted)
+                  │                   └──deadline─► EXPIRED                         (decode never came)
+                  ├──release(failed) / deadline ──► FAILED / EXPIRED               (prefill died mid-push)
 
-The bytes a handoff announces are reserved when its Put begins, so a store
-that is full refuses new Puts (CapacityError: backpressure) instead of
-running out of memory halfway. Every exit from RECEIVING or LEASED goes
-through `_end`, which frees the reservation exactly once and forgets the
-entry; `bytes_held` is the sum of live reservations. The ids of recently
-ended handoffs are remembered, so a Put that arrives after its request was
-released is refused at once instead of sitting out a lease.
+`reserve` pins one slot per KV block and enough slots for the hidden states,
+all or nothing: a full store refuses with CapacityError (backpressure), never
+runs out of memory halfway. Blocks whose prefix hash is already in the pool
+are hits: their slots are shared, nobody writes them again. At `commit` the
+handoff's new full blocks join the prefix pool under their hashes, so later
+requests hit them while this one is still in flight. Every exit from a live
+state goes through `_end`, which unpins the slots exactly once; keyed slots
+stay in the pool (evictable), the rest are free again.
 
-The store is single-threaded: call it from one asyncio event loop.
+The ids of recently ended handoffs are remembered, so a Reserve that arrives
+after its request was released is refused at once instead of sitting out a
+lease. The store is single-threaded: call it from one asyncio event loop.
 """
 
 from __future__ import annotations
@@ -30,171 +32,179 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError, RequestAbortedError
-from shared.handoff_stream import HandoffAssembly, HandoffInfo, HandoffPayload, HiddenStateData, KVLayerData
+from services.kv_transfer.slots import EvictionPolicy, SlotPool
+from shared.errors import HandoffNotFoundError, InvalidRequestError, RequestAbortedError
+from shared.kv.layout import cdiv
+from shared.kv.remote import (
+    ClaimedHandoff,
+    HandoffResult,
+    HandoffSlots,
+    HandoffSpec,
+    SlotSpace,
+    slot_nbytes_for,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class LeaseState(enum.Enum):
-    RECEIVING = "receiving"  # Put in flight: bytes reserved, data arriving
-    LEASED = "leased"  # complete, waiting for decode
-    CLAIMED = "claimed"  # handed to decode
+    WRITING = "writing"  # reserved, prefill writing
+    LEASED = "leased"  # committed, waiting for decode
+    CLAIMED = "claimed"  # decode pulling
+    DONE = "done"  # decode pulled it and released
     RELEASED = "released"  # dropped on request (abort)
-    EXPIRED = "expired"  # deadline passed unclaimed
-    FAILED = "failed"  # the Put broke or sent bad data
+    EXPIRED = "expired"  # a deadline passed
+    FAILED = "failed"  # prefill reported that its push broke
 
     @property
     def is_live(self) -> bool:
-        return self in (LeaseState.RECEIVING, LeaseState.LEASED)
+        return self in (LeaseState.WRITING, LeaseState.LEASED, LeaseState.CLAIMED)
 
 
 @dataclass
 class _Lease:
-    assembly: HandoffAssembly
-    nbytes: int  # reserved at begin_put
-    timeout_s: float  # lease length: from begin_put while receiving, from commit once leased
-    deadline_s: float  # on the store's clock
-    state: LeaseState = LeaseState.RECEIVING
+    spec: HandoffSpec
+    slots: HandoffSlots
+    deadline_s: float
+    timeout_s: float
+    state: LeaseState = LeaseState.WRITING
+    result: HandoffResult | None = None
 
     @property
-    def info(self) -> HandoffInfo:
-        return self.assembly.info
+    def all_slots(self) -> list[int]:
+        return self.slots.block_slots + self.slots.hidden_slots
 
 
 @dataclass(frozen=True)
 class StoreStats:
-    active_leases: int  # RECEIVING + LEASED
-    bytes_held: int
+    active_leases: int
+    num_slots: int
+    slots_pinned: int  # held by live leases
+    slots_cached: int  # prefix-pool entries (pinned or evictable)
+    slot_nbytes: int
     capacity_bytes: int
 
 
-# Called once per lease when it ends: (info, final state, bytes freed).
-EndListener = Callable[[HandoffInfo, LeaseState, int], None]
+# Called once per lease when it ends: (spec, final state, slots it pinned).
+EndListener = Callable[[HandoffSpec, LeaseState, int], None]
 
 
 class HandoffStore:
-    """Handoffs by id, each under a lease with a deadline; bounded by `capacity_bytes`."""
+    """Leases over a SlotPool cut from `capacity_bytes` of registered memory."""
 
     def __init__(
-        self,
-        capacity_bytes: int,
-        default_lease_timeout_s: float,
-        *,
-        max_lease_timeout_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        on_end: EndListener | None = None,
+        self, capacity_bytes: int, space: SlotSpace | None, *, lease_timeout_s: float, claim_timeout_s: float,
+        max_lease_timeout_s: float | None = None, policy: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic, on_end: EndListener | None = None,
         max_remembered_ids: int = 65536,
     ) -> None:
-        if capacity_bytes < 0 or default_lease_timeout_s <= 0:
-            raise ValueError("capacity_bytes must be >= 0 and default_lease_timeout_s > 0")
+        """`space`: the slot geometry; None cuts slots at the first reserve, sized for its layout."""
+        if lease_timeout_s <= 0 or claim_timeout_s <= 0:
+            raise ValueError("lease_timeout_s and claim_timeout_s must be > 0")
         self.capacity_bytes = capacity_bytes
-        self.default_lease_timeout_s = default_lease_timeout_s
+        self.lease_timeout_s = lease_timeout_s
+        self.claim_timeout_s = claim_timeout_s
         self.max_lease_timeout_s = max_lease_timeout_s
+        self.space = space
+        self._policy = policy
+        self.pool = SlotPool(space.num_slots if space else 0, policy)
         self._clock = clock
         self._on_end = on_end
         self._leases: dict[str, _Lease] = {}
         self._ended: OrderedDict[str, LeaseState] = OrderedDict()
         self._max_remembered_ids = max_remembered_ids
-        self._bytes_held = 0
         self._changed = asyncio.Event()  # replaced after every set: waiters re-check the map
+        self.hit_blocks_total = 0
 
     # --- queries ----------------------------------------------------------------------------
-
-    @property
-    def bytes_held(self) -> int:
-        return self._bytes_held
 
     @property
     def active_leases(self) -> int:
         return len(self._leases)
 
     def stats(self) -> StoreStats:
-        return StoreStats(len(self._leases), self._bytes_held, self.capacity_bytes)
+        space = self.space
+        return StoreStats(len(self._leases), self.pool.num_slots, self.pool.num_pinned, self.pool.num_cached,
+                          space.slot_nbytes if space else 0, self.capacity_bytes)
 
     def state(self, handoff_id: str) -> LeaseState | None:
         """Current state, the final state of a recently ended handoff, or None when unknown."""
         lease = self._leases.get(handoff_id)
         return lease.state if lease is not None else self._ended.get(handoff_id)
 
-    # --- Put ----------------------------------------------------------------------------------
+    # --- prefill side ---------------------------------------------------------------------------
 
-    def begin_put(self, info: HandoffInfo) -> None:
-        """Reserve `info.total_nbytes` for a new handoff and open its lease (RECEIVING)."""
-        handoff_id = info.handoff_id
+    def reserve(self, spec: HandoffSpec) -> HandoffSlots:
+        """Pin slots for a new handoff (WRITING); hits are blocks the pool already holds."""
         self.expire(self._clock())
-        if handoff_id in self._leases:
-            raise InvalidRequestError(f"handoff {handoff_id} already exists", param="handoff_id")
-        # A failed or expired Put may be retried under the same id; a claimed one may not, and
-        # a released one belongs to an aborted request.
-        ended = self._ended.get(handoff_id)
-        if ended is LeaseState.RELEASED:
-            raise RequestAbortedError(f"handoff {handoff_id} was released before its Put")
-        if ended is LeaseState.CLAIMED:
-            raise InvalidRequestError(f"handoff {handoff_id} was already claimed", param="handoff_id")
-        nbytes = info.total_nbytes
-        if nbytes > self.capacity_bytes - self._bytes_held:
-            raise CapacityError(
-                f"kv_transfer store full: handoff {handoff_id} needs {nbytes} bytes, "
-                f"{self.capacity_bytes - self._bytes_held} of {self.capacity_bytes} free"
-            )
-        timeout_s = info.lease_timeout_ms / 1000 if info.lease_timeout_ms else self.default_lease_timeout_s
+        self._check_new(spec.handoff_id)
+        space = self._space_for(spec)
+        keys = [(spec.key, h) for h in spec.block_hashes]
+        keys += [None] * (spec.num_blocks - len(keys))
+        num_hidden_slots = cdiv(spec.hidden_nbytes, space.slot_nbytes)
+        acquired = self.pool.acquire([*keys, *([None] * num_hidden_slots)])  # raises CapacityError
+        slots = HandoffSlots(space, acquired.slots[: spec.num_blocks], acquired.hits[: spec.num_blocks],
+                             acquired.slots[spec.num_blocks :])
+        timeout_s = spec.lease_timeout_ms / 1000 if spec.lease_timeout_ms else self.lease_timeout_s
         if self.max_lease_timeout_s is not None:
             timeout_s = min(timeout_s, self.max_lease_timeout_s)
-        self._ended.pop(handoff_id, None)
-        self._leases[handoff_id] = _Lease(HandoffAssembly(info), nbytes, timeout_s, self._clock() + timeout_s)
-        self._bytes_held += nbytes
-        logger.debug("handoff %s (request %s): receiving %d bytes", handoff_id, info.request_id, nbytes)
+        self._ended.pop(spec.handoff_id, None)
+        self._leases[spec.handoff_id] = _Lease(spec, slots, self._clock() + timeout_s, timeout_s)
+        self.hit_blocks_total += slots.num_leading_hits
+        logger.debug("handoff %s (request %s): reserved %d block slots (%d hits) + %d hidden",
+                     spec.handoff_id, spec.request_id, spec.num_blocks, acquired.num_hits, num_hidden_slots)
         self._notify()
+        return slots
 
-    def add_part(self, handoff_id: str, part: KVLayerData | HiddenStateData) -> None:
-        """Add one data part to a RECEIVING handoff; bad data fails (and frees) the handoff."""
-        lease = self._receiving(handoff_id)
-        try:
-            lease.assembly.add(part)
-        except InvalidRequestError:
+    def _check_new(self, handoff_id: str) -> None:
+        if handoff_id in self._leases:
+            raise InvalidRequestError(f"handoff {handoff_id} already exists", param="handoff_id")
+        ended = self._ended.get(handoff_id)
+        if ended is LeaseState.RELEASED:
+            raise RequestAbortedError(f"handoff {handoff_id} was released before it was reserved")
+        if ended is LeaseState.DONE:
+            raise InvalidRequestError(f"handoff {handoff_id} was already claimed", param="handoff_id")
+
+    def _space_for(self, spec: HandoffSpec) -> SlotSpace:
+        need = slot_nbytes_for(spec.layout)
+        if self.space is None:
+            raise InvalidRequestError("kv_transfer has no slot space yet")  # the service cuts it first
+        if need > self.space.slot_nbytes:
+            raise InvalidRequestError(
+                f"a block of {spec.key} needs {need} bytes; this store's slots hold {self.space.slot_nbytes} "
+                "(raise BATON_KV_TRANSFER_SLOT_NBYTES)")
+        return self.space
+
+    def cut_slots(self, space: SlotSpace) -> None:
+        """Set the slot geometry once (a store created without one); the service calls it."""
+        assert self.space is None and not self._leases
+        self.space = space
+        self.pool = SlotPool(space.num_slots, self._policy)
+
+    def commit(self, handoff_id: str, result: HandoffResult) -> int:
+        """Prefill wrote everything: the handoff becomes LEASED and its full blocks join the pool."""
+        lease = self._live(handoff_id, LeaseState.WRITING)
+        hidden_nbytes = result.num_hidden_tokens * result.hidden_width * lease.spec.layout.itemsize
+        if hidden_nbytes > len(lease.slots.hidden_slots) * lease.slots.space.slot_nbytes:
             self._end(handoff_id, LeaseState.FAILED)
-            raise
-
-    def commit(self, handoff_id: str) -> int:
-        """Close the Put: the handoff becomes LEASED (claimable). Returns its bytes."""
-        lease = self._receiving(handoff_id)
-        if not lease.assembly.complete:
-            try:
-                lease.assembly.finish()  # raises, naming what is missing
-            finally:
-                self._end(handoff_id, LeaseState.FAILED)
+            raise InvalidRequestError(f"handoff {handoff_id}: {hidden_nbytes} bytes of hidden states were "
+                                      f"written to room reserved for {lease.spec.hidden_nbytes}")
+        lease.result = result
         lease.state = LeaseState.LEASED
         lease.deadline_s = self._clock() + lease.timeout_s
-        info = lease.info
-        logger.info("handoff %s (request %s): leased, %d bytes", handoff_id, info.request_id, lease.nbytes)
+        for block_hash, slot in zip(lease.spec.block_hashes, lease.slots.block_slots, strict=False):
+            self.pool.publish(slot, (lease.spec.key, block_hash))
+        logger.info("handoff %s (request %s): leased, %d blocks", handoff_id, lease.spec.request_id,
+                    lease.spec.num_blocks)
         self._notify()
-        return lease.nbytes
+        return len(lease.all_slots) * lease.slots.space.slot_nbytes
 
-    def abort_put(self, handoff_id: str) -> bool:
-        """Drop a handoff whose Put did not complete. Idempotent; True when it freed something."""
-        lease = self._leases.get(handoff_id)
-        if lease is None or lease.state is not LeaseState.RECEIVING:
-            return False
-        self._end(handoff_id, LeaseState.FAILED)
-        return True
+    # --- decode side ------------------------------------------------------------------------------
 
-    def _receiving(self, handoff_id: str) -> _Lease:
-        lease = self._leases.get(handoff_id)
-        if lease is not None and lease.state is LeaseState.RECEIVING:
-            return lease
-        state = lease.state if lease is not None else self._ended.get(handoff_id)
-        if state in (LeaseState.RELEASED, LeaseState.EXPIRED):
-            raise RequestAbortedError(f"handoff {handoff_id} was {state.value} during its Put")
-        raise InvalidRequestError(
-            f"handoff {handoff_id} is not receiving (state: {state.value if state else 'unknown'})"
-        )
+    async def claim(self, handoff_id: str, wait_s: float = 0.0) -> ClaimedHandoff:
+        """Take a LEASED handoff (-> CLAIMED), waiting up to `wait_s` for its commit.
 
-    # --- Claim / Release / expiry -------------------------------------------------------------
-
-    async def claim(self, handoff_id: str, wait_s: float = 0.0) -> HandoffPayload:
-        """Take a LEASED handoff (-> CLAIMED, bytes freed), waiting up to `wait_s` for a Put in flight.
-
+        The slots stay pinned until decode releases (pulled) or the claim deadline passes.
         Raises HandoffNotFoundError when it is not claimable within `wait_s`.
         """
         loop = asyncio.get_running_loop()
@@ -203,27 +213,39 @@ class HandoffStore:
             self.expire(self._clock())
             lease = self._leases.get(handoff_id)
             if lease is not None and lease.state is LeaseState.LEASED:
-                payload = lease.assembly.finish()
-                self._end(handoff_id, LeaseState.CLAIMED)
-                return payload
+                assert lease.result is not None
+                lease.state = LeaseState.CLAIMED
+                lease.deadline_s = self._clock() + self.claim_timeout_s
+                self._notify()
+                return ClaimedHandoff(lease.spec, lease.result, lease.slots, int(self.claim_timeout_s * 1000))
             remaining_s = give_up_at - loop.time()
             ended = self._ended.get(handoff_id)
+            if lease is not None and lease.state is LeaseState.CLAIMED:
+                ended = LeaseState.CLAIMED
             if ended is not None or remaining_s <= 0:
-                why = f"it was {ended.value}" if ended is not None else "no complete Put arrived in time"
+                why = f"it was {ended.value}" if ended is not None else "prefill did not commit it in time"
                 raise HandoffNotFoundError(f"handoff {handoff_id} not found: {why}", param="handoff_id")
             try:
-                # any change to the store (a Put beginning or committing, a sweep) re-checks
+                # any change to the store (a reserve, a commit, a sweep) re-checks
                 await asyncio.wait_for(self._changed.wait(), timeout=remaining_s)
             except TimeoutError:
                 pass
 
-    def release(self, handoff_id: str) -> bool:
-        """Drop a handoff (request aborted). Idempotent: True when this call freed it.
+    def release(self, handoff_id: str, failed: bool = False) -> bool:
+        """End a handoff. Idempotent: True when this call ended it.
 
-        Releasing an id not seen yet remembers it, so its Put is refused when it arrives.
+        CLAIMED -> DONE (decode pulled it); WRITING -> FAILED when `failed` (prefill's push broke);
+        otherwise -> RELEASED (aborted). Releasing an unknown id remembers it, so a later Reserve is refused.
         """
-        if handoff_id in self._leases:
-            self._end(handoff_id, LeaseState.RELEASED)
+        lease = self._leases.get(handoff_id)
+        if lease is not None:
+            if lease.state is LeaseState.CLAIMED:
+                state = LeaseState.DONE
+            elif failed and lease.state is LeaseState.WRITING:
+                state = LeaseState.FAILED
+            else:
+                state = LeaseState.RELEASED
+            self._end(handoff_id, state)
             return True
         if handoff_id not in self._ended:
             self._remember(handoff_id, LeaseState.RELEASED)
@@ -248,27 +270,34 @@ class HandoffStore:
             self._end(handoff_id, LeaseState.RELEASED)
         return len(live)
 
+    def check_no_leaks(self) -> None:
+        assert not self._leases, f"leases still live: {sorted(self._leases)[:8]}"
+        self.pool.check_no_pins()
+
     # --- the one exit -------------------------------------------------------------------------
+
+    def _live(self, handoff_id: str, expected: LeaseState) -> _Lease:
+        lease = self._leases.get(handoff_id)
+        if lease is not None and lease.state is expected:
+            return lease
+        state = lease.state if lease is not None else self._ended.get(handoff_id)
+        if state in (LeaseState.RELEASED, LeaseState.EXPIRED):
+            raise RequestAbortedError(f"handoff {handoff_id} was {state.value}")
+        raise InvalidRequestError(f"handoff {handoff_id} is {state.value if state else 'unknown'}, "
+                                  f"not {expected.value}")
 
     def _end(self, handoff_id: str, state: LeaseState) -> None:
         lease = self._leases.pop(handoff_id)
         assert lease.state.is_live and not state.is_live, (lease.state, state)
+        was = lease.state
         lease.state = state
-        self._bytes_held -= lease.nbytes
-        assert self._bytes_held >= 0, self._bytes_held
+        self.pool.release(lease.all_slots)
         self._remember(handoff_id, state)
-        info = lease.info
-        level = logging.INFO if state in (LeaseState.CLAIMED, LeaseState.RELEASED) else logging.WARNING
-        logger.log(
-            level,
-            "handoff %s (request %s): %s, %d bytes freed",
-            handoff_id,
-            info.request_id,
-            state.value,
-            lease.nbytes,
-        )
+        level = logging.INFO if state in (LeaseState.DONE, LeaseState.RELEASED) else logging.WARNING
+        logger.log(level, "handoff %s (request %s): %s after %s, %d slots unpinned", handoff_id,
+                   lease.spec.request_id, state.value, was.value, len(lease.all_slots))
         if self._on_end is not None:
-            self._on_end(info, state, lease.nbytes)
+            self._on_end(lease.spec, state, len(lease.all_slots))
         self._notify()
 
     def _remember(self, handoff_id: str, state: LeaseState) -> None:

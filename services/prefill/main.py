@@ -21,10 +21,10 @@ async def start(settings: PrefillSettings) -> RunningKVService:
     kv = KVTransferClient(settings.max_message_bytes)
 
     def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
-        servicer = PrefillServicer(aengine, kv, aengine.engine.loaded.identity, settings.kv_push_timeout_s)
+        servicer = PrefillServicer(aengine, kv, settings.kv_hidden_states)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
 
-    host = await start_engine_service(settings, "prefill", "prefill", add, SERVICE_NAME)
+    host = await start_engine_service(settings, "prefill", "prefill", add, SERVICE_NAME, settings.kv_push_mode)
     return RunningKVService(host, kv)
 
 

@@ -1,15 +1,21 @@
 """The prefill servicer: protobuf at the edge, the engine (prefill role) inside.
 
-Prefill(request, handoff_id)
-  engine: prompt computed (batched with other prefills), first token sampled
-  ├ first token ends the request (max_tokens=1, eos): reply with finish_reason, no handoff
-  └ else: KV + hidden states Put to kv_transfer under handoff_id, then reply
-A cancelled call (router gone) aborts the request in the engine.
+Prefill(request, handoff_id, kv_transfer_address)
+  Reserve slots in kv_transfer (full prompt blocks named by prefix hash: pool hits come back present)
+  engine: the pool's prefix imported, the rest computed (batched with other prefills); each layer's
+          finished blocks written into the slots as the layer completes; first token sampled; hidden
+          states written
+  ├ first token ends the request (max_tokens=1, eos): release the slots, reply with finish_reason
+  └ else: Commit (the handoff becomes claimable), then reply
+A cancelled call (router gone) or a failed push aborts the request in the engine first, then
+releases the slots, so no write of ours can land in a slot given to someone else.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
@@ -17,8 +23,12 @@ from opentelemetry.util.types import AttributeValue
 
 from proto.baton.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.block_pool import hash_prefix_blocks
+from shared.engine.kv_push import PushOutcome
 from shared.engine.request import RequestOutput
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, KVTransferError, UnavailableError
+from shared.kv.layout import cdiv
+from shared.kv.remote import HandoffSpec
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
     CACHED_TOKENS,
@@ -40,11 +50,10 @@ _tracer = tracer(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, aengine: AsyncEngine, kv: KVTransferClient, model: str, push_timeout_s: float) -> None:
+    def __init__(self, aengine: AsyncEngine, kv: KVTransferClient, send_hidden_states: bool = True) -> None:
         self.aengine = aengine
         self.kv = kv
-        self.model = model
-        self.push_timeout_s = push_timeout_s
+        self.send_hidden_states = send_hidden_states
 
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -56,35 +65,72 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with server_span(_tracer, context, "prefill.Prefill", attributes):
             return await self._prefill(request)
 
+    def _spec(self, request: prefill_pb2.PrefillRequest) -> HandoffSpec:
+        """What to reserve: a slot per prompt block (full ones named by their prefix hash), room for hidden states."""
+        engine = self.aengine.engine
+        prompt = list(request.request.prompt_token_ids)
+        bs = engine.config.block_size
+        layout = replace(engine.layout, num_blocks=cdiv(len(prompt), bs))
+        hidden_nbytes = len(prompt) * engine.loaded.spec.hidden_size * layout.itemsize if self.send_hidden_states else 0
+        return HandoffSpec(
+            request.handoff_id, request.request.request_id, engine.loaded.identity, layout, prompt,
+            hash_prefix_blocks(prompt, bs, engine.kv.hash_salt), hidden_nbytes,
+        )
+
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         req = request.request
         params = sampling_params_from_proto(req.params)
         if not request.handoff_id or not request.kv_transfer_address:
             raise InvalidRequestError("Prefill needs a handoff_id and a kv_transfer_address")
-        final: RequestOutput | None = None
-        async for out in await self.aengine.generate(req.request_id, list(req.prompt_token_ids), params):
-            final = out
-        assert final is not None and final.finished
-        reply = prefill_pb2.PrefillResponse(
-            handoff_id=request.handoff_id, first_token_id=final.new_token_ids[0],
-            num_prompt_tokens=final.num_prompt_tokens, num_cached_tokens=final.num_cached_tokens,
-        )
-        if final.new_logprobs:
-            reply.first_logprobs.CopyFrom(token_logprobs_to_proto(final.new_logprobs[0]))
-        span = trace.get_current_span()
-        span.set_attributes({CACHED_TOKENS: final.num_cached_tokens, OUTPUT_TOKENS: 1})
-        if final.finish_reason != "handoff":
-            reply.finish_reason = final.finish_reason or "stop"
+        if not req.prompt_token_ids:
+            raise InvalidRequestError("empty prompt", param="prompt")
+        address = request.kv_transfer_address
+        slots, agent = await self.kv.reserve(address, self._spec(request))
+        committed = False
+        failed = True  # the slots' content is not to be trusted unless the first token ended the request
+        try:
+            final: RequestOutput | None = None
+            stream = await self.aengine.generate_pushed(req.request_id, list(req.prompt_token_ids), params, agent,
+                                                        slots)
+            async for out in stream:
+                final = out
+            assert final is not None and final.finished
+            reply = prefill_pb2.PrefillResponse(
+                handoff_id=request.handoff_id, first_token_id=final.new_token_ids[0],
+                num_prompt_tokens=final.num_prompt_tokens, num_cached_tokens=final.num_cached_tokens,
+            )
+            if final.new_logprobs:
+                reply.first_logprobs.CopyFrom(token_logprobs_to_proto(final.new_logprobs[0]))
+            span = trace.get_current_span()
+            span.set_attributes({CACHED_TOKENS: final.num_cached_tokens, OUTPUT_TOKENS: 1})
+            if final.finish_reason != "handoff":  # the first token ended it: nothing to hand over
+                reply.finish_reason = final.finish_reason or "stop"
+                failed = False
+                return reply
+            push = final.handoff
+            assert isinstance(push, PushOutcome)
+            if push.result is None:
+                raise KVTransferError(f"request {req.request_id}: pushing its KV failed: {push.error}")
+            await self.kv.commit(address, request.handoff_id, push.result)
+            committed = True
+            span.set_attributes({KV_NBYTES: push.nbytes, KV_NUM_BLOCKS: len(slots.block_slots)})
+            logger.info("request %s: prefilled %d tokens (%d cached, %d from the pool), handoff %s: %d bytes in "
+                        "%.1f ms", req.request_id, final.num_prompt_tokens, final.num_cached_tokens,
+                        slots.num_leading_hits * self.aengine.engine.config.block_size, request.handoff_id,
+                        push.nbytes, push.seconds * 1000)
             return reply
-        nbytes = await self.kv.put(
-            request.kv_transfer_address, final.handoff, handoff_id=request.handoff_id,  # type: ignore[arg-type]
-            request_id=req.request_id, model=self.model, timeout_s=self.push_timeout_s,
-        )
-        num_blocks = final.handoff.num_blocks  # type: ignore[attr-defined]
-        span.set_attributes({KV_NBYTES: nbytes, KV_NUM_BLOCKS: num_blocks})
-        logger.info("request %s: prefilled %d tokens (%d cached), handoff %s (%d bytes)", req.request_id,
-                    final.num_prompt_tokens, final.num_cached_tokens, request.handoff_id, nbytes)
-        return reply
+        finally:
+            if not committed:
+                # stop the engine's writes before the slots can go to anyone else, even if this task is cancelled
+                cleanup = asyncio.ensure_future(self._drop(req.request_id, address, request.handoff_id, failed))
+                await asyncio.shield(cleanup)
+
+    async def _drop(self, request_id: str, address: str, handoff_id: str, failed: bool) -> None:
+        try:
+            await self.aengine.abort(request_id)
+        except UnavailableError:
+            pass  # engine stopped: its transports are closed, nothing writes any more
+        await self.kv.release(address, handoff_id, failed=failed)
 
     async def Abort(  # noqa: N802
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -13,4 +15,8 @@ class PrefillSettings(EngineServiceSettings):
 
     port: int = Field(default=50051, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
     metrics_port: int = Field(default=9401, ge=-1, le=65535, description="Prometheus port; 0 = any, -1 = off")
-    kv_push_timeout_s: float = Field(default=30.0, gt=0, description="deadline of one handoff Put")
+    kv_push_mode: Literal["layerwise", "after_prefill"] = Field(
+        default="layerwise",
+        description="layerwise: each layer's KV is sent as soon as it is computed; after_prefill: all at the end",
+    )
+    kv_hidden_states: bool = Field(default=True, description="send the prompt's hidden states (a draft head's input)")

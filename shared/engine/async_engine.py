@@ -25,6 +25,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.handoff import KVHandoff
 from shared.engine.request import RequestOutput, SamplingParams
 from shared.errors import BatonError, RequestAbortedError, UnavailableError
+from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,26 @@ class AsyncEngine:
         def admit() -> None:
             done = self.engine.add_handoff(request_id, params, handoff)
             if done is not None:  # the first token already ended it
+                self._deliver([done])
+
+        return self._run(request_id, admit)
+
+    async def generate_pushed(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, address: AgentAddress,
+        slots: HandoffSlots,
+    ) -> AsyncIterator[RequestOutput]:
+        """Prefill through kv_transfer: the final output's `handoff` is the push's `PushOutcome`."""
+        return self._run(
+            request_id, lambda: self.engine.add_pushed_request(request_id, prompt_token_ids, params, address, slots))
+
+    async def generate_pulled(
+        self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff, address: AgentAddress
+    ) -> AsyncIterator[RequestOutput]:
+        """Continue a request whose KV waits in kv_transfer (decode role); the stream fails if the pull does."""
+
+        def admit() -> None:
+            done = self.engine.add_pulled_handoff(request_id, params, claimed, address)
+            if done is not None:
                 self._deliver([done])
 
         return self._run(request_id, admit)
@@ -178,6 +199,8 @@ class AsyncEngine:
             self._stop.set()
             self._fail_all(UnavailableError("engine stopped"))
             self._fail_pending_commands()
+            if self.engine.remote is not None:
+                self.engine.remote.close()  # transports are driven by this thread: closed here too
 
     def _step(self) -> None:
         try:
@@ -188,6 +211,10 @@ class AsyncEngine:
             return
         self.num_steps += 1
         self._deliver(outputs)
+        for request_id, error in self.engine.take_failures():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(error)
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -73,12 +73,15 @@ def _load(aengine: AsyncEngine) -> Load:
 
 
 async def start_engine_service(
-    settings: EngineServiceSettings, service: str, role: str, add_servicer: AddServicer, grpc_service_name: str
+    settings: EngineServiceSettings, service: str, role: str, add_servicer: AddServicer, grpc_service_name: str,
+    push_mode: str = "layerwise",
 ) -> RunningEngineService:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     logger.info("%s: loading %s (role %s) ...", service, settings.model, role)
     engine = await asyncio.to_thread(LLMEngine, settings.engine_config(role))
+    # handoffs move through kv_transfer's slots (the transport agents are made on first use)
+    engine.enable_remote_kv(push_mode, settings.host, settings.kv_transfer_timeout_s)
     aengine = AsyncEngine(engine)
     aengine.start()
     server = make_server(settings.address, settings.max_message_bytes)

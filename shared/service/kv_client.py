@@ -1,8 +1,9 @@
-"""Client side of kv_transfer for the engine services: push a handoff, claim one.
+"""Client side of kv_transfer's control path for the engine services: reserve, commit, claim, release.
 
 Channels are kept per address for the life of the service (one HTTP/2
 connection each, reused by every request). Every call carries the current trace
-context, so kv_transfer's spans join the request's trace.
+context, so kv_transfer's spans join the request's trace. The KV bytes never
+pass through here: the engine's transport agent moves them (`shared.engine.kv_link`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import logging
 import grpc
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from shared.engine.handoff import KVHandoff
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
-from shared.handoff_stream import HandoffInfo
+from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, HandoffSpec
 from shared.telemetry import inject_metadata
-from shared.wire import decode_handoff_stream, encode_handoff
+from shared.wire_kv import claimed_from_proto, commit_to_proto, reserve_to_proto, slots_from_proto
 
 logger = logging.getLogger(__name__)
+
+_CONTROL_TIMEOUT_S = 10.0
 
 
 class KVTransferClient:
@@ -36,35 +38,43 @@ class KVTransferClient:
             stub = self._stubs[address] = kv_transfer_pb2_grpc.KVTransferServiceStub(ch)
         return stub
 
-    async def put(
-        self, address: str, handoff: KVHandoff, *, handoff_id: str, request_id: str, model: str,
-        timeout_s: float,
-    ) -> int:
-        """Store the handoff under `handoff_id`; returns the bytes kv_transfer holds."""
-        chunks = encode_handoff(handoff, handoff_id=handoff_id, request_id=request_id, model=model)
+    async def reserve(self, address: str, spec: HandoffSpec) -> tuple[HandoffSlots, AgentAddress]:
+        """Pin slots for the handoff; blocks the prefix pool holds come back present."""
         try:
-            reply = await self._stub(address).Put(chunks, timeout=timeout_s, metadata=inject_metadata())
+            reply = await self._stub(address).Reserve(reserve_to_proto(spec), timeout=_CONTROL_TIMEOUT_S,
+                                                      metadata=inject_metadata())
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
-        logger.debug("request %s: handoff %s stored (%d bytes)", request_id, handoff_id, reply.nbytes)
+        return slots_from_proto(reply, spec)
+
+    async def commit(self, address: str, handoff_id: str, result: HandoffResult) -> int:
+        """Make a fully written handoff claimable; returns the bytes of slots it holds."""
+        try:
+            reply = await self._stub(address).Commit(commit_to_proto(handoff_id, result), timeout=_CONTROL_TIMEOUT_S,
+                                                     metadata=inject_metadata())
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from e
         return int(reply.nbytes)
 
     async def claim(self, address: str, handoff_id: str, *, wait_s: float, timeout_s: float
-                    ) -> tuple[HandoffInfo, KVHandoff]:
-        """Take the handoff (its lease ends when the stream completes)."""
+                    ) -> tuple[ClaimedHandoff, AgentAddress]:
+        """Take the handoff: where its blocks are. Release it once pulled (or on failure)."""
         request = kv_transfer_pb2.ClaimRequest(handoff_id=handoff_id, wait_ms=int(wait_s * 1000))
         try:
-            call = self._stub(address).Claim(request, timeout=timeout_s, metadata=inject_metadata())
-            return await decode_handoff_stream(call)
+            reply = await self._stub(address).Claim(request, timeout=timeout_s, metadata=inject_metadata())
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
+        return claimed_from_proto(reply, handoff_id)
 
-    async def release(self, address: str, handoff_id: str) -> None:
+    async def release(self, address: str, handoff_id: str, failed: bool = False) -> bool:
+        """End the handoff (best effort: a lease nobody releases expires on its own)."""
         try:
-            request = kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id)
-            await self._stub(address).Release(request, timeout=5, metadata=inject_metadata())
+            request = kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id, failed=failed)
+            reply = await self._stub(address).Release(request, timeout=5, metadata=inject_metadata())
         except grpc.RpcError as e:
             logger.warning("release of handoff %s failed: %s", handoff_id, error_from_rpc(e))
+            return False
+        return bool(reply.found)
 
     async def close(self) -> None:
         for ch in self._channels:

@@ -44,3 +44,22 @@ def unavailable_reason(kind: str) -> str | None:
 def available_transports() -> list[str]:
     """The backends whose packages load on this host, in preference order (tcp always)."""
     return [kind for kind in TRANSPORT_KINDS if unavailable_reason(kind) is None]
+
+
+def resolve_kind(kind: str) -> str:
+    """`auto` -> the first backend that works here; anything else is checked and returned."""
+    if kind == "auto":
+        return available_transports()[0]
+    reason = unavailable_reason(kind)
+    if reason is not None:
+        raise TransportUnavailableError(f"transport {kind} cannot run here: {reason}")
+    return kind
+
+
+def service_transport(kind: str, name: str, *, host: str = "127.0.0.1", advertise_host: str = "",
+                      transfer_timeout_s: float = 30.0) -> Transport:
+    """The agent a service runs: `host` is where a TCP agent listens (the others find their own way)."""
+    options: dict[str, Any] = {"transfer_timeout_s": transfer_timeout_s}
+    if kind == "tcp":
+        options.update(host=host, advertise_host=advertise_host or None)
+    return make_transport(resolve_kind(kind), name, **options)

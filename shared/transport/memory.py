@@ -23,8 +23,11 @@ import torch
 HUGE_PAGE_NBYTES = 2 << 20
 
 
-def host_buffer(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A zeroed, contiguous CPU tensor in memory advised for huge pages (the tensor owns the mapping)."""
+def host_buffer(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, prefault: bool = True) -> torch.Tensor:
+    """A zeroed, contiguous CPU tensor in memory advised for huge pages (the tensor owns the mapping).
+
+    `prefault=False` leaves the pages to be faulted in on first use (a large store that may never fill).
+    """
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
     if nbytes <= 0:
@@ -36,5 +39,6 @@ def host_buffer(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) 
     offset = -ctypes.addressof(anchor) % HUGE_PAGE_NBYTES
     del anchor  # release the buffer export; the tensor below keeps the mapping alive
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-    flat.zero_()  # first touch: fault the (huge) pages in now, not during a transfer
+    if prefault:
+        flat.zero_()  # first touch: fault the (huge) pages in now, not during a transfer
     return flat.view(dtype).view(dims)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.baton.v1 import common_pb2 as proto_dot_baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/baton/v1/kv_transfer.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"|\n\x0cKVLayoutDesc\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\xa0\x02\n\rHandoffHeader\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12&\n\x06layout\x18\x06 \x01(\x0b\x32\x16.baton.v1.KVLayoutDesc\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\x19\n\x11num_hidden_tokens\x18\t \x01(\r\x12\x18\n\x10lease_timeout_ms\x18\n \x01(\r\"%\n\x06KVData\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1a\n\nHiddenData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x89\x01\n\x0cHandoffChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.baton.v1.HandoffHeaderH\x00\x12\x1e\n\x02kv\x18\x02 \x01(\x0b\x32\x10.baton.v1.KVDataH\x00\x12&\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.baton.v1.HiddenDataH\x00\x42\x06\n\x04kind\"1\n\x0bPutResponse\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"3\n\x0c\x43laimRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"R\n\rStatsResponse\x12\x15\n\ractive_leases\x18\x01 \x01(\r\x12\x12\n\nbytes_held\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x32\x80\x02\n\x11KVTransferService\x12\x36\n\x03Put\x12\x16.baton.v1.HandoffChunk\x1a\x15.baton.v1.PutResponse(\x01\x12\x39\n\x05\x43laim\x12\x16.baton.v1.ClaimRequest\x1a\x16.baton.v1.HandoffChunk0\x01\x12>\n\x07Release\x12\x18.baton.v1.ReleaseRequest\x1a\x19.baton.v1.ReleaseResponse\x12\x38\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x17.baton.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/baton/v1/kv_transfer.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"|\n\x0cKVLayoutDesc\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\x1f\n\x0fGetAgentRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\"\x87\x01\n\tAgentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\x13\n\x0bslot_nbytes\x18\x05 \x01(\x04\x12\x11\n\tnum_slots\x18\x06 \x01(\r\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xd5\x01\n\x0eReserveRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.baton.v1.KVLayoutDesc\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x15\n\rhidden_nbytes\x18\x07 \x01(\x04\x12\x18\n\x10lease_timeout_ms\x18\x08 \x01(\r\"q\n\x0fReserveResponse\x12\x13\n\x0b\x62lock_slots\x18\x01 \x03(\r\x12\x0f\n\x07present\x18\x02 \x03(\x08\x12\x14\n\x0chidden_slots\x18\x03 \x03(\r\x12\"\n\x05\x61gent\x18\x04 \x01(\x0b\x32\x13.baton.v1.AgentInfo\"\x9d\x01\n\rCommitRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x14\n\x0chidden_width\x18\x04 \x01(\r\x12\x19\n\x11num_hidden_tokens\x18\x05 \x01(\r\" \n\x0e\x43ommitResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"3\n\x0c\x43laimRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\xde\x02\n\rClaimResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.baton.v1.KVLayoutDesc\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x13\n\x0b\x62lock_slots\x18\x07 \x03(\r\x12\x14\n\x0chidden_slots\x18\x08 \x03(\r\x12\x14\n\x0chidden_width\x18\t \x01(\r\x12\x19\n\x11num_hidden_tokens\x18\n \x01(\r\x12\"\n\x05\x61gent\x18\x0b \x01(\x0b\x32\x13.baton.v1.AgentInfo\x12\x18\n\x10\x63laim_timeout_ms\x18\x0c \x01(\r\"4\n\x0eReleaseRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x08\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x92\x01\n\rStatsResponse\x12\x15\n\ractive_leases\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x14\n\x0cslots_pinned\x18\x03 \x01(\r\x12\x14\n\x0cslots_cached\x18\x04 \x01(\r\x12\x13\n\x0bslot_nbytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x32\x80\x03\n\x11KVTransferService\x12:\n\x08GetAgent\x12\x19.baton.v1.GetAgentRequest\x1a\x13.baton.v1.AgentInfo\x12>\n\x07Reserve\x12\x18.baton.v1.ReserveRequest\x1a\x19.baton.v1.ReserveResponse\x12;\n\x06\x43ommit\x12\x17.baton.v1.CommitRequest\x1a\x18.baton.v1.CommitResponse\x12\x38\n\x05\x43laim\x12\x16.baton.v1.ClaimRequest\x1a\x17.baton.v1.ClaimResponse\x12>\n\x07Release\x12\x18.baton.v1.ReleaseRequest\x1a\x19.baton.v1.ReleaseResponse\x12\x38\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x17.baton.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUTDESC']._serialized_start=75
   _globals['_KVLAYOUTDESC']._serialized_end=199
-  _globals['_HANDOFFHEADER']._serialized_start=202
-  _globals['_HANDOFFHEADER']._serialized_end=490
-  _globals['_KVDATA']._serialized_start=492
-  _globals['_KVDATA']._serialized_end=529
-  _globals['_HIDDENDATA']._serialized_start=531
-  _globals['_HIDDENDATA']._serialized_end=557
-  _globals['_HANDOFFCHUNK']._serialized_start=560
-  _globals['_HANDOFFCHUNK']._serialized_end=697
-  _globals['_PUTRESPONSE']._serialized_start=699
-  _globals['_PUTRESPONSE']._serialized_end=748
-  _globals['_CLAIMREQUEST']._serialized_start=750
-  _globals['_CLAIMREQUEST']._serialized_end=801
-  _globals['_RELEASEREQUEST']._serialized_start=803
-  _globals['_RELEASEREQUEST']._serialized_end=839
-  _globals['_RELEASERESPONSE']._serialized_start=841
-  _globals['_RELEASERESPONSE']._serialized_end=873
-  _globals['_STATSREQUEST']._serialized_start=875
-  _globals['_STATSREQUEST']._serialized_end=889
-  _globals['_STATSRESPONSE']._serialized_start=891
-  _globals['_STATSRESPONSE']._serialized_end=973
-  _globals['_KVTRANSFERSERVICE']._serialized_start=976
-  _globals['_KVTRANSFERSERVICE']._serialized_end=1232
+  _globals['_GETAGENTREQUEST']._serialized_start=201
+  _globals['_GETAGENTREQUEST']._serialized_end=232
+  _globals['_AGENTINFO']._serialized_start=235
+  _globals['_AGENTINFO']._serialized_end=370
+  _globals['_RESERVEREQUEST']._serialized_start=373
+  _globals['_RESERVEREQUEST']._serialized_end=586
+  _globals['_RESERVERESPONSE']._serialized_start=588
+  _globals['_RESERVERESPONSE']._serialized_end=701
+  _globals['_COMMITREQUEST']._serialized_start=704
+  _globals['_COMMITREQUEST']._serialized_end=861
+  _globals['_COMMITRESPONSE']._serialized_start=863
+  _globals['_COMMITRESPONSE']._serialized_end=895
+  _globals['_CLAIMREQUEST']._serialized_start=897
+  _globals['_CLAIMREQUEST']._serialized_end=948
+  _globals['_CLAIMRESPONSE']._serialized_start=951
+  _globals['_CLAIMRESPONSE']._serialized_end=1301
+  _globals['_RELEASEREQUEST']._serialized_start=1303
+  _globals['_RELEASEREQUEST']._serialized_end=1355
+  _globals['_RELEASERESPONSE']._serialized_start=1357
+  _globals['_RELEASERESPONSE']._serialized_end=1389
+  _globals['_STATSREQUEST']._serialized_start=1391
+  _globals['_STATSREQUEST']._serialized_end=1405
+  _globals['_STATSRESPONSE']._serialized_start=1408
+  _globals['_STATSRESPONSE']._serialized_end=1554
+  _globals['_KVTRANSFERSERVICE']._serialized_start=1557
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1941
 # @@protoc_insertion_point(module_scope)

@@ -23,61 +23,81 @@ class KVLayoutDesc(_message.Message):
     dtype: str
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
-class HandoffHeader(_message.Message):
-    __slots__ = ("handoff_id", "request_id", "prompt_token_ids", "first_token_id", "first_logprobs", "layout", "num_blocks", "hidden_size", "num_hidden_tokens", "lease_timeout_ms")
+class GetAgentRequest(_message.Message):
+    __slots__ = ("kind",)
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    def __init__(self, kind: _Optional[str] = ...) -> None: ...
+
+class AgentInfo(_message.Message):
+    __slots__ = ("name", "kind", "metadata", "base_addr", "slot_nbytes", "num_slots", "device_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SLOT_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    metadata: bytes
+    base_addr: int
+    slot_nbytes: int
+    num_slots: int
+    device_id: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("handoff_id", "request_id", "layout", "num_blocks", "block_hashes", "prompt_token_ids", "hidden_nbytes", "lease_timeout_ms")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_HIDDEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_NBYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
     request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    first_token_id: int
-    first_logprobs: _common_pb2.TokenLogprobs
     layout: KVLayoutDesc
     num_blocks: int
-    hidden_size: int
-    num_hidden_tokens: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    hidden_nbytes: int
     lease_timeout_ms: int
-    def __init__(self, handoff_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_hidden_tokens: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, handoff_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., hidden_nbytes: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
 
-class KVData(_message.Message):
-    __slots__ = ("layer", "data")
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    layer: int
-    data: bytes
-    def __init__(self, layer: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+class ReserveResponse(_message.Message):
+    __slots__ = ("block_slots", "present", "hidden_slots", "agent")
+    BLOCK_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    block_slots: _containers.RepeatedScalarFieldContainer[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    hidden_slots: _containers.RepeatedScalarFieldContainer[int]
+    agent: AgentInfo
+    def __init__(self, block_slots: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[bool]] = ..., hidden_slots: _Optional[_Iterable[int]] = ..., agent: _Optional[_Union[AgentInfo, _Mapping]] = ...) -> None: ...
 
-class HiddenData(_message.Message):
-    __slots__ = ("data",)
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
-
-class HandoffChunk(_message.Message):
-    __slots__ = ("header", "kv", "hidden")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    KV_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
-    header: HandoffHeader
-    kv: KVData
-    hidden: HiddenData
-    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., kv: _Optional[_Union[KVData, _Mapping]] = ..., hidden: _Optional[_Union[HiddenData, _Mapping]] = ...) -> None: ...
-
-class PutResponse(_message.Message):
-    __slots__ = ("handoff_id", "nbytes")
+class CommitRequest(_message.Message):
+    __slots__ = ("handoff_id", "first_token_id", "first_logprobs", "hidden_width", "num_hidden_tokens")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIDDEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
+    first_token_id: int
+    first_logprobs: _common_pb2.TokenLogprobs
+    hidden_width: int
+    num_hidden_tokens: int
+    def __init__(self, handoff_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., hidden_width: _Optional[int] = ..., num_hidden_tokens: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
-    def __init__(self, handoff_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
     __slots__ = ("handoff_id", "wait_ms")
@@ -87,11 +107,41 @@ class ClaimRequest(_message.Message):
     wait_ms: int
     def __init__(self, handoff_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
+class ClaimResponse(_message.Message):
+    __slots__ = ("request_id", "layout", "prompt_token_ids", "block_hashes", "first_token_id", "first_logprobs", "block_slots", "hidden_slots", "hidden_width", "num_hidden_tokens", "agent", "claim_timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIDDEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    layout: KVLayoutDesc
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    first_token_id: int
+    first_logprobs: _common_pb2.TokenLogprobs
+    block_slots: _containers.RepeatedScalarFieldContainer[int]
+    hidden_slots: _containers.RepeatedScalarFieldContainer[int]
+    hidden_width: int
+    num_hidden_tokens: int
+    agent: AgentInfo
+    claim_timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., block_slots: _Optional[_Iterable[int]] = ..., hidden_slots: _Optional[_Iterable[int]] = ..., hidden_width: _Optional[int] = ..., num_hidden_tokens: _Optional[int] = ..., agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., claim_timeout_ms: _Optional[int] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
-    __slots__ = ("handoff_id",)
+    __slots__ = ("handoff_id", "failed")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
-    def __init__(self, handoff_id: _Optional[str] = ...) -> None: ...
+    failed: bool
+    def __init__(self, handoff_id: _Optional[str] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("found",)
@@ -104,11 +154,17 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("active_leases", "bytes_held", "capacity_bytes")
+    __slots__ = ("active_leases", "num_slots", "slots_pinned", "slots_cached", "slot_nbytes", "capacity_bytes")
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
-    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_NBYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     active_leases: int
-    bytes_held: int
+    num_slots: int
+    slots_pinned: int
+    slots_cached: int
+    slot_nbytes: int
     capacity_bytes: int
-    def __init__(self, active_leases: _Optional[int] = ..., bytes_held: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, active_leases: _Optional[int] = ..., num_slots: _Optional[int] = ..., slots_pinned: _Optional[int] = ..., slots_cached: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...

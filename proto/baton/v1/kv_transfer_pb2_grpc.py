@@ -34,15 +34,25 @@ class KVTransferServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Put = channel.stream_unary(
-                '/baton.v1.KVTransferService/Put',
-                request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.HandoffChunk.SerializeToString,
-                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutResponse.FromString,
+        self.GetAgent = channel.unary_unary(
+                '/baton.v1.KVTransferService/GetAgent',
+                request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetAgentRequest.SerializeToString,
+                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.AgentInfo.FromString,
                 _registered_method=True)
-        self.Claim = channel.unary_stream(
+        self.Reserve = channel.unary_unary(
+                '/baton.v1.KVTransferService/Reserve',
+                request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/baton.v1.KVTransferService/Commit',
+                request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
+                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Claim = channel.unary_unary(
                 '/baton.v1.KVTransferService/Claim',
                 request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ClaimRequest.SerializeToString,
-                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.HandoffChunk.FromString,
+                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ClaimResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/baton.v1.KVTransferService/Release',
@@ -59,22 +69,36 @@ class KVTransferServiceStub:
 class KVTransferServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Put(self, request_iterator, context):
-        """Prefill streams one handoff: a header first, then KV and hidden-state data.
+    def GetAgent(self, request, context):
+        """The transport agent to move data with: its name, metadata and slot geometry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Prefill pins slots for a new handoff; blocks the pool holds come back as present.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Prefill has written every block and the hidden states: the handoff becomes claimable.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Claim(self, request, context):
-        """Decode takes a handoff: header, then the data; the lease ends with the stream.
+        """Decode takes a handoff (waiting up to wait_ms for its Commit) and learns where its blocks are.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drops a handoff (request aborted). Idempotent.
+        """Ends a handoff: pulled (after Claim), aborted, or failed. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,15 +114,25 @@ class KVTransferServiceServicer:
 
 def add_KVTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Put': grpc.stream_unary_rpc_method_handler(
-                    servicer.Put,
-                    request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.HandoffChunk.FromString,
-                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutResponse.SerializeToString,
+            'GetAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAgent,
+                    request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetAgentRequest.FromString,
+                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.AgentInfo.SerializeToString,
             ),
-            'Claim': grpc.unary_stream_rpc_method_handler(
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveRequest.FromString,
+                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.CommitRequest.FromString,
+                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.CommitResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
                     servicer.Claim,
                     request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ClaimRequest.FromString,
-                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.HandoffChunk.SerializeToString,
+                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ClaimResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -122,7 +156,7 @@ class KVTransferService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Put(request_iterator,
+    def GetAgent(request,
             target,
             options=(),
             channel_credentials=None,
@@ -132,12 +166,66 @@ class KVTransferService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/baton.v1.KVTransferService/Put',
-            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.HandoffChunk.SerializeToString,
-            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutResponse.FromString,
+            '/baton.v1.KVTransferService/GetAgent',
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetAgentRequest.SerializeToString,
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.AgentInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVTransferService/Reserve',
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveRequest.SerializeToString,
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVTransferService/Commit',
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -159,12 +247,12 @@ class KVTransferService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/baton.v1.KVTransferService/Claim',
             proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ClaimRequest.SerializeToString,
-            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.HandoffChunk.FromString,
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

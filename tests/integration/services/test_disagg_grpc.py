@@ -96,7 +96,7 @@ def test_disaggregated_greedy_equals_colocated() -> None:
         got = await asyncio.gather(*(stack.generate(p, sp) for p, sp in zip(prompts, params, strict=True)))
         await asyncio.sleep(0.2)
         assert stack.engines_idle()
-        assert stack.kv.store.bytes_held == 0
+        assert stack.kv.store.active_leases == 0
         return got
 
     got = run(body)

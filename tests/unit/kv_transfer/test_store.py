@@ -1,4 +1,4 @@
-"""HandoffStore alone: every lease path, capacity backpressure, expiry, exactly-once release."""
+"""HandoffStore alone: every lease path, prefix-pool hits, capacity backpressure, expiry, exactly-once ends."""
 
 from __future__ import annotations
 
@@ -11,41 +11,27 @@ import pytest
 import torch
 
 from services.kv_transfer.store import HandoffStore, LeaseState
+from shared.engine.block_pool import hash_prefix_blocks
 from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError, RequestAbortedError
-from shared.handoff_stream import HandoffInfo, HiddenStateData, KVLayerData
-from shared.kv.layout import KVLayout
+from shared.kv.layout import KVLayout, cdiv
+from shared.kv.remote import HandoffResult, HandoffSpec, SlotSpace, slot_nbytes_for
 
-NUM_LAYERS = 3
-LAYOUT = KVLayout(
-    num_layers=NUM_LAYERS, num_blocks=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16
-)
-HIDDEN_SIZE = 16
-NUM_HIDDEN_TOKENS = 5
-
-
-def make_info(handoff_id: str, lease_timeout_ms: int = 0, hidden: bool = True) -> HandoffInfo:
-    return HandoffInfo(
-        handoff_id=handoff_id,
-        request_id=f"req-{handoff_id}",
-        model="tiny",
-        layout=LAYOUT,
-        prompt_token_ids=[1, 2, 3, 4, 5],
-        first_token_id=9,
-        first_logprobs=None,
-        hidden_size=HIDDEN_SIZE,
-        num_hidden_tokens=NUM_HIDDEN_TOKENS if hidden else 0,
-        lease_timeout_ms=lease_timeout_ms,
-    )
+BLOCK = 4
+LAYOUT = KVLayout(num_layers=3, num_blocks=1, block_size=BLOCK, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+SLOT_NBYTES = slot_nbytes_for(LAYOUT)
+NUM_SLOTS = 16
+HIDDEN_WIDTH = 16
 
 
-HANDOFF_NBYTES = make_info("x").total_nbytes
+def make_spec(handoff_id: str, prompt: list[int] | None = None, hidden_rows: int = 0,
+              lease_timeout_ms: int = 0) -> HandoffSpec:
+    tokens = prompt if prompt is not None else [1, 2, 3, 4, 5]
+    layout = KVLayout(3, cdiv(len(tokens), BLOCK), BLOCK, 2, 8, torch.float16)
+    return HandoffSpec(handoff_id, f"req-{handoff_id}", "tiny", layout, tokens,
+                       hash_prefix_blocks(tokens, BLOCK), hidden_rows * HIDDEN_WIDTH * 2, lease_timeout_ms)
 
 
-def data_parts(info: HandoffInfo) -> Iterator[KVLayerData | HiddenStateData]:
-    for layer in range(info.layout.num_layers):
-        yield KVLayerData(layer, bytes([layer + 1]) * info.layer_nbytes)
-    if info.num_hidden_tokens:
-        yield HiddenStateData(b"\x07" * info.hidden_nbytes)
+RESULT = HandoffResult(first_token_id=9, first_logprobs=None)
 
 
 class FakeClock:
@@ -60,353 +46,183 @@ class Ends:
     """Records every end listener call, to prove each lease ends exactly once."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, LeaseState, int]] = []
+        self.calls: list[tuple[str, LeaseState]] = []
 
-    def __call__(self, info: HandoffInfo, state: LeaseState, nbytes: int) -> None:
-        self.calls.append((info.handoff_id, state, nbytes))
-
-    def states(self, handoff_id: str) -> list[LeaseState]:
-        return [state for hid, state, _ in self.calls if hid == handoff_id]
+    def __call__(self, spec: HandoffSpec, state: LeaseState, num_slots: int) -> None:
+        self.calls.append((spec.handoff_id, state))
 
 
-def make_store(
-    capacity_bytes: int = 10 * HANDOFF_NBYTES, **kwargs: object
-) -> tuple[HandoffStore, FakeClock, Ends]:
-    clock, ends = FakeClock(), Ends()
-    store = HandoffStore(capacity_bytes, 30.0, clock=clock, on_end=ends, **kwargs)  # type: ignore[arg-type]
-    return store, clock, ends
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
 
 
-def put(store: HandoffStore, info: HandoffInfo) -> int:
-    store.begin_put(info)
-    for part in data_parts(info):
-        store.add_part(info.handoff_id, part)
-    return store.commit(info.handoff_id)
+@pytest.fixture
+def ends() -> Ends:
+    return Ends()
 
 
-def assert_empty(store: HandoffStore) -> None:
-    assert store.bytes_held == 0
-    assert store.active_leases == 0
+@pytest.fixture
+def store(clock: FakeClock, ends: Ends) -> Iterator[HandoffStore]:
+    space = SlotSpace("kv", 1 << 20, SLOT_NBYTES, NUM_SLOTS)
+    s = HandoffStore(SLOT_NBYTES * NUM_SLOTS, space, lease_timeout_s=5.0, claim_timeout_s=2.0, clock=clock,
+                     on_end=ends)
+    yield s
+    s.check_no_leaks()  # every test leaves nothing pinned
+    assert len(ends.calls) == len({h for h, _ in ends.calls}), f"a lease ended twice: {ends.calls}"
 
 
-def test_put_then_claim_returns_the_data_and_frees_it() -> None:
-    store, _, ends = make_store()
-    info = make_info("a")
-    store.begin_put(info)
-    assert store.state("a") is LeaseState.RECEIVING
-    assert store.bytes_held == HANDOFF_NBYTES  # reserved up front
-    for part in data_parts(info):
-        store.add_part("a", part)
-    assert store.commit("a") == HANDOFF_NBYTES
-    assert store.state("a") is LeaseState.LEASED
-
-    payload = asyncio.run(store.claim("a"))
-    assert payload.info is info
-    assert payload.kv_layers == [bytes([i + 1]) * info.layer_nbytes for i in range(NUM_LAYERS)]
-    assert payload.hidden == b"\x07" * info.hidden_nbytes
-    assert store.state("a") is LeaseState.CLAIMED
-    assert_empty(store)
-    assert ends.calls == [("a", LeaseState.CLAIMED, HANDOFF_NBYTES)]
-
-    with pytest.raises(HandoffNotFoundError, match="claimed"):
-        asyncio.run(store.claim("a"))
-    assert store.release("a") is False
-    assert ends.states("a") == [LeaseState.CLAIMED]
+def claim(store: HandoffStore, handoff_id: str, wait_s: float = 0.0):  # type: ignore[no-untyped-def]
+    return asyncio.run(store.claim(handoff_id, wait_s))
 
 
-def test_handoff_without_hidden_states() -> None:
-    store, _, _ = make_store()
-    info = make_info("a", hidden=False)
-    assert put(store, info) == info.layout.total_nbytes
-    payload = asyncio.run(store.claim("a"))
-    assert payload.hidden == b""
-    assert_empty(store)
+def test_reserve_commit_claim_release(store: HandoffStore, ends: Ends) -> None:
+    slots = store.reserve(make_spec("h1", hidden_rows=5))
+    assert len(slots.block_slots) == 2 and slots.present == [False, False]
+    assert len(slots.hidden_slots) == cdiv(5 * HIDDEN_WIDTH * 2, SLOT_NBYTES)
+    assert store.state("h1") is LeaseState.WRITING
+    store.commit("h1", HandoffResult(9, None, HIDDEN_WIDTH, 5))
+    claimed = claim(store, "h1")
+    assert claimed.slots.block_slots == slots.block_slots and claimed.result.first_token_id == 9
+    assert store.state("h1") is LeaseState.CLAIMED
+    assert store.release("h1")
+    assert store.state("h1") is LeaseState.DONE and ends.calls == [("h1", LeaseState.DONE)]
+    assert not store.release("h1")  # idempotent
 
 
-def test_release_is_idempotent() -> None:
-    store, _, ends = make_store()
-    put(store, make_info("a"))
-    assert store.release("a") is True
-    assert store.release("a") is False
-    assert_empty(store)
-    assert ends.states("a") == [LeaseState.RELEASED]
-    with pytest.raises(HandoffNotFoundError):
-        asyncio.run(store.claim("a", wait_s=1.0))  # ended: no waiting
+def test_committed_full_blocks_are_pool_hits_for_the_next_turn(store: HandoffStore) -> None:
+    turn1 = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks and a partial one
+    first = store.reserve(make_spec("t1", turn1))
+    store.commit("t1", RESULT)
+    claim(store, "t1")
+    store.release("t1")
+    turn2 = turn1[:8] + [20, 21, 22, 23, 24]
+    second = store.reserve(make_spec("t2", turn2))
+    assert second.present == [True, True, False, False]
+    assert second.block_slots[:2] == first.block_slots[:2]
+    assert second.num_leading_hits == 2 and store.hit_blocks_total == 2
+    store.release("t2")
 
 
-def test_release_during_put_frees_and_stops_the_put() -> None:
-    store, _, ends = make_store()
-    info = make_info("a")
-    store.begin_put(info)
-    store.add_part("a", KVLayerData(0, b"\x01" * info.layer_nbytes))
-    assert store.release("a") is True
-    assert_empty(store)
-    with pytest.raises(RequestAbortedError):
-        store.add_part("a", KVLayerData(1, b"\x01" * info.layer_nbytes))
-    with pytest.raises(RequestAbortedError):
-        store.commit("a")
-    assert store.abort_put("a") is False
-    assert ends.states("a") == [LeaseState.RELEASED]
+def test_uncommitted_blocks_never_become_hits(store: HandoffStore) -> None:
+    store.reserve(make_spec("a", [1, 2, 3, 4, 5]))
+    store.release("a", failed=True)
+    assert store.state("a") is LeaseState.FAILED
+    slots = store.reserve(make_spec("b", [1, 2, 3, 4, 5]))
+    assert slots.present == [False, False]
+    store.release("b")
 
 
-def test_release_before_put_refuses_the_put() -> None:
-    store, _, _ = make_store()
-    assert store.release("a") is False
-    with pytest.raises(RequestAbortedError, match="released before"):
-        store.begin_put(make_info("a"))
-    assert_empty(store)
-
-
-def test_broken_put_frees_what_it_reserved() -> None:
-    store, _, ends = make_store()
-    info = make_info("a")
-    store.begin_put(info)
-    store.add_part("a", KVLayerData(0, b"\x01" * info.layer_nbytes))
-    assert store.abort_put("a") is True
-    assert store.abort_put("a") is False
-    assert_empty(store)
-    assert ends.states("a") == [LeaseState.FAILED]
-    # a failed Put may be retried under the same id
-    put(store, info)
-    assert store.state("a") is LeaseState.LEASED
-
-
-@pytest.mark.parametrize(
-    ("part", "match"),
-    [
-        (KVLayerData(0, b"\x00" * 3), "header implies"),
-        (KVLayerData(NUM_LAYERS, b""), "outside"),
-        (HiddenStateData(b"\x00" * 4), "header implies"),
-    ],
-)
-def test_bad_data_fails_the_handoff(part: KVLayerData | HiddenStateData, match: str) -> None:
-    store, _, ends = make_store()
-    store.begin_put(make_info("a"))
-    with pytest.raises(InvalidRequestError, match=match):
-        store.add_part("a", part)
-    assert_empty(store)
-    assert ends.states("a") == [LeaseState.FAILED]
-
-
-def test_duplicate_layer_and_data_after_hidden_are_refused() -> None:
-    store, _, _ = make_store()
-    info = make_info("a")
-    store.begin_put(info)
-    store.add_part("a", KVLayerData(0, b"\x00" * info.layer_nbytes))
-    with pytest.raises(InvalidRequestError, match="twice"):
-        store.add_part("a", KVLayerData(0, b"\x00" * info.layer_nbytes))
-    store.begin_put(make_info("b"))
-    store.add_part("b", HiddenStateData(b"\x00" * info.hidden_nbytes))
-    with pytest.raises(InvalidRequestError, match="after the hidden"):
-        store.add_part("b", KVLayerData(0, b"\x00" * info.layer_nbytes))
-    assert_empty(store)
-
-
-def test_commit_of_an_incomplete_put_fails_it() -> None:
-    store, _, ends = make_store()
-    info = make_info("a")
-    store.begin_put(info)
-    store.add_part("a", KVLayerData(0, b"\x00" * info.layer_nbytes))
-    with pytest.raises(InvalidRequestError, match=r"missing layers \[1, 2\]"):
-        store.commit("a")
-    assert_empty(store)
-    assert ends.states("a") == [LeaseState.FAILED]
-
-
-def test_duplicate_ids_are_refused() -> None:
-    store, _, _ = make_store()
-    put(store, make_info("a"))
-    with pytest.raises(InvalidRequestError, match="already exists"):
-        store.begin_put(make_info("a"))
-    assert store.bytes_held == HANDOFF_NBYTES
-    asyncio.run(store.claim("a"))
-    with pytest.raises(InvalidRequestError, match="already claimed"):
-        store.begin_put(make_info("a"))
-    assert_empty(store)
-
-
-def test_capacity_backpressure() -> None:
-    store, _, ends = make_store(capacity_bytes=2 * HANDOFF_NBYTES + 10)
-    put(store, make_info("a"))
-    store.begin_put(make_info("b"))  # receiving: its bytes count already
+def test_full_store_is_backpressure_not_oom(store: HandoffStore, ends: Ends) -> None:
+    store.reserve(make_spec("big", list(range(4 * 14))))  # 14 of 16 slots
     with pytest.raises(CapacityError, match="store full"):
-        store.begin_put(make_info("c"))
-    assert store.bytes_held == 2 * HANDOFF_NBYTES
-    assert store.active_leases == 2
-    assert store.state("c") is None
-    asyncio.run(store.claim("a"))
-    put(store, make_info("c"))  # fits again
-    store.release_all()
-    assert_empty(store)
-    assert sorted(hid for hid, _, _ in ends.calls) == ["a", "b", "c"]
+        store.reserve(make_spec("next", list(range(100, 100 + 4 * 3))))
+    assert store.state("next") is None  # nothing was reserved
+    store.release("big")
+    store.reserve(make_spec("next", list(range(100, 100 + 4 * 3))))
+    store.release("next")
 
 
-def test_handoff_larger_than_the_store_is_refused() -> None:
-    store, _, _ = make_store(capacity_bytes=HANDOFF_NBYTES - 1)
-    with pytest.raises(CapacityError):
-        store.begin_put(make_info("a"))
-    assert_empty(store)
-
-
-def test_expiry_frees_leased_and_stalled_handoffs() -> None:
-    store, clock, ends = make_store()
-    put(store, make_info("leased"))
-    store.begin_put(make_info("stalled"))
-    clock.now_s += 29.0
-    assert store.sweep() == []
-    clock.now_s += 1.0
-    assert sorted(store.sweep()) == ["leased", "stalled"]
-    assert_empty(store)
-    assert ends.states("leased") == [LeaseState.EXPIRED]
-    assert ends.states("stalled") == [LeaseState.EXPIRED]
+@pytest.mark.parametrize("stage", ["writing", "leased", "claimed"])
+def test_every_live_state_expires(store: HandoffStore, clock: FakeClock, ends: Ends, stage: str) -> None:
+    store.reserve(make_spec("h"))
+    if stage != "writing":
+        store.commit("h", RESULT)
+    if stage == "claimed":
+        claim(store, "h")  # decode died mid-pull: the claim deadline frees the slots
+    clock.now_s += 5.1
+    assert store.sweep() == ["h"]
+    assert ends.calls == [("h", LeaseState.EXPIRED)]
     with pytest.raises(HandoffNotFoundError, match="expired"):
-        asyncio.run(store.claim("leased"))
-    with pytest.raises(RequestAbortedError, match="expired"):
-        store.add_part("stalled", KVLayerData(0, b""))
-    assert store.release("leased") is False
-    assert store.sweep() == []
-    assert len(ends.calls) == 2
+        claim(store, "h")
 
 
-def test_lease_deadline_restarts_at_commit() -> None:
-    store, clock, _ = make_store()
-    info = make_info("slow")
-    store.begin_put(info)
-    for part in data_parts(info):
-        clock.now_s += 7.0  # a slow Put: 28 s of the 30 s timeout
-        store.add_part("slow", part)
-    store.commit("slow")
-    clock.now_s += 29.0
-    assert store.sweep() == []
-    clock.now_s += 1.0
-    assert store.sweep() == ["slow"]
-    assert_empty(store)
+def test_release_before_reserve_refuses_the_reserve(store: HandoffStore) -> None:
+    assert not store.release("early")
+    with pytest.raises(RequestAbortedError):
+        store.reserve(make_spec("early"))
 
 
-def test_claim_after_the_deadline_expires_first() -> None:
-    store, clock, ends = make_store()
-    put(store, make_info("a"))
-    clock.now_s += 31.0
-    with pytest.raises(HandoffNotFoundError):
-        asyncio.run(store.claim("a"))
-    assert ends.states("a") == [LeaseState.EXPIRED]
-    assert_empty(store)
+def test_commit_after_release_is_aborted(store: HandoffStore) -> None:
+    store.reserve(make_spec("h"))
+    store.release("h")
+    with pytest.raises(RequestAbortedError):
+        store.commit("h", RESULT)
 
 
-def test_lease_timeout_from_header_is_bounded() -> None:
-    store, clock, _ = make_store(max_lease_timeout_s=60.0)
-    put(store, make_info("short", lease_timeout_ms=500))
-    put(store, make_info("long", lease_timeout_ms=3_600_000))
-    clock.now_s += 0.5
-    assert store.sweep() == ["short"]
-    clock.now_s += 59.0
-    assert store.sweep() == []
-    clock.now_s += 0.5
-    assert store.sweep() == ["long"]
-    assert_empty(store)
+def test_duplicate_and_claimed_ids_are_refused(store: HandoffStore) -> None:
+    store.reserve(make_spec("h"))
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        store.reserve(make_spec("h"))
+    store.commit("h", RESULT)
+    claim(store, "h")
+    with pytest.raises(HandoffNotFoundError, match="claimed"):
+        claim(store, "h")  # one owner
+    store.release("h")
+    with pytest.raises(InvalidRequestError, match="already claimed"):
+        store.reserve(make_spec("h"))
 
 
-def test_claim_waits_for_a_put_in_flight() -> None:
-    async def scenario() -> None:
-        store, _, _ = make_store()
-        info = make_info("a")
-        claim = asyncio.create_task(store.claim("a", wait_s=5.0))
+def test_hidden_states_larger_than_reserved_fail_the_handoff(store: HandoffStore) -> None:
+    store.reserve(make_spec("h", hidden_rows=1))
+    with pytest.raises(InvalidRequestError, match="hidden states"):
+        store.commit("h", HandoffResult(9, None, HIDDEN_WIDTH, 10_000))
+    assert store.state("h") is LeaseState.FAILED
+
+
+def test_claim_waits_for_the_commit(store: HandoffStore) -> None:
+    async def scenario() -> int:
+        store.reserve(make_spec("h"))
+        waiter = asyncio.create_task(store.claim("h", wait_s=2.0))
         await asyncio.sleep(0.01)
-        assert not claim.done()
-        store.begin_put(info)
-        parts = list(data_parts(info))
-        for part in parts:
-            await asyncio.sleep(0.001)
-            store.add_part("a", part)
-        assert not claim.done()
-        store.commit("a")
-        payload = await asyncio.wait_for(claim, 1.0)
-        assert payload.info is info
-        assert_empty(store)
+        assert not waiter.done()
+        store.commit("h", RESULT)
+        claimed = await waiter
+        store.release("h")
+        return claimed.result.first_token_id
 
-    asyncio.run(scenario())
+    assert asyncio.run(scenario()) == 9
 
 
-def test_claim_gives_up_after_wait_and_when_the_put_fails() -> None:
-    async def scenario() -> None:
-        store, _, _ = make_store()
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        with pytest.raises(HandoffNotFoundError, match="in time"):
-            await store.claim("never", wait_s=0.05)
-        assert 0.04 <= loop.time() - started < 1.0
-
-        store.begin_put(make_info("a"))
-        claim = asyncio.create_task(store.claim("a", wait_s=5.0))
-        await asyncio.sleep(0.01)
-        store.abort_put("a")
-        with pytest.raises(HandoffNotFoundError, match="failed"):
-            await asyncio.wait_for(claim, 1.0)
-        assert_empty(store)
-
-    asyncio.run(scenario())
+def test_block_format_too_big_for_the_slots_is_refused(store: HandoffStore) -> None:
+    spec = make_spec("h")
+    wide = HandoffSpec("w", "r", "tiny", KVLayout(30, 2, BLOCK, 2, 8, torch.float16), spec.prompt_token_ids,
+                       spec.block_hashes, 0)
+    with pytest.raises(InvalidRequestError, match="SLOT_NBYTES"):
+        store.reserve(wide)
 
 
-def test_release_wakes_a_waiting_claim() -> None:
-    async def scenario() -> None:
-        store, _, _ = make_store()
-        claim = asyncio.create_task(store.claim("a", wait_s=5.0))
-        await asyncio.sleep(0.01)
-        store.release("a")
-        with pytest.raises(HandoffNotFoundError, match="released"):
-            await asyncio.wait_for(claim, 1.0)
-
-    asyncio.run(scenario())
-
-
-def test_random_operations_release_every_byte_exactly_once() -> None:
-    """Any interleaving of puts, claims, releases, aborts and sweeps: accounting stays exact."""
+def test_random_operations_never_leak(clock: FakeClock, ends: Ends) -> None:
+    """A random walk over reserve/commit/claim/release/expiry ends with every slot unpinned."""
+    space = SlotSpace("kv", 0, SLOT_NBYTES, 12)
+    store = HandoffStore(SLOT_NBYTES * 12, space, lease_timeout_s=3.0, claim_timeout_s=1.0, clock=clock,
+                         on_end=ends)
     rng = random.Random(0)
-    store, clock, ends = make_store(capacity_bytes=4 * HANDOFF_NBYTES)
-    ids = [f"h{i}" for i in range(8)]
-    begun: Counter[str] = Counter()  # successful begin_put calls per id
-    sent: dict[str, int] = {}  # parts already sent by the latest Put of each id
-    ops = ["begin", "part", "part", "part", "part", "commit", "claim", "release", "abort", "tick"]
+    ids = [f"h{i}" for i in range(40)]
 
-    async def step() -> None:
-        hid = rng.choice(ids)
-        op = rng.choice(ops)
-        info = make_info(hid, lease_timeout_ms=rng.choice([0, 2000]))
-        try:
-            if op == "begin":
-                store.begin_put(info)
-                begun[hid] += 1
-                sent[hid] = 0
-            elif op == "part" and sent.get(hid, 99) < NUM_LAYERS + 1:
-                store.add_part(hid, list(data_parts(info))[sent[hid]])
-                sent[hid] += 1
-            elif op == "commit":
-                store.commit(hid)
-            elif op == "claim":
-                await store.claim(hid)
-            elif op == "release":
-                store.release(hid)
-            elif op == "abort":
-                store.abort_put(hid)
-            elif op == "tick":
-                clock.now_s += rng.choice([0.1, 1.0, 5.0])
-                store.sweep()
-        except (CapacityError, InvalidRequestError, RequestAbortedError, HandoffNotFoundError):
-            pass
-        live = [h for h in ids if store.state(h) in (LeaseState.RECEIVING, LeaseState.LEASED)]
-        assert store.bytes_held == len(live) * HANDOFF_NBYTES
-        assert store.active_leases == len(live)
-        assert store.bytes_held <= store.capacity_bytes
+    async def walk() -> None:
+        for _ in range(600):
+            hid = rng.choice(ids)
+            op = rng.choice(["reserve", "commit", "claim", "release", "fail", "tick"])
+            try:
+                if op == "reserve":
+                    prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 13))]
+                    store.reserve(make_spec(hid, prompt, hidden_rows=rng.randrange(3)))
+                elif op == "commit":
+                    store.commit(hid, RESULT)
+                elif op == "claim":
+                    await store.claim(hid, 0.0)
+                elif op in ("release", "fail"):
+                    store.release(hid, failed=op == "fail")
+                else:
+                    clock.now_s += rng.random()
+                    store.sweep()
+            except (CapacityError, InvalidRequestError, RequestAbortedError, HandoffNotFoundError):
+                pass
+        store.release_all()
 
-    async def run() -> None:
-        for _ in range(4000):
-            await step()
-
-    asyncio.run(run())
-    store.release_all()
-    assert_empty(store)
-    # every reservation ended exactly once, through one of the exits
-    assert Counter(hid for hid, _, _ in ends.calls) == begun
-    assert all(nbytes == HANDOFF_NBYTES for _, _, nbytes in ends.calls)
-    final_states = Counter(state for _, state, _ in ends.calls)
-    assert all(final_states[state] > 0 for state in LeaseState if not state.is_live), final_states
+    asyncio.run(walk())
+    store.check_no_leaks()
+    assert store.pool.num_free + store.pool.num_evictable == 12
+    counts = Counter(h for h, _ in ends.calls)
+    assert sum(counts.values()) == len(ends.calls)

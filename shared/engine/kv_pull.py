@@ -1,0 +1,155 @@
+"""Pulls from kv_transfer's slots into this engine's blocks: decode's admission, prefill's prefix import.
+
+    start(request_id, address, source blocks, local block ids) ─► READ ─► poll: DONE | FAILED ─► PullOutcome
+
+Only the blocks the caller lacks are asked for (decode skips its own prefix
+cache hits; prefill imports only the pool's prefix it does not hold). When
+the two block sizes differ, the slots are read into a staging buffer and
+re-cut token by token into local blocks. Hidden states, when there are any,
+land in a fresh tensor. The caller holds the local blocks until the pull is
+over; `abort` stops it before the blocks can be freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.kv_link import KVAgents, TransferGroup
+from shared.kv.layout import KVLayout
+from shared.kv.remote import (
+    AgentAddress,
+    HandoffSlots,
+    block_plan,
+    slot_nbytes_for,
+    slots_plan,
+    whole_slots_plan,
+)
+from shared.transport.base import TransferOp, TransferState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """What to read: blocks of `layout` (its block size) in `slots`, and optionally hidden states."""
+
+    layout: KVLayout  # the remote block format; num_blocks = len(slots.block_slots)
+    slots: HandoffSlots
+    num_tokens: int  # tokens the blocks hold
+    hidden_shape: tuple[int, int] = (0, 0)  # [num_hidden_tokens, hidden_width]
+
+
+@dataclass
+class PullOutcome:
+    hidden_states: torch.Tensor | None  # [num_hidden_tokens, hidden_width], when asked for
+    error: str | None
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class _PullJob:
+    group: TransferGroup
+    source: PullSource
+    block_ids: list[int]  # local table covering the source tokens
+    first_token: int  # tokens before this are already local
+    staging: torch.Tensor | None  # block-size conversion: [num_blocks, num_layers, 2, block, heads, dim]
+    hidden: torch.Tensor | None
+
+
+class KVPuller:
+    def __init__(self, agents: KVAgents, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+        self._agents = agents
+        self._layout = layout
+        self._kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+        self._jobs: dict[str, _PullJob] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._jobs
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    def check_compatible(self, remote: KVLayout) -> None:
+        """Raises ValueError naming each difference that no conversion can bridge."""
+        mine = self._layout
+        problems = [f"{f} {getattr(remote, f)} != {getattr(mine, f)}"
+                    for f in ("num_layers", "num_kv_heads", "head_dim", "dtype")
+                    if getattr(remote, f) != getattr(mine, f)]
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def start(self, request_id: str, address: AgentAddress, source: PullSource, block_ids: list[int],
+              first_token: int) -> None:
+        """Read tokens [first_token, source.num_tokens) into `block_ids` (the request's local table)."""
+        group = TransferGroup(self._agents.link(address))
+        job = _PullJob(group, source, block_ids, first_token, None, None)
+        self._jobs[request_id] = job
+        remote, bs = source.layout, self._layout.block_size
+        layers = range(self._layout.num_layers)
+        if remote.block_size == bs:
+            lo = first_token // bs
+            hi = len(source.slots.block_slots)
+            group.start(TransferOp.READ, block_plan(self._layout, group.link.cache_region, block_ids[lo:hi],
+                                                    source.slots.space, source.slots.block_slots[lo:hi], layers))
+        else:
+            lo = first_token // remote.block_size
+            slots = source.slots.block_slots[lo:]
+            # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the slot layout
+            job.staging = torch.empty((len(slots), remote.num_layers, 2, remote.block_size, remote.num_kv_heads,
+                                       remote.head_dim), dtype=remote.dtype)
+            region = group.register(job.staging)
+            group.start(TransferOp.READ, whole_slots_plan(region, slot_nbytes_for(remote), source.slots.space, slots))
+        rows, width = source.hidden_shape
+        if rows:
+            job.hidden = torch.empty((rows, width), dtype=self._layout.dtype)
+            region = group.register(job.hidden)
+            nbytes = job.hidden.numel() * job.hidden.element_size()
+            group.start(TransferOp.READ, slots_plan(region, 0, nbytes, source.slots.space, source.slots.hidden_slots))
+
+    def poll(self) -> dict[str, PullOutcome]:
+        """Pulls that are over, by request id (each reported once); converted blocks are in place."""
+        over: dict[str, PullOutcome] = {}
+        for request_id, job in list(self._jobs.items()):
+            state = job.group.poll()
+            if state is TransferState.PENDING:
+                continue
+            del self._jobs[request_id]
+            job.group.close()
+            if state is TransferState.DONE and job.staging is not None:
+                self._scatter(job)
+            error = job.group.error if state is TransferState.FAILED else None
+            if error:
+                logger.warning("request %s: KV pull failed: %s", request_id, error)
+            over[request_id] = PullOutcome(None if error else job.hidden, error, job.group.nbytes, job.group.seconds)
+        return over
+
+    def _scatter(self, job: _PullJob) -> None:
+        """Re-cut staged remote blocks into local blocks, token by token, from `first_token` on."""
+        assert job.staging is not None
+        remote_bs, bs = job.source.layout.block_size, self._layout.block_size
+        base = (job.first_token // remote_bs) * remote_bs  # token of staging block 0
+        # [num_layers, 2, tokens, heads, dim]
+        tokens = job.staging.permute(1, 2, 0, 3, 4, 5).reshape(
+            self._layout.num_layers, 2, -1, self._layout.num_kv_heads, self._layout.head_dim)
+        positions = torch.arange(job.first_token, job.source.num_tokens)
+        table = torch.tensor(job.block_ids, dtype=torch.long)
+        blocks, offsets = table[positions // bs], positions % bs
+        # cache[:, blocks, :, offsets] is [tokens, num_layers, 2, heads, dim]
+        self._kv_cache[:, blocks, :, offsets] = tokens[:, :, positions - base].permute(2, 0, 1, 3, 4).to(
+            self._kv_cache.device)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request's transfers (before its blocks are freed). Idempotent."""
+        job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.group.close()
+
+    def abort_all(self) -> None:
+        for request_id in list(self._jobs):
+            self.abort(request_id)
+

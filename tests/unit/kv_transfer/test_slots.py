@@ -1,0 +1,94 @@
+"""SlotPool: pins, the content-addressed prefix pool, eviction, all-or-nothing capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.kv_transfer.slots import LRUPolicy, SlotPool
+from shared.errors import CapacityError
+
+
+def key(i: int) -> tuple[str, bytes]:
+    return ("m|float32|bs16", bytes([i]) * 16)
+
+
+def test_fresh_slots_are_pinned_and_released_back() -> None:
+    pool = SlotPool(4)
+    got = pool.acquire([None, None])
+    assert got.hits == [False, False] and len(set(got.slots)) == 2
+    assert pool.num_pinned == 2 and pool.num_free == 2
+    pool.release(got.slots)
+    assert pool.num_free == 4
+    pool.check_no_pins()
+
+
+def test_published_blocks_are_hits_for_later_acquires() -> None:
+    pool = SlotPool(4)
+    first = pool.acquire([key(1), key(2), None])
+    assert first.num_hits == 0
+    assert pool.publish(first.slots[0], key(1)) and pool.publish(first.slots[1], key(2))
+    second = pool.acquire([key(1), key(2), key(3)])  # while the first still pins them
+    assert second.hits == [True, True, False]
+    assert second.slots[:2] == first.slots[:2]
+    pool.release(first.slots)
+    pool.release(second.slots)
+    assert pool.num_cached == 2 and pool.num_evictable == 2
+    third = pool.acquire([key(1)])
+    assert third.hits == [True] and pool.num_evictable == 1
+    pool.release(third.slots)
+    pool.check_no_pins()
+
+
+def test_first_writer_wins() -> None:
+    pool = SlotPool(4)
+    a, b = pool.acquire([None]), pool.acquire([None])
+    assert pool.publish(a.slots[0], key(1))
+    assert not pool.publish(b.slots[0], key(1))  # the same block computed twice: one copy is kept
+    pool.release(a.slots + b.slots)
+    assert pool.num_cached == 1 and pool.num_free == 3
+
+
+def test_lru_eviction_when_free_slots_run_out() -> None:
+    pool = SlotPool(3, LRUPolicy())
+    for i in (1, 2, 3):
+        got = pool.acquire([None])
+        pool.publish(got.slots[0], key(i))
+        pool.release(got.slots)
+    pool.release(pool.acquire([key(1)]).slots)  # key 1 used again: now the most recent
+    got = pool.acquire([None, None])  # evicts keys 2 and 3
+    assert pool.lookup(key(1)) is not None
+    assert pool.lookup(key(2)) is None and pool.lookup(key(3)) is None
+    pool.release(got.slots)
+
+
+def test_capacity_error_changes_nothing() -> None:
+    pool = SlotPool(3)
+    held = pool.acquire([None])
+    cached = pool.acquire([None])
+    pool.publish(cached.slots[0], key(9))
+    with pytest.raises(CapacityError, match="store full"):
+        pool.acquire([key(9), None, None])  # the hit cannot also be evicted to make room
+    assert pool.num_pinned == 2 and pool.num_free == 1
+    pool.release(cached.slots)
+    got = pool.acquire([None, None])  # now the cached slot may be evicted
+    assert pool.lookup(key(9)) is None
+    pool.release(got.slots + held.slots)
+    pool.check_no_pins()
+
+
+def test_pinned_slots_are_never_evicted() -> None:
+    pool = SlotPool(2)
+    got = pool.acquire([None, None])
+    pool.publish(got.slots[0], key(1))
+    with pytest.raises(CapacityError):
+        pool.acquire([None])
+    pool.release(got.slots)
+    assert pool.clear() == 1 and pool.num_free == 2
+
+
+def test_double_release_is_an_invariant_violation() -> None:
+    pool = SlotPool(1)
+    got = pool.acquire([None])
+    pool.release(got.slots)
+    with pytest.raises(AssertionError, match="double release"):
+        pool.release(got.slots)
