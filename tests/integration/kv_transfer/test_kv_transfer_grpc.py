@@ -1,4 +1,9 @@
-"""kv_transfer over real gRPC: a grpc.aio server on 127.0.0.1 (ephemeral ports) in this process."""
+"""kv_transfer over real gRPC and a real transport: a grpc.aio server on 127.0.0.1 in this process.
+
+The test plays both engines: it writes KV into the reserved slots with its own
+transport agent (as prefill does), commits, claims and reads it back (as
+decode does), for every transport that works here.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,43 +27,29 @@ from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services.kv_transfer.main import RunningKVTransfer, start
 from services.kv_transfer.server import SERVICE_NAME
 from services.kv_transfer.settings import KVTransferSettings
-from shared import wire
-from shared.engine.handoff import KVHandoff
+from shared.engine.block_pool import hash_prefix_blocks
 from shared.engine.request import TokenLogprobs
-from shared.errors import CapacityError, InvalidRequestError
+from shared.errors import BatonError, CapacityError, HandoffNotFoundError, RequestAbortedError
 from shared.grpc_common import channel, check_health
-from shared.grpc_errors import error_from_rpc
+from shared.kv.layout import KVLayout, cdiv
+from shared.kv.remote import HandoffResult, HandoffSpec, block_plan, slot_nbytes_for
+from shared.service.kv_client import KVTransferClient
+from shared.transport import TransferOp, available_transports, make_transport
 
 pb = kv_transfer_pb2
 Stub = kv_transfer_pb2_grpc.KVTransferServiceStub
+CACHE = KVLayout(num_layers=4, num_blocks=8, block_size=8, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+PROMPT = list(range(100, 120))  # 2 full blocks and a partial one
+SLOT_NBYTES = slot_nbytes_for(CACHE)
 
 
-def make_handoff(seed: int = 0, dtype: torch.dtype = torch.float32) -> KVHandoff:
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn((4, 3, 2, 8, 2, 16), generator=gen).to(dtype)  # [layers, blocks, 2, block, heads, dim]
-    return KVHandoff(
-        prompt_token_ids=list(range(100, 120)),
-        first_token_id=7,
-        first_logprobs=TokenLogprobs(7, -0.125, [(7, -0.125), (3, -3.5)]),
-        block_size=8,
-        kv=kv,
-        hidden_states=torch.randn((20, 32), generator=gen).to(dtype),  # [num_prompt_tokens, hidden]
-    )
+def make_spec(handoff_id: str, prompt: list[int] = PROMPT, lease_timeout_ms: int = 0) -> HandoffSpec:
+    layout = KVLayout(4, cdiv(len(prompt), 8), 8, 2, 16, torch.float32)
+    return HandoffSpec(handoff_id, f"req-{handoff_id}", "tiny-llama", layout, prompt,
+                       hash_prefix_blocks(prompt, 8), 0, lease_timeout_ms)
 
 
-NBYTES = make_handoff().nbytes
-
-
-def chunks(handoff: KVHandoff, handoff_id: str, lease_timeout_ms: int = 0) -> list[pb.HandoffChunk]:
-    return list(
-        wire.encode_handoff(
-            handoff,
-            handoff_id=handoff_id,
-            request_id=f"req-{handoff_id}",
-            model="tiny-llama",
-            lease_timeout_ms=lease_timeout_ms,
-        )
-    )
+RESULT = HandoffResult(7, TokenLogprobs(7, -0.125, [(7, -0.125), (3, -3.5)]))
 
 
 def run_with_server(scenario: Callable[[RunningKVTransfer, Stub], Awaitable[None]], **settings: Any) -> None:
@@ -66,7 +57,8 @@ def run_with_server(scenario: Callable[[RunningKVTransfer, Stub], Awaitable[None
 
     async def main() -> None:
         # metrics off unless a test asks: stopping the metrics server takes up to 0.5 s
-        config = {"port": 0, "metrics_port": -1, "sweep_interval_s": 0.02, "shutdown_grace_s": 0.0}
+        config = {"port": 0, "metrics_port": -1, "sweep_interval_s": 0.02, "shutdown_grace_s": 0.0,
+                  "capacity_bytes": 64 * SLOT_NBYTES}
         running = await start(KVTransferSettings(**{**config, **settings}))
         try:
             async with channel(running.address) as ch:
@@ -85,6 +77,14 @@ async def rpc_error(awaitable: Awaitable[Any]) -> grpc.aio.AioRpcError:
     raise AssertionError("the call did not fail")
 
 
+async def baton_error(awaitable: Awaitable[Any]) -> BatonError:
+    try:
+        await awaitable
+    except BatonError as exc:
+        return exc
+    raise AssertionError("the call did not fail")
+
+
 async def stats(stub: Stub) -> pb.StatsResponse:
     return await stub.Stats(pb.StatsRequest())
 
@@ -98,165 +98,152 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout_s: float 
 
 async def store_empty(stub: Stub) -> bool:
     reply = await stats(stub)
-    return reply.active_leases == 0 and reply.bytes_held == 0
+    return reply.active_leases == 0 and reply.slots_pinned == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_put_then_claim_is_bit_identical(dtype: torch.dtype) -> None:
-    handoff = make_handoff(dtype=dtype)
-
+@pytest.mark.parametrize("kind", available_transports())
+def test_written_blocks_read_back_bit_identical(kind: str) -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
-        reply = await stub.Put(iter(chunks(handoff, "h1")))
-        assert (reply.handoff_id, reply.nbytes) == ("h1", handoff.nbytes)
-        held = await stats(stub)
-        assert (held.active_leases, held.bytes_held) == (1, handoff.nbytes)
+        client = KVTransferClient(4 << 20)
+        agent = make_transport(kind, "test-engine", transfer_timeout_s=5.0)
+        try:
+            src = torch.randn(CACHE.shape)  # [layers, blocks, 2, block, heads, dim]
+            dst = torch.zeros(CACHE.shape)
+            src_region, dst_region = agent.register(src), agent.register(dst)
+            slots, address = await client.reserve(running.address, make_spec("h1"))
+            assert address.kind == kind and address.space.slot_nbytes == SLOT_NBYTES
+            agent.add_remote(address.space.agent_name, address.metadata)
+            layers = range(CACHE.num_layers)
+            write = block_plan(CACHE, src_region, [5, 2, 7], address.space, slots.block_slots, layers)
+            agent.wait(agent.start(TransferOp.WRITE, write.local, address.space.agent_name, write.remote), 5.0)
+            await client.commit(running.address, "h1", RESULT)
+            claimed, address = await client.claim(running.address, "h1", wait_s=0, timeout_s=5)
+            assert claimed.result == RESULT and claimed.spec.prompt_token_ids == PROMPT
+            read = block_plan(CACHE, dst_region, [0, 1, 3], address.space, claimed.slots.block_slots, layers)
+            agent.wait(agent.start(TransferOp.READ, read.local, address.space.agent_name, read.remote), 5.0)
+            assert torch.equal(dst[:, [0, 1, 3]], src[:, [5, 2, 7]])
+            assert await client.release(running.address, "h1")
+            assert await store_empty(stub)
+            # the two full blocks stay in the prefix pool: the next turn finds them
+            slots2, _ = await client.reserve(running.address, make_spec("h2", PROMPT[:16] + [1, 2, 3]))
+            assert slots2.present == [True, True, False] and slots2.block_slots[:2] == slots.block_slots[:2]
+            assert await client.release(running.address, "h2")
+        finally:
+            agent.close()
+            await client.close()
 
-        info, back = await wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="h1")))
-        assert (info.handoff_id, info.request_id, info.model) == ("h1", "req-h1", "tiny-llama")
-        assert torch.equal(back.kv.view(torch.uint8), handoff.kv.view(torch.uint8))
-        assert torch.equal(back.hidden_states.view(torch.uint8), handoff.hidden_states.view(torch.uint8))
-        assert back.prompt_token_ids == handoff.prompt_token_ids
-        assert (back.first_token_id, back.block_size) == (7, 8)
-        assert back.first_logprobs == handoff.first_logprobs
-        assert await store_empty(stub)
-
-        exc = await rpc_error(wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="h1"))))
-        assert exc.code() is grpc.StatusCode.NOT_FOUND
-        assert error_from_rpc(exc).code == "handoff_not_found"
-        # exactly once: the claim was the release
-        assert (await stub.Release(pb.ReleaseRequest(handoff_id="h1"))).found is False
-
-    run_with_server(scenario)
+    run_with_server(scenario, transport=kind)
 
 
-def test_release_is_idempotent() -> None:
+def test_release_is_idempotent_and_refuses_a_late_reserve() -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
-        await stub.Put(iter(chunks(make_handoff(), "h1")))
-        assert (await stub.Release(pb.ReleaseRequest(handoff_id="h1"))).found is True
-        assert (await stub.Release(pb.ReleaseRequest(handoff_id="h1"))).found is False
-        assert (await stub.Release(pb.ReleaseRequest(handoff_id="unknown"))).found is False
+        client = KVTransferClient(4 << 20)
+        await client.reserve(running.address, make_spec("h1"))
+        assert await client.release(running.address, "h1") is True
+        assert await client.release(running.address, "h1") is False
+        assert await client.release(running.address, "early") is False
+        err = await baton_error(client.reserve(running.address, make_spec("early")))
+        assert isinstance(err, RequestAbortedError)  # the request was aborted before its prefill
         assert await store_empty(stub)
-        exc = await rpc_error(wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="h1"))))
-        assert exc.code() is grpc.StatusCode.NOT_FOUND
+        await client.close()
 
-    run_with_server(scenario)
+    run_with_server(scenario, transport="tcp")
 
 
-def test_lease_expiry_frees_the_bytes() -> None:
+def test_leases_expire_in_every_state() -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
-        await stub.Put(iter(chunks(make_handoff(), "short", lease_timeout_ms=100)))
-        await stub.Put(iter(chunks(make_handoff(), "default")))
-        assert (await stats(stub)).active_leases == 2
-        await wait_until(lambda: _held_equals(stub, NBYTES))  # "short" expired, "default" (10 s) kept
-        exc = await rpc_error(wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="short"))))
-        assert exc.code() is grpc.StatusCode.NOT_FOUND and "expired" in (exc.details() or "")
-        await wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="default")))
-        assert await store_empty(stub)
+        client = KVTransferClient(4 << 20)
+        await client.reserve(running.address, make_spec("writing", lease_timeout_ms=100))  # prefill died
+        await client.reserve(running.address, make_spec("leased", lease_timeout_ms=100))  # decode never came
+        await client.commit(running.address, "leased", RESULT)
+        await client.reserve(running.address, make_spec("claimed"))  # decode died mid-pull
+        await client.commit(running.address, "claimed", RESULT)
+        await client.claim(running.address, "claimed", wait_s=0, timeout_s=5)
+        assert (await stats(stub)).active_leases == 3
+        await wait_until(lambda: store_empty(stub))  # claim timeout 0.2 s
+        for hid in ("writing", "leased", "claimed"):
+            err = await baton_error(client.claim(running.address, hid, wait_s=0, timeout_s=5))
+            assert isinstance(err, HandoffNotFoundError) and "expired" in err.message
+        await client.close()
 
-    run_with_server(scenario, lease_timeout_s=10.0)
-
-
-async def _held_equals(stub: Stub, nbytes: int) -> bool:
-    reply = await stats(stub)
-    return reply.bytes_held == nbytes and reply.active_leases == 1
+    run_with_server(scenario, transport="tcp", claim_timeout_s=0.2)
 
 
 def test_capacity_overflow_is_resource_exhausted() -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
-        await stub.Put(iter(chunks(make_handoff(), "h1")))
-        exc = await rpc_error(stub.Put(iter(chunks(make_handoff(), "h2"))))
-        assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert isinstance(error_from_rpc(exc), CapacityError)
+        client = KVTransferClient(4 << 20)
+        await client.reserve(running.address, make_spec("h1"))  # 3 of 4 slots
+        err = await baton_error(client.reserve(running.address, make_spec("h2", list(range(500, 520)))))
+        assert isinstance(err, CapacityError)
         reply = await stats(stub)
-        assert (reply.active_leases, reply.bytes_held, reply.capacity_bytes) == (1, NBYTES, NBYTES + 100)
-        await wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="h1")))
-        await stub.Put(iter(chunks(make_handoff(), "h2")))  # room again
+        assert (reply.active_leases, reply.slots_pinned, reply.num_slots) == (1, 3, 4)
+        await client.release(running.address, "h1")
+        await client.reserve(running.address, make_spec("h2", list(range(500, 520))))  # room again
+        await client.release(running.address, "h2")
+        await client.close()
 
-    run_with_server(scenario, capacity_bytes=NBYTES + 100)
+    run_with_server(scenario, transport="tcp", capacity_bytes=4 * SLOT_NBYTES)
 
 
-def test_put_cancelled_midway_frees_everything() -> None:
+def test_claim_waits_for_a_commit_that_comes_later() -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
-        header, kv0, *_ = chunks(make_handoff(), "h1")
-        never = asyncio.Event()
-
-        async def stalled_stream() -> AsyncIterator[pb.HandoffChunk]:
-            yield header
-            yield kv0
-            await never.wait()
-
-        call = stub.Put(stalled_stream())
-        await wait_until(lambda: _held_equals(stub, NBYTES))  # reserved, receiving
-        call.cancel()
-        await wait_until(lambda: store_empty(stub))
-        exc = await rpc_error(wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="h1"))))
-        assert exc.code() is grpc.StatusCode.NOT_FOUND
-        # the prefill may retry the same handoff id after a broken Put
-        await stub.Put(iter(chunks(make_handoff(), "h1")))
-
-    run_with_server(scenario)
-
-
-def test_malformed_put_is_invalid_argument_and_frees_everything() -> None:
-    async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
-        header, kv0, kv1, *_ = chunks(make_handoff(), "h1")
-        short = pb.HandoffChunk(kv=pb.KVData(layer=1, data=kv1.kv.data[:100]))
-        for stream in ([kv0, kv1], [header, kv0, short], [header, kv0], [header, header]):
-            exc = await rpc_error(stub.Put(iter(stream)))
-            assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
-            assert isinstance(error_from_rpc(exc), InvalidRequestError)
-            assert await store_empty(stub)
-
-    run_with_server(scenario)
-
-
-def test_claim_waits_for_a_put_that_arrives_later() -> None:
-    handoff = make_handoff(seed=3)
-
-    async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
-        claim = asyncio.create_task(
-            wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="late", wait_ms=5000)))
-        )
+        client = KVTransferClient(4 << 20)
+        claim = asyncio.create_task(client.claim(running.address, "late", wait_s=5, timeout_s=10))
         await asyncio.sleep(0.2)
+        await client.reserve(running.address, make_spec("late"))
+        await asyncio.sleep(0.1)
         assert not claim.done()
-        await stub.Put(iter(chunks(handoff, "late")))
-        _, back = await asyncio.wait_for(claim, 3.0)
-        assert torch.equal(back.kv, handoff.kv)
-        assert await store_empty(stub)
-
+        await client.commit(running.address, "late", RESULT)
+        claimed, _ = await asyncio.wait_for(claim, 3.0)
+        assert claimed.result.first_token_id == 7
+        await client.release(running.address, "late")
         started = asyncio.get_running_loop().time()
-        exc = await rpc_error(
-            wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="x", wait_ms=100)))
-        )
-        assert exc.code() is grpc.StatusCode.NOT_FOUND
+        err = await baton_error(client.claim(running.address, "x", wait_s=0.1, timeout_s=5))
+        assert isinstance(err, HandoffNotFoundError)
         assert asyncio.get_running_loop().time() - started >= 0.09
+        await client.close()
 
-    run_with_server(scenario)
+    run_with_server(scenario, transport="tcp")
+
+
+def test_a_layout_mismatch_with_the_transport_kind_is_refused() -> None:
+    async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
+        exc = await rpc_error(stub.GetAgent(pb.GetAgentRequest(kind="nixl")))
+        assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+        info = await stub.GetAgent(pb.GetAgentRequest(kind="tcp"))
+        assert info.kind == "tcp" and info.slot_nbytes == 0  # cut by the first Reserve
+
+    run_with_server(scenario, transport="tcp")
 
 
 def test_health_and_metrics() -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
         assert await check_health(running.address)
         assert await check_health(running.address, SERVICE_NAME)
-        await stub.Put(iter(chunks(make_handoff(), "h1")))
+        client = KVTransferClient(4 << 20)
+        await client.reserve(running.address, make_spec("h1"))
         url = f"http://127.0.0.1:{running.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-        assert "baton_handoff_leases_active 1.0" in body
-        assert f'baton_kv_transfer_bytes_total{{direction="received"}} {float(NBYTES)}' in body
+        assert "baton_handoff_leases_active 1.0" in body and "baton_kv_transfer_slots_pinned 3.0" in body
         assert "# TYPE baton_kv_transfer_failures_total counter" in body
-        await wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="h1")))
-        await rpc_error(wire.decode_handoff_stream(stub.Claim(pb.ClaimRequest(handoff_id="h1"))))
+        await client.commit(running.address, "h1", RESULT)
+        await client.claim(running.address, "h1", wait_s=0, timeout_s=5)
+        await baton_error(client.claim(running.address, "h1", wait_s=0, timeout_s=5))
+        await client.release(running.address, "h1")
+        await client.reserve(running.address, make_spec("h2"))  # two full blocks from the pool
+        await client.release(running.address, "h2")
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-        assert "baton_handoff_leases_active 0.0" in body
-        assert f'baton_kv_transfer_bytes_total{{direction="sent"}} {float(NBYTES)}' in body
+        assert "baton_handoff_leases_active 0.0" in body and "baton_prefix_pool_blocks 2.0" in body
+        assert "baton_prefix_pool_hit_tokens_total 16.0" in body
         assert 'baton_kv_transfer_failures_total{reason="claim_not_found"} 1.0' in body
+        await client.close()
 
-    run_with_server(scenario, metrics_port=0)
+    run_with_server(scenario, metrics_port=0, transport="tcp")
 
 
 def test_two_instances_in_one_process_have_separate_metrics() -> None:
     async def main() -> None:
-        settings = KVTransferSettings(port=0, metrics_port=0, shutdown_grace_s=0.0)
+        settings = KVTransferSettings(port=0, metrics_port=0, shutdown_grace_s=0.0, capacity_bytes=1 << 20)
         first, second = await start(settings), await start(settings)
         try:
             assert first.address != second.address and first.metrics_port != second.metrics_port
@@ -275,6 +262,7 @@ def test_main_serves_until_sigterm() -> None:
         "BATON_KV_TRANSFER_PORT": "0",
         "BATON_KV_TRANSFER_METRICS_PORT": "-1",
         "BATON_KV_TRANSFER_SHUTDOWN_GRACE_S": "0",
+        "BATON_KV_TRANSFER_CAPACITY_BYTES": str(1 << 20),
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.kv_transfer.main"],
