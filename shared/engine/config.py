@@ -14,6 +14,7 @@ from shared.models.loader import DEFAULT_CACHE_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPEC_METHODS = ("none", "ngram", "draft", "eagle")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: Triton on CUDA, torch reference elsewhere
     seed: int = 0
     cache_dir: Path = field(default=DEFAULT_CACHE_DIR)
+    # speculative decoding (decode and colocated roles; a prefill engine ignores it)
+    spec_method: str = "none"  # none | ngram | draft | eagle
+    num_speculative_tokens: int = 3  # drafts per step; a request may ask for fewer
+    spec_draft_model: str | None = None  # draft: alias, GGUF or HF dir; None = the target truncated
+    spec_draft_num_layers: int = 4  # draft with no spec_draft_model: the target's first N layers
+    spec_eagle_head: Path | None = None  # eagle: safetensors from `baton train-draft`
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -40,6 +47,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        if self.spec_method not in SPEC_METHODS:
+            raise ValueError(f"spec_method must be one of {SPEC_METHODS}, got {self.spec_method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.spec_method == "eagle" and self.spec_eagle_head is None:
+            raise ValueError("spec_method 'eagle' needs spec_eagle_head (a head saved by `baton train-draft`)")
+        if self.spec_draft_num_layers < 1:
+            raise ValueError(f"spec_draft_num_layers must be >= 1, got {self.spec_draft_num_layers}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

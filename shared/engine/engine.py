@@ -27,11 +27,13 @@ from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
 from shared.engine.kv_manager import KVCacheManager
 from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from shared.engine.runner import ModelRunner
-from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPlan, StepResult
 from shared.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
 from shared.kv.layout import KVLayout
 from shared.models.loader import LoadedModel, load_model
 from shared.ops.attention import paged_attention_ref
+from shared.spec.factory import build_speculator
+from shared.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +82,10 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         # prefix hashes name the model too: blocks of two models never match, in this process or another
         self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())
+        self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks)
         sched_config = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role,
+            spec_needs_hidden=self.speculator is not None and self.speculator.uses_hidden_states,
         )
         self.scheduler = Scheduler(sched_config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed)
@@ -140,6 +144,7 @@ class LLMEngine:
             request.status = status
             return RequestOutput(request_id, [], [], True, request.finish_reason, request.num_prompt_tokens, 0)
         self.runner.add_request(request_id, params.seed, num_steps_done=1)
+        self._spec_add_handoff(request_id, handoff)
         self._pending_handoffs.append((request, handoff))
         self._admit_handoffs()
         return None
@@ -160,6 +165,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is; its blocks are freed exactly once."""
         self.runner.remove_request(request_id)
+        self._spec_remove(request_id)
         self._hidden.pop(request_id, None)
         for i, (request, _) in enumerate(self._pending_handoffs):
             if request.request_id == request_id:
@@ -171,12 +177,14 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._admit_handoffs()
+        self._spec_propose()
         plan = self.scheduler.schedule()
         for request_id in plan.preempted_ids:
             self._hidden.pop(request_id, None)  # recomputed from scratch on resume
         if plan.is_empty:
             return []
         result = self.runner.execute(plan)
+        self._spec_observe(plan, result)
         for request_id, hidden in result.hidden_states.items():
             self._hidden.setdefault(request_id, []).append(hidden)
         outputs = self.scheduler.update(plan, result)
@@ -187,6 +195,7 @@ class LLMEngine:
 
     def _finish(self, out: RequestOutput) -> None:
         self.runner.remove_request(out.request_id)
+        self._spec_remove(out.request_id)
         hidden = self._hidden.pop(out.request_id, [])
         if out.finish_reason != "handoff":
             return
@@ -203,6 +212,24 @@ class LLMEngine:
             )
         finally:
             self.scheduler.release_handoff(out.request_id)
+
+    # ---- speculation (see shared/spec/speculator.py) ----------------------------------
+    def _spec_propose(self) -> None:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+
+    def _spec_observe(self, plan: SchedulerPlan, result: StepResult) -> None:
+        if self.speculator is not None:
+            self.speculator.observe(plan, result)
+
+    def _spec_add_handoff(self, request_id: str, handoff: KVHandoff) -> None:
+        """The prefill engine's hidden states are the draft head's prompt features."""
+        if self.speculator is not None:
+            self.speculator.add_hidden_states(request_id, handoff.hidden_states, handoff.hidden_start)
+
+    def _spec_remove(self, request_id: str) -> None:
+        if self.speculator is not None:
+            self.speculator.remove_request(request_id)
 
     # ---- conveniences ---------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -253,3 +280,5 @@ class LLMEngine:
     def check_no_leaks(self) -> None:
         assert not self.has_unfinished(), "requests still in flight"
         self.kv.check_no_leaks()
+        if self.speculator is not None:
+            self.speculator.check_no_leaks()

@@ -66,6 +66,20 @@ class KVCacheManager:
         self.block_tables[request.request_id] = table + cached + new_ids
         return True
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (slots only rejected drafts used).
+
+        Those blocks were never registered in the prefix cache: a block is cached
+        only once every slot in it holds a computed, accepted token.
+        """
+        table = self.block_tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(extra)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register blocks that this request has filled with computed tokens."""
         table = self.block_tables.get(request.request_id)

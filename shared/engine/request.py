@@ -57,6 +57,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None = off; n >= 0 = chosen token plus top-n alternatives
+    # draft tokens per step for this request: None = the engine's setting, 0 = speculation off
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,6 +77,11 @@ class SamplingParams:
             )
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        if self.num_speculative_tokens is not None and not (0 <= self.num_speculative_tokens <= 16):
+            raise InvalidRequestError(
+                f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}",
+                param="num_speculative_tokens",
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -105,6 +112,10 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    # speculation: draft tokens proposed for the next step (set by the engine, consumed by the
+    # scheduler); a proposer failure turns speculation off for the rest of the request
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_disabled: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -4,6 +4,8 @@
                     query_start_loc / seq_lens / block_tables
                 ──► model.forward (writes K/V into the paged cache, attends)
                 ──► hidden of each sampling chunk's last token ──► logits ──► sampler
+                ──► hidden of each verification chunk's last k + 1 tokens ──► logits
+                    ──► rejection sampler (shared/spec/verify.py) ──► accepted + 1 tokens
 
 The runner owns the KV cache tensor and the per-request random generators.
 """
@@ -21,6 +23,7 @@ from shared.kv.layout import KVLayout
 from shared.models.common import LayerDoneFn
 from shared.models.decoder import DecoderLM
 from shared.ops.attention import AttentionMetadata
+from shared.spec.verify import VerifyInput, verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,9 @@ class StepInputs:
     sample_rows: list[int]  # index into the flat tokens of each sampling chunk's last token
     sample_chunks: list[int]  # index into plan.chunks, parallel to sample_rows
     hidden_spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # prefill role
+    verify_rows: list[int] = field(default_factory=list)  # flat rows scoring each verified position
+    verify_chunks: list[int] = field(default_factory=list)  # index into plan.chunks of each verification
+    spec_hidden_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -69,6 +75,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
         spans: dict[str, tuple[int, int]] = {}
+        spec_spans: dict[str, tuple[int, int]] = {}
+        verify_rows: list[int] = []
+        verify_chunks: list[int] = []
         max_blocks = max((len(c.block_ids) for c in plan.chunks), default=1)
         tables = torch.zeros((len(plan.chunks), max_blocks), dtype=torch.int32)
         for i, chunk in enumerate(plan.chunks):
@@ -82,11 +91,16 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             query_lens.append(chunk.num_tokens)
             seq_lens.append(pos.stop)
-            if chunk.sample:
+            if chunk.num_draft_tokens:
+                verify_rows.extend(range(len(ids) - chunk.num_draft_tokens - 1, len(ids)))
+                verify_chunks.append(i)
+            elif chunk.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_chunks.append(i)
             if chunk.return_hidden:
                 spans[chunk.request_id] = (lo, len(ids))
+            if chunk.return_spec_hidden:
+                spec_spans[chunk.request_id] = (lo, len(ids))
         dev = self.device
         cu = [0]
         for q in query_lens:
@@ -106,6 +120,9 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_chunks=sample_chunks,
             hidden_spans=spans,
+            verify_rows=verify_rows,
+            verify_chunks=verify_chunks,
+            spec_hidden_spans=spec_spans,
         )
 
     @torch.inference_mode()
@@ -115,6 +132,10 @@ class ModelRunner:
         result = StepResult()
         for request_id, (lo, hi) in inputs.hidden_spans.items():
             result.hidden_states[request_id] = hidden[lo:hi].to("cpu", copy=True)
+        for request_id, (lo, hi) in inputs.spec_hidden_spans.items():
+            result.spec_hidden_states[request_id] = hidden[lo:hi].clone()
+        if inputs.verify_rows:
+            self._verify(plan, inputs, hidden, result)
         if not inputs.sample_rows:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample, vocab]
@@ -130,3 +151,22 @@ class ModelRunner:
             result.sampled_token_ids[chunk.request_id] = token_id
             result.logprobs[chunk.request_id] = lp
         return result
+
+    def _verify(self, plan: SchedulerPlan, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
+        """Rejection-sample every verification chunk's drafts against the target's logits."""
+        logits = self.model.compute_logits(hidden[inputs.verify_rows])  # [num_verify_rows, vocab]
+        chunks = [plan.chunks[i] for i in inputs.verify_chunks]
+        verify_inputs = [
+            VerifyInput(
+                draft_token_ids=c.token_ids[c.num_tokens - c.num_draft_tokens :],
+                params=c.params,
+                generator=self._generators.get(c.request_id),
+                suppress_token_ids=c.suppress_token_ids,
+                num_suppressed_positions=c.num_suppressed_positions,
+            )
+            for c in chunks
+        ]
+        token_ids, logprobs = verify_drafts(logits, verify_inputs, self.sampler)
+        for chunk, ids, lps in zip(chunks, token_ids, logprobs, strict=True):
+            result.verified_token_ids[chunk.request_id] = ids
+            result.verified_logprobs[chunk.request_id] = lps

@@ -21,7 +21,7 @@ import torch
 
 from shared.engine.request import SamplingParams, TokenLogprobs
 
-__all__ = ["Sampler", "SamplerOutput", "make_generator"]
+__all__ = ["Sampler", "SamplerOutput", "make_generator", "processed_probs", "raw_logprobs", "suppress"]
 
 # Exp(1) samples of exactly 0 would turn a masked token's 0 / 0 into NaN, which argmax treats as the max.
 _MIN_EXP = torch.finfo(torch.float32).tiny
@@ -86,7 +86,7 @@ class Sampler:
             raise ValueError(f"expected {num_seqs} suppress_token_ids entries, got {len(suppress_token_ids)}")
         logits = logits.float()  # no-op for fp32; raw logprobs below must see these unmodified values
 
-        masked = _suppress(logits, suppress_token_ids)
+        masked = suppress(logits, suppress_token_ids)
         # argmax's first-max tie rule gives the lowest id; with nothing suppressed this is torch.argmax(logits)
         token_ids = torch.argmax(masked, dim=-1)
 
@@ -100,9 +100,10 @@ class Sampler:
             )
             token_ids[torch.tensor(sampled_rows, device=logits.device)] = sampled
 
-        return SamplerOutput(token_ids=token_ids, logprobs=_raw_logprobs(logits, token_ids, params))
+        return SamplerOutput(token_ids=token_ids, logprobs=raw_logprobs(logits, token_ids, params))
 
-    def _default_generator(self, device: torch.device) -> torch.Generator:
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        """The stream unseeded rows draw from on `device` (speculative verification shares it)."""
         generator = self._default_generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
@@ -123,11 +124,7 @@ class Sampler:
         """Temperature, top-k, top-p, then one exponential-race draw per row."""
         device = logits.device
         row_index = torch.tensor(rows, device=device)
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        scaled = logits.index_select(0, row_index) / temperature.unsqueeze(1)  # [n, vocab]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            scaled = _apply_top_k_top_p(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)  # [n, vocab]
+        probs = processed_probs(logits.index_select(0, row_index), params)  # [n, vocab]
 
         exp_noise = torch.empty_like(probs)  # [n, vocab]
         default_rows = [j for j, g in enumerate(generators) if g is None]
@@ -135,7 +132,7 @@ class Sampler:
             # one draw for all unseeded rows: they share a stream, so their order does not matter
             noise = torch.empty(
                 (len(default_rows), probs.shape[1]), dtype=probs.dtype, device=device
-            ).exponential_(generator=self._default_generator(device))
+            ).exponential_(generator=self.default_generator(device))
             exp_noise[torch.tensor(default_rows, device=device)] = noise
         for j, generator in enumerate(generators):
             if generator is not None:
@@ -145,7 +142,19 @@ class Sampler:
         return torch.argmax(probs / exp_noise, dim=-1)
 
 
-def _suppress(
+def processed_probs(
+    logits: torch.Tensor,  # [n, vocab], suppressed ids already -inf
+    params: Sequence[SamplingParams],  # one per row, none greedy
+) -> torch.Tensor:  # [n, vocab] float32
+    """The distribution plain sampling draws from: temperature, top-k, top-p, softmax."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    scaled = logits / temperature.unsqueeze(1)  # [n, vocab]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        scaled = _apply_top_k_top_p(scaled, list(params))
+    return torch.softmax(scaled, dim=-1)
+
+
+def suppress(
     logits: torch.Tensor,  # [num_seqs, vocab]
     suppress_token_ids: Sequence[Collection[int]] | None,
 ) -> torch.Tensor:  # [num_seqs, vocab]
@@ -197,7 +206,7 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _raw_logprobs(
+def raw_logprobs(
     logits: torch.Tensor,  # [num_seqs, vocab] raw, unmodified
     token_ids: torch.Tensor,  # [num_seqs] chosen tokens
     params: Sequence[SamplingParams],

@@ -11,6 +11,18 @@ prefill). Blocks for the step are reserved before the step runs; when the pool
 is dry the most recently admitted running request is preempted: its blocks go
 back to the pool and it re-enters the waiting queue to be recomputed.
 
+Speculation (decode and colocated roles): before `schedule()` the engine
+puts a request's draft tokens in `request.spec_token_ids`. A decoding request
+with drafts runs as one chunk `[last token, d_0 .. d_{k-1}]` that verifies them
+(`ScheduledChunk.num_draft_tokens = k`); blocks are reserved for all k + 1
+positions, or the drafts are dropped when that would not fit (guesses never
+preempt anyone). `update()` appends the accepted drafts plus the recovered or
+bonus token, checks stop conditions after each, and gives back the blocks that
+only rejected drafts needed::
+
+    before:  computed t_0 .. t_{L-2} | run t_{L-1} d_0 d_1 d_2     (L + 3 slots held)
+    after 1 accepted:  t_0 .. t_{L-1} d_0 | r   computed = L + 1, slots held for L + 2
+
 Roles: in the `prefill` role a request finishes as soon as its first token is
 sampled (FINISHED_HANDOFF) and keeps its blocks until the engine has handed its
 KV out and calls `release_handoff`.
@@ -37,6 +49,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     role: str = "colocated"
+    spec_needs_hidden: bool = False  # the proposer reads the target's hidden states (EAGLE)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -57,6 +70,11 @@ class ScheduledChunk:
     params: SamplingParams
     suppress_token_ids: frozenset[int] = frozenset()  # masked while below min_tokens
     return_hidden: bool = False  # prefill role: keep last-layer hidden states
+    # speculation: the last num_draft_tokens of token_ids are drafts to verify
+    num_draft_tokens: int = 0
+    # suppress_token_ids applies to this many sampling positions, counted from the first
+    num_suppressed_positions: int = 0
+    return_spec_hidden: bool = False  # the proposer wants this chunk's last-layer hidden states
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +103,11 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
     # prefill role: last-layer hidden states of the chunk's tokens, [num_tokens, hidden]
     hidden_states: dict[str, Any] = field(default_factory=dict)
+    # verification chunks: accepted drafts then the recovered or bonus token, and their logprobs
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # chunks with return_spec_hidden: [num_tokens, hidden], drafts included
+    spec_hidden_states: dict[str, Any] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -143,14 +166,25 @@ class Scheduler:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._fit_drafts(request, num_new, budget)
             if not self._reserve(request, num_new, plan, scheduled):
                 continue
-            plan.chunks.append(self._chunk(request, num_new))
+            plan.chunks.append(self._chunk(request, num_new, drafts))
             scheduled.append(request)
-            budget -= num_new
+            budget -= num_new + len(drafts)
         if not plan.preempted_ids:
             self._admit_waiting(plan, budget)
         return plan
+
+    def _fit_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that fit the budget and the free blocks; [] unless it is decoding."""
+        drafts = request.spec_token_ids[: budget - num_new]
+        request.spec_token_ids = []
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        if not self.kv.allocate_slots(request, request.num_computed_tokens + num_new + len(drafts)):
+            return []  # no room to speculate: decode plainly rather than preempt anyone for a guess
+        return drafts
 
     def _reserve(
         self, request: Request, num_new: int, plan: SchedulerPlan, scheduled: list[Request]
@@ -188,30 +222,35 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         plan.preempted_ids.append(request.request_id)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
         params = request.params
         suppress: frozenset[int] = frozenset()
-        if request.num_output_tokens < params.min_tokens:
+        num_below_min = params.min_tokens - request.num_output_tokens
+        if num_below_min > 0:
             suppress = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else request.eos_token_ids
             )
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + (drafts or []),
             start_pos=start,
             block_ids=list(self.kv.block_ids(request.request_id)),
             sample=end == request.num_tokens,
             params=params,
             suppress_token_ids=suppress,
             return_hidden=self.config.role == "prefill" and start < request.num_prompt_tokens,
+            num_draft_tokens=len(drafts or []),
+            num_suppressed_positions=max(num_below_min, 0),
+            return_spec_hidden=self.config.spec_needs_hidden,
         )
 
     def update(self, plan: SchedulerPlan, result: StepResult) -> list[RequestOutput]:
@@ -221,6 +260,9 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if chunk.num_draft_tokens:
+                outputs.append(self._update_verified(request, chunk, result))
+                continue
             request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(request)
             if not chunk.sample:
@@ -228,15 +270,40 @@ class Scheduler:
             token_id = result.sampled_token_ids[chunk.request_id]
             logprobs = result.logprobs.get(chunk.request_id)
             request.append_output(token_id, logprobs)
-            status = request.check_stop()
-            if status is None and request.num_tokens >= self.config.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is None and self.config.role == "prefill":
-                status = RequestStatus.FINISHED_HANDOFF
+            status = self._stop_status(request)
             if status is not None:
                 self._finish(request, status)
-            outputs.append(self._output(request, token_id, logprobs))
+            outputs.append(self._output(request, [token_id], [logprobs] if logprobs is not None else []))
         return outputs
+
+    def _update_verified(self, request: Request, chunk: ScheduledChunk, result: StepResult) -> RequestOutput:
+        """Append the verified tokens in order up to the first stop; drop what rejected drafts held."""
+        token_ids = result.verified_token_ids[chunk.request_id]
+        logprobs = result.verified_logprobs.get(chunk.request_id, [])
+        status = None
+        num_emitted = 0
+        for i, token_id in enumerate(token_ids):
+            request.append_output(token_id, logprobs[i] if logprobs else None)
+            num_emitted += 1
+            status = self._stop_status(request)
+            if status is not None:
+                break
+        # every known token but the newest has its KV written; slots of rejected drafts are garbage
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv.cache_full_blocks(request)
+        if status is not None:
+            self._finish(request, status)
+        else:
+            self.kv.truncate(request, request.num_tokens)
+        return self._output(request, token_ids[:num_emitted], logprobs[:num_emitted])
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        status = request.check_stop()
+        if status is None and request.num_tokens >= self.config.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None and self.config.role == "prefill":
+            status = RequestStatus.FINISHED_HANDOFF
+        return status
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -248,11 +315,11 @@ class Scheduler:
         self.kv.free(request)
 
     @staticmethod
-    def _output(request: Request, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _output(request: Request, token_ids: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[token_id],
-            new_logprobs=[logprobs] if logprobs is not None else [],
+            new_token_ids=token_ids,
+            new_logprobs=logprobs,
             finished=request.status.is_finished,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,

@@ -24,7 +24,12 @@ Contract of `Proposer.propose`:
   EAGLE head with its own KV) keys its state by `request_id` and learns about a
   request's end from its owner; the protocol itself carries no lifecycle hooks.
 - Errors are raised, not encoded in the return value; the engine turns a
-  failure into plain decoding for that step (and counts it).
+  failure into plain decoding for that request (and counts it).
+
+Optional, looked up on the proposer object by the engine's `Speculator`:
+`uses_hidden_states = True` asks for `ProposalInput.hidden_states`;
+`remove_request(request_id)` drops per-request state when a request ends;
+`check_no_leaks()` asserts that no per-request state is left.
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""Build the engine's speculator from its config: one place that knows every method."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from shared.spec.ngram import NgramProposer
+from shared.spec.proposer import Proposer
+from shared.spec.speculator import Speculator
+
+if TYPE_CHECKING:
+    from shared.engine.config import EngineConfig
+    from shared.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_speculator"]
+
+
+def build_speculator(
+    config: EngineConfig, loaded: LoadedModel, max_model_len: int, num_kv_blocks: int
+) -> Speculator | None:
+    """None when speculation is off or the role never decodes (prefill)."""
+    if config.spec_method == "none" or config.role == "prefill":
+        return None
+    proposer: Proposer
+    if config.spec_method == "ngram":
+        proposer = NgramProposer()
+    elif config.spec_method == "draft":
+        from shared.spec.draft_model import build_draft_proposer
+
+        proposer = build_draft_proposer(config, loaded, num_kv_blocks)
+    else:
+        from shared.spec.eagle import build_eagle_proposer
+
+        proposer = build_eagle_proposer(config, loaded)
+    logger.info("speculative decoding: %s, %d tokens per step", config.spec_method, config.num_speculative_tokens)
+    return Speculator(proposer, config.num_speculative_tokens, max_model_len, loaded.spec.vocab_size)

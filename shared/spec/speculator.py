@@ -1,0 +1,199 @@
+"""The engine's side of speculation: who gets drafts, hidden-state history, counters.
+
+One step of an engine with speculation on::
+
+    Speculator.propose(running)      drafts into request.spec_token_ids (decoding requests only)
+    scheduler.schedule()             a decoding request with drafts runs [t_{L-1}, d_0 .. d_{k-1}]
+    runner.execute()                 verifies: accepted drafts + one recovered/bonus token
+    Speculator.observe(plan, result) counts drafts/acceptances; keeps hidden states (EAGLE)
+    scheduler.update()               appends, stops, frees the rejected drafts' blocks
+
+How many drafts a request gets: the engine's `num_speculative_tokens`, capped
+by the request's own (`SamplingParams.num_speculative_tokens`, 0 = off), by
+the tokens it may still emit (a step emits up to k + 1) and by the context
+length. A proposer that raises (or returns ids outside the vocabulary) turns
+speculation off for the request it failed on, which goes on decoding plainly;
+`stats.num_fallbacks` counts those requests.
+
+Hidden states (proposers with `uses_hidden_states`): the target's last-layer
+hidden state of each computed position, at most `hidden_window` per request,
+from prefill chunks (colocated), the prefill engine's handoff (decode role),
+and the accepted part of every verification. Row r of what a proposer gets
+belongs to position L - 1 - m + r, L being the request's token count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.request import Request, RequestStatus
+from shared.engine.scheduler import SchedulerPlan, StepResult
+from shared.spec.proposer import ProposalInput, Proposer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SpecStats", "Speculator"]
+
+
+@dataclass
+class SpecStats:
+    """Counters since the engine started (Prometheus counters read these)."""
+
+    num_verifications: int = 0  # request-steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: accepted drafts at position j
+    num_fallbacks: int = 0  # requests whose proposer failed (decoded plainly from then on)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts + the bonus/recovered token."""
+        if self.num_verifications == 0:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_verifications
+
+
+@dataclass
+class _Hidden:
+    start_pos: int  # position of rows[0]
+    rows: torch.Tensor  # [n, hidden]
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.rows.shape[0]
+
+
+class Speculator:
+    def __init__(
+        self,
+        proposer: Proposer,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+        hidden_window: int = 64,
+    ) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.hidden_window = hidden_window
+        self.uses_hidden_states: bool = getattr(proposer, "uses_hidden_states", False)
+        self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
+        self._hidden: dict[str, _Hidden] = {}
+
+    # ---- proposing ------------------------------------------------------------------
+    def num_tokens_for(self, request: Request) -> int:
+        """How many drafts `request` may verify in its next step."""
+        wanted = request.params.num_speculative_tokens
+        k = self.num_speculative_tokens if wanted is None else min(wanted, self.num_speculative_tokens)
+        # one step emits up to k + 1 tokens and writes KV at positions up to L - 1 + k
+        room = min(request.params.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return max(0, min(k, room))
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set `spec_token_ids` of every running request (drafts for decoding ones, [] otherwise)."""
+        batch: list[tuple[Request, ProposalInput]] = []
+        for request in running:
+            request.spec_token_ids = []
+            if request.spec_disabled or request.status != RequestStatus.RUNNING:
+                continue
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue  # still prefilling (or resuming after preemption)
+            k = self.num_tokens_for(request)
+            if k == 0:
+                continue
+            hidden = None
+            if self.uses_hidden_states:
+                hidden = self._hidden_for(request)
+                if hidden is None:
+                    continue
+            batch.append((request, ProposalInput(request.request_id, request.all_token_ids, k, hidden)))
+        if not batch:
+            return
+        for (request, _), drafts in zip(batch, self._propose_with_fallback(batch), strict=True):
+            request.spec_token_ids = drafts
+
+    def _propose_with_fallback(self, batch: list[tuple[Request, ProposalInput]]) -> list[list[int]]:
+        try:
+            return [self._checked(inp, d) for (_, inp), d in
+                    zip(batch, self.proposer.propose([inp for _, inp in batch]), strict=True)]
+        except Exception:  # noqa: BLE001 - any proposer failure: find the request(s) it came from
+            logger.debug("proposer failed on a batch of %d; retrying one request at a time", len(batch))
+        results = []
+        for request, inp in batch:
+            try:
+                results.append(self._checked(inp, self.proposer.propose([inp])[0]))
+            except Exception:  # noqa: BLE001 - speculation never fails a request
+                logger.warning("request %s: proposer failed, decoding it without speculation",
+                               request.request_id, exc_info=True)
+                request.spec_disabled = True
+                self.stats.num_fallbacks += 1
+                self.remove_request(request.request_id)
+                results.append([])
+        return results
+
+    def _checked(self, inp: ProposalInput, drafts: Sequence[int]) -> list[int]:
+        drafts = [int(t) for t in drafts]
+        if len(drafts) > inp.num_speculative_tokens:
+            raise ValueError(f"proposer returned {len(drafts)} drafts, at most {inp.num_speculative_tokens} asked")
+        if any(t < 0 or t >= self.vocab_size for t in drafts):
+            raise ValueError(f"proposer returned token ids outside [0, {self.vocab_size}): {drafts}")
+        return drafts
+
+    # ---- observing ------------------------------------------------------------------
+    def observe(self, plan: SchedulerPlan, result: StepResult) -> None:
+        """Count what verification accepted; keep the hidden states of accepted positions."""
+        for chunk in plan.chunks:
+            num_valid = chunk.num_tokens
+            emitted = result.verified_token_ids.get(chunk.request_id)
+            if chunk.num_draft_tokens and emitted is not None:
+                num_accepted = len(emitted) - 1
+                s = self.stats
+                s.num_verifications += 1
+                s.num_draft_tokens += chunk.num_draft_tokens
+                s.num_accepted_tokens += num_accepted
+                for j in range(num_accepted):
+                    s.accepted_per_position[j] += 1
+                num_valid = chunk.num_tokens - chunk.num_draft_tokens + num_accepted
+            hidden = result.spec_hidden_states.get(chunk.request_id)
+            if hidden is not None:
+                self.add_hidden_states(chunk.request_id, hidden[:num_valid], chunk.start_pos)
+
+    def add_hidden_states(self, request_id: str, rows: torch.Tensor, start_pos: int) -> None:
+        """Record the target's hidden states of positions start_pos .. start_pos + len(rows) - 1."""
+        if not self.uses_hidden_states or rows.shape[0] == 0:
+            return
+        old = self._hidden.get(request_id)
+        if old is not None and old.start_pos <= start_pos <= old.end_pos:
+            # contiguous (or a recompute of a suffix): keep what precedes start_pos
+            rows = torch.cat([old.rows[: start_pos - old.start_pos], rows])
+            start_pos = old.start_pos
+        keep = min(rows.shape[0], self.hidden_window)
+        self._hidden[request_id] = _Hidden(start_pos + rows.shape[0] - keep, rows[-keep:])
+
+    def _hidden_for(self, request: Request) -> torch.Tensor | None:
+        """Rows for positions up to L - 2 (the newest token has not run yet), or None if missing."""
+        h = self._hidden.get(request.request_id)
+        if h is None or h.end_pos != request.num_tokens - 1:
+            return None
+        return h.rows
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def remove_request(self, request_id: str) -> None:
+        self._hidden.pop(request_id, None)
+        remove = getattr(self.proposer, "remove_request", None)
+        if remove is not None:
+            remove(request_id)
+
+    def check_no_leaks(self) -> None:
+        assert not self._hidden, f"hidden states kept for finished requests: {sorted(self._hidden)}"
+        check = getattr(self.proposer, "check_no_leaks", None)
+        if check is not None:
+            check()
