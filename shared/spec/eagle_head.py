@@ -18,6 +18,11 @@ no KV cache: every call attends causally over exactly the rows it is given.
 
 Weights live in one safetensors file: the head's parameters plus its config as
 JSON metadata (`save` / `EagleHead.load`); the target's tensors are not in it.
+
+Draft vocabulary (optional, as in EAGLE-3): `draft_token_ids` [V_d] names the
+tokens the head may propose, the most frequent in its training text. Drafting
+then scores `next_hidden @ lm_head[draft_token_ids].T` instead of the whole
+vocabulary, which on a small target is most of a draft step's cost.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class EagleHead(nn.Module):
         embed: torch.Tensor,  # [vocab, hidden] the target's, shared
         lm_head: torch.Tensor,  # [vocab, hidden] the target's, shared
         generator: torch.Generator | None = None,
+        draft_token_ids: torch.Tensor | None = None,  # [draft_vocab] int64: ids the head may propose
     ) -> None:
         super().__init__()
         c = config
@@ -106,6 +112,11 @@ class EagleHead(nn.Module):
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
         self.to(device=embed.device, dtype=embed.dtype)
+        self.draft_token_ids: torch.Tensor | None
+        if draft_token_ids is not None:
+            self.register_buffer("draft_token_ids", draft_token_ids.to(device=embed.device, dtype=torch.int64))
+        else:
+            self.draft_token_ids = None
         self.reset_parameters(generator)
         self._rope: RotaryEmbedding | None = None
 
@@ -131,6 +142,19 @@ class EagleHead(nn.Module):
         token_ids: torch.Tensor,  # [n] tokens at positions t + 1
         positions: torch.Tensor | None = None,  # [n] positions t + 1 (RoPE); default 0 .. n - 1
     ) -> tuple[torch.Tensor, torch.Tensor]:  # next_hidden [n, hidden], logits [n, vocab] float32
+        x = self.forward_hidden(hidden, token_ids, positions)
+        logits = F.linear(x, self.lm_head).float()
+        c = self.config
+        if c.final_logit_softcap is not None:
+            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        return x, logits
+
+    def forward_hidden(
+        self,
+        hidden: torch.Tensor,  # [n, hidden] target hidden states at positions t
+        token_ids: torch.Tensor,  # [n] tokens at positions t + 1
+        positions: torch.Tensor | None = None,  # [n] positions t + 1 (RoPE); default 0 .. n - 1
+    ) -> torch.Tensor:  # next_hidden [n, hidden]: the predicted target hidden states at t + 1
         c = self.config
         n = hidden.shape[0]
         if positions is None:
@@ -152,11 +176,7 @@ class EagleHead(nn.Module):
         x = x + self.o_proj(attn.transpose(0, 1).reshape(n, -1))
 
         h = rms_norm(x, self.post_attention_norm, c.rms_eps)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        logits = F.linear(x, self.lm_head).float()
-        if c.final_logit_softcap is not None:
-            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
-        return x, logits
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def save(self, path: str | Path) -> None:
         """The head's own weights and config to one safetensors file (the shared tensors stay out)."""
@@ -177,7 +197,7 @@ class EagleHead(nn.Module):
                 raise ConfigError(f"{path} is not an EAGLE head saved by baton (no {_CONFIG_KEY} metadata)")
             config = EagleHeadConfig(**json.loads(metadata[_CONFIG_KEY]))
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-        head = cls(config, embed, lm_head)
+        head = cls(config, embed, lm_head, draft_token_ids=tensors.get("draft_token_ids"))
         missing, unexpected = head.load_state_dict(tensors, strict=False)
         if missing or unexpected:
             raise ConfigError(f"EAGLE head file {path}: missing {missing}, unexpected {unexpected}")
