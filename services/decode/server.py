@@ -12,7 +12,6 @@ released); its blocks are freed once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -87,8 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             if not released:
                 # stop our reads before the slots can go to anyone else, even if this task is cancelled
-                cleanup = asyncio.ensure_future(self._drop(req.request_id, address, request.handoff_id))
-                await asyncio.shield(cleanup)
+                await self.kv.run_cleanup(self._drop(req.request_id, address, request.handoff_id))
 
     async def _claim(self, request: decode_pb2.DecodeRequest) -> tuple[ClaimedHandoff, AgentAddress]:
         claimed, agent = await self.kv.claim(

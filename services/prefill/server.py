@@ -13,7 +13,6 @@ releases the slots, so no write of ours can land in a slot given to someone else
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import replace
 
@@ -122,8 +121,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             if not committed:
                 # stop the engine's writes before the slots can go to anyone else, even if this task is cancelled
-                cleanup = asyncio.ensure_future(self._drop(req.request_id, address, request.handoff_id, failed))
-                await asyncio.shield(cleanup)
+                await self.kv.run_cleanup(self._drop(req.request_id, address, request.handoff_id, failed))
 
     async def _drop(self, request_id: str, address: str, handoff_id: str, failed: bool) -> None:
         try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.kv_link import KVAgents, TransferGroup
-from shared.kv.layout import KVLayout
+from shared.kv.layout import KVLayout, cdiv
 from shared.kv.remote import (
     AgentAddress,
     HandoffSlots,
@@ -92,13 +92,12 @@ class KVPuller:
         remote, bs = source.layout, self._layout.block_size
         layers = range(self._layout.num_layers)
         if remote.block_size == bs:
-            lo = first_token // bs
-            hi = len(source.slots.block_slots)
+            lo, hi = first_token // bs, cdiv(source.num_tokens, bs)
             group.start(TransferOp.READ, block_plan(self._layout, group.link.cache_region, block_ids[lo:hi],
                                                     source.slots.space, source.slots.block_slots[lo:hi], layers))
         else:
             lo = first_token // remote.block_size
-            slots = source.slots.block_slots[lo:]
+            slots = source.slots.block_slots[lo:cdiv(source.num_tokens, remote.block_size)]
             # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the slot layout
             job.staging = torch.empty((len(slots), remote.num_layers, 2, remote.block_size, remote.num_kv_heads,
                                        remote.head_dim), dtype=remote.dtype)

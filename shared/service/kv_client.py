@@ -8,7 +8,9 @@ pass through here: the engine's transport agent moves them (`shared.engine.kv_li
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable
 
 import grpc
 
@@ -29,6 +31,7 @@ class KVTransferClient:
         self._max_message_bytes = max_message_bytes
         self._stubs: dict[str, kv_transfer_pb2_grpc.KVTransferServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
+        self._cleanups: set[asyncio.Future[None]] = set()
 
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferServiceStub:
         stub = self._stubs.get(address)
@@ -76,6 +79,15 @@ class KVTransferClient:
             return False
         return bool(reply.found)
 
+    async def run_cleanup(self, cleanup: Awaitable[None]) -> None:
+        """Run `cleanup` (abort, then release) to the end even if the caller is cancelled; `close` waits for it."""
+        task = asyncio.ensure_future(cleanup)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        await asyncio.shield(task)
+
     async def close(self) -> None:
+        if self._cleanups:  # releases in flight: let them reach kv_transfer (leases would expire anyway)
+            await asyncio.wait(self._cleanups, timeout=_CONTROL_TIMEOUT_S)
         for ch in self._channels:
             await ch.close()
