@@ -15,6 +15,7 @@ reserves, and continues from the first token.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,17 +26,21 @@ from shared.engine.block_pool import BlockPool
 from shared.engine.config import EngineConfig
 from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
 from shared.engine.kv_manager import KVCacheManager
+from shared.engine.remote_kv import RemoteKV
 from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPlan, StepResult
-from shared.errors import ConfigError, ContextLengthExceededError, InvalidRequestError
+from shared.errors import BatonError, ConfigError, ContextLengthExceededError, InvalidRequestError
 from shared.kv.layout import KVLayout
+from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
 from shared.models.loader import LoadedModel, load_model
 from shared.ops.attention import paged_attention_ref
 from shared.spec.factory import build_speculator
 from shared.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
+
+_TRANSFER_POLL_S = 0.0005
 
 
 @dataclass
@@ -90,6 +95,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_config, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed)
         self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()
+        self.remote: RemoteKV | None = None  # handoffs through kv_transfer, when a service enables them
         self._hidden: dict[str, list[torch.Tensor]] = {}
         self._arrivals = 0
         logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d",
@@ -118,16 +124,64 @@ class LLMEngine:
         )
 
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.scheduler.requests or any(r.request_id == request_id for r, _ in self._pending_handoffs):
+        if request_id in self.scheduler.requests or any(r.request_id == request_id for r, _ in self._pending_handoffs) \
+                or (self.remote is not None and self.remote.has(request_id)):
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         if self.config.role == "decode":
             raise InvalidRequestError("a decode engine admits requests with their KV (add_handoff)")
         self._check_new_id(request_id)
-        request = self._new_request(request_id, prompt_token_ids, params)
-        self.runner.add_request(request_id, params.seed)
+        self.admit_new(self._new_request(request_id, prompt_token_ids, params))
+
+    def admit_new(self, request: Request) -> None:
+        """Hand a validated new request to the runner and the scheduler."""
+        self.runner.add_request(request.request_id, request.params.seed)
         self.scheduler.add_request(request)
+
+    # ---- handoffs through kv_transfer (see remote_kv.py) ----------------------------------
+    def enable_remote_kv(self, push_mode: str = "layerwise", host: str = "127.0.0.1",
+                         transfer_timeout_s: float = 30.0) -> RemoteKV:
+        """Move KV through kv_transfer's slots (services call this once, before any request)."""
+        self.remote = RemoteKV(self, push_mode, host, transfer_timeout_s)
+        return self.remote
+
+    def add_pushed_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                           address: AgentAddress, slots: HandoffSlots) -> None:
+        """Prefill role: compute the prompt, writing its KV into `slots` layer by layer."""
+        assert self.remote is not None, "enable_remote_kv first"
+        self._check_new_id(request_id)
+        self.remote.add_pushed(self._new_request(request_id, prompt_token_ids, params), address, slots)
+
+    def add_pulled_handoff(self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff,
+                           address: AgentAddress) -> RequestOutput | None:
+        """Decode role: admit a request whose KV waits in kv_transfer's slots (pulled before it runs).
+
+        Returns its final output if the first token already ended it (nothing is pulled then).
+        """
+        assert self.remote is not None, "enable_remote_kv first"
+        self._check_new_id(request_id)
+        self.remote.check_compatible(claimed)
+        first = claimed.result
+        request = self._new_request(request_id, claimed.spec.prompt_token_ids, params, [first.first_token_id])
+        if first.first_logprobs is not None:
+            request.output_logprobs.append(first.first_logprobs)
+        status = request.check_stop()
+        if status is not None:
+            request.status = status
+            return RequestOutput(request_id, [], [], True, request.finish_reason, request.num_prompt_tokens, 0)
+        self.runner.add_request(request_id, params.seed, num_steps_done=1)
+        self.remote.add_pulled(request, claimed, address)
+        return None
+
+    def take_failures(self) -> list[tuple[str, BatonError]]:
+        """Requests that failed outside a step's outputs (a KV pull broke), each reported once."""
+        return self.remote.take_failures() if self.remote is not None else []
+
+    def spec_add_hidden(self, request_id: str, hidden_states: torch.Tensor, start: int) -> None:
+        """Prompt hidden states from prefill (rows from prompt position `start`), for the draft head."""
+        if self.speculator is not None:
+            self.speculator.add_hidden_states(request_id, hidden_states, start)
 
     def add_handoff(self, request_id: str, params: SamplingParams, handoff: KVHandoff) -> RequestOutput | None:
         """Admit a request prefilled elsewhere. Returns its final output if the first token ended it."""
@@ -167,6 +221,8 @@ class LLMEngine:
         self.runner.remove_request(request_id)
         self._spec_remove(request_id)
         self._hidden.pop(request_id, None)
+        if self.remote is not None and self.remote.abort(request_id):
+            return True
         for i, (request, _) in enumerate(self._pending_handoffs):
             if request.request_id == request_id:
                 del self._pending_handoffs[i]
@@ -176,30 +232,40 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        released = self.remote.poll() if self.remote is not None else []
         self._admit_handoffs()
+        if self.remote is not None:
+            self.remote.admit_pulls()
         self._spec_propose()
         plan = self.scheduler.schedule()
         for request_id in plan.preempted_ids:
             self._hidden.pop(request_id, None)  # recomputed from scratch on resume
         if plan.is_empty:
-            return []
-        result = self.runner.execute(plan)
+            if self.remote is not None and self.remote.busy and not released:
+                time.sleep(_TRANSFER_POLL_S)  # only transfers in flight: do not spin a core they may need
+            return released
+        hook = self.remote.layer_hook(plan) if self.remote is not None else None
+        result = self.runner.execute(plan, hook)
         self._spec_observe(plan, result)
         for request_id, hidden in result.hidden_states.items():
             self._hidden.setdefault(request_id, []).append(hidden)
         outputs = self.scheduler.update(plan, result)
-        for out in outputs:
-            if out.finished:
-                self._finish(out)
-        return outputs
+        # a pushed prefill's final output waits for its last writes (see remote_kv.py)
+        return released + [out for out in outputs if not (out.finished and self._finish(out))]
 
-    def _finish(self, out: RequestOutput) -> None:
+    def _finish(self, out: RequestOutput) -> bool:
+        """Wrap up a finished request; True when its output is withheld until its KV push is over."""
         self.runner.remove_request(out.request_id)
         self._spec_remove(out.request_id)
         hidden = self._hidden.pop(out.request_id, [])
         if out.finish_reason != "handoff":
-            return
+            if self.remote is not None:
+                self.remote.pusher.abort(out.request_id)  # the first token ended it: nothing to hand over
+            return False
         request = self.scheduler.handoff_pending[out.request_id]
+        hidden_states = torch.cat(hidden) if hidden else None
+        if self.remote is not None and self.remote.withhold(out, request, hidden_states):
+            return True
         try:
             out.handoff = KVHandoff(
                 prompt_token_ids=list(request.prompt_token_ids),
@@ -208,10 +274,12 @@ class LLMEngine:
                 block_size=self.config.block_size,
                 kv=extract_kv(self.runner.kv_cache, self.kv.block_ids(out.request_id),
                               request.num_prompt_tokens, self.config.block_size),
-                hidden_states=torch.cat(hidden) if hidden else torch.empty(0, self.loaded.spec.hidden_size),
+                hidden_states=hidden_states if hidden_states is not None else torch.empty(
+                    0, self.loaded.spec.hidden_size),
             )
         finally:
             self.scheduler.release_handoff(out.request_id)
+        return False
 
     # ---- speculation (see shared/spec/speculator.py) ----------------------------------
     def _spec_propose(self) -> None:
@@ -233,7 +301,8 @@ class LLMEngine:
 
     # ---- conveniences ---------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_handoffs)
+        return self.scheduler.has_unfinished() or bool(self._pending_handoffs) or (
+            self.remote is not None and self.remote.busy)
 
     def run_to_completion(self) -> dict[str, GenerationResult]:
         """Step until every request has finished; results keyed by request id."""
@@ -275,7 +344,7 @@ class LLMEngine:
     @property
     def num_pending_handoffs(self) -> int:
         """Handed-off requests waiting for blocks (decode role)."""
-        return len(self._pending_handoffs)
+        return len(self._pending_handoffs) + (self.remote.num_queued if self.remote is not None else 0)
 
     def check_no_leaks(self) -> None:
         assert not self.has_unfinished(), "requests still in flight"

@@ -41,6 +41,7 @@ class EngineServiceSettings(BaseSettings):
     torch_threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = torch's default")
     cache_dir: Path = DEFAULT_CACHE_DIR
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20)
+    kv_transfer_timeout_s: float = Field(default=30.0, gt=0, description="deadline of one KV transfer")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = "INFO"
 
