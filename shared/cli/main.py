@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from shared.cli import generate_cmd, service_cmds, up_cmd
+from shared.cli import generate_cmd, service_cmds, train_draft_cmd, up_cmd
 from shared.errors import BatonError
 
 
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.register(sub)
     up_cmd.register(sub)
     service_cmds.register(sub)
+    train_draft_cmd.register(sub)
     return parser
 
 

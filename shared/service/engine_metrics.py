@@ -12,7 +12,7 @@ from shared.engine.async_engine import AsyncEngine
 
 
 class EngineCollector(Collector):
-    """baton_kv_blocks_total/free and running/waiting request gauges (vLLM's names where they exist)."""
+    """baton_kv_blocks_total/free, running/waiting gauges and spec-decode counters (vLLM's names where they exist)."""
 
     def __init__(self, aengine: AsyncEngine, role: str) -> None:
         self.aengine = aengine
@@ -38,6 +38,33 @@ class EngineCollector(Collector):
                                       labels=labels)
         preempt.add_metric([self.role], self.aengine.engine.scheduler.num_preemptions_total)
         yield preempt
+        yield from self._spec_metrics()
+
+    def _spec_metrics(self) -> Iterator[CounterMetricFamily]:
+        """vLLM's spec-decode counters (mean acceptance length = 1 + accepted / drafts), plus fallbacks."""
+        speculator = self.aengine.engine.speculator
+        if speculator is None:
+            return
+        stats = speculator.stats
+        labels = ["role"]
+        for name, doc, value in (
+            ("baton_spec_decode_num_drafts", "Request-steps that verified at least one draft token",
+             stats.num_verifications),
+            ("baton_spec_decode_draft_tokens", "Draft tokens proposed and verified", stats.num_draft_tokens),
+            ("baton_spec_decode_accepted_tokens", "Draft tokens accepted by verification",
+             stats.num_accepted_tokens),
+            ("baton_spec_decode_fallbacks", "Requests whose proposer failed; they decoded without speculation",
+             stats.num_fallbacks),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.role], value)
+            yield c
+        per_pos = CounterMetricFamily("baton_spec_decode_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position (0 = first)",
+                                      labels=["role", "position"])
+        for position, value in enumerate(list(stats.accepted_per_position)):
+            per_pos.add_metric([self.role, str(position)], value)
+        yield per_pos
 
 
 def engine_registry(aengine: AsyncEngine, role: str) -> CollectorRegistry:

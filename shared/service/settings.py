@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +45,13 @@ class EngineServiceSettings(BaseSettings):
     kv_transfer_timeout_s: float = Field(default=30.0, gt=0, description="deadline of one KV transfer")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = "INFO"
+    # speculative decoding (decode / colocated roles; a prefill engine ignores these)
+    spec: Literal["none", "ngram", "draft", "eagle"] = Field(default="none", description="proposer")
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16, description="draft tokens verified per step")
+    spec_draft_model: str | None = Field(default=None, description="draft: model sharing the tokenizer; "
+                                         "unset = the target's first spec_draft_num_layers layers")
+    spec_draft_num_layers: int = Field(default=4, ge=1, description="layers of a truncated-target draft")
+    spec_eagle_head: Path | None = Field(default=None, description="eagle: head from `baton train-draft`")
 
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(
@@ -51,6 +59,9 @@ class EngineServiceSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
+            spec_method=self.spec, num_speculative_tokens=self.num_speculative_tokens,
+            spec_draft_model=self.spec_draft_model, spec_draft_num_layers=self.spec_draft_num_layers,
+            spec_eagle_head=self.spec_eagle_head,
         )
 
     @property

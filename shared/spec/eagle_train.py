@@ -1,0 +1,137 @@
+"""Training an EAGLE head on the target's own text and hidden states (what `baton train-draft` runs).
+
+    prompts ──target generates (greedy)──► sequences (prompt + reply)
+    sequences ──engine in prefill role (no prefix cache)──► handoff.hidden_states [n, hidden]
+    windows of rows r .. r + W - 1:
+        input   (h_r, t_{r+1}) at position r + 1
+        target  h_{r+1} (smooth L1)  and  t_{r+2} (cross-entropy over the draft vocabulary)
+
+The hidden states come out of the prefill path exactly as a decode engine
+receives them in a handoff, so the head learns on the features it is fed when
+serving. Windows match the speculator's hidden window: the head attends over
+that many rows when drafting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.engine import LLMEngine
+from shared.engine.request import SamplingParams
+from shared.spec.eagle_head import EagleHead
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainingSequence", "draft_vocabulary", "extract_hidden_states", "generate_sequences", "train_head"]
+
+_IGNORE = -100
+
+
+@dataclass
+class TrainingSequence:
+    token_ids: torch.Tensor  # [n] int64
+    hidden_states: torch.Tensor  # [n, hidden]: the target's final-norm hidden state at each position
+
+
+def generate_sequences(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Prompt + the target's own greedy reply, for each prompt."""
+    results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return [list(p) + r.token_ids for p, r in zip(prompts, results, strict=True)]
+
+
+def extract_hidden_states(engine: LLMEngine, sequences: Sequence[Sequence[int]]) -> list[TrainingSequence]:
+    """Hidden states of every position, from the handoffs of an engine in the prefill role.
+
+    The engine must have prefix caching off: a cached prefix is not computed, so
+    its hidden states would be missing from the handoff.
+    """
+    assert engine.config.role == "prefill" and not engine.config.enable_prefix_caching
+    ids = [f"extract-{i}" for i in range(len(sequences))]
+    for request_id, seq in zip(ids, sequences, strict=True):
+        # max_tokens > 1: a request whose first token ends it finishes without a handoff
+        engine.add_request(request_id, seq, SamplingParams(max_tokens=2, temperature=0.0))
+    results = engine.run_to_completion()
+    out = []
+    for request_id, seq in zip(ids, sequences, strict=True):
+        handoff = results[request_id].handoff
+        assert handoff is not None and handoff.hidden_start == 0
+        # a clone outside inference mode: autograd may save it
+        out.append(TrainingSequence(torch.tensor(list(seq), dtype=torch.int64), handoff.hidden_states.float().clone()))
+    return out
+
+
+def draft_vocabulary(sequences: Sequence[TrainingSequence], size: int) -> torch.Tensor:  # [<= size] int64
+    """The `size` most frequent tokens of the training text, ascending ids."""
+    counts: Counter[int] = Counter()
+    for s in sequences:
+        counts.update(s.token_ids.tolist())
+    return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.int64)
+
+
+def _window_loss(
+    head: EagleHead, lm_rows: torch.Tensor, to_draft: torch.Tensor, seq: TrainingSequence, start: int, width: int,
+) -> tuple[torch.Tensor, int, int]:
+    """Loss over rows start .. start + width - 1 of `seq`; also (correct top-1 drafts, labelled rows)."""
+    n = seq.token_ids.shape[0]
+    rows = torch.arange(start, min(start + width, n - 1))
+    pred = head.forward_hidden(seq.hidden_states[rows], seq.token_ids[rows + 1], rows + 1)  # [w, hidden]
+    reg = F.smooth_l1_loss(pred, seq.hidden_states[rows + 1])
+    has_label = rows + 2 < n
+    labels = torch.full_like(rows, _IGNORE)
+    labels[has_label] = to_draft[seq.token_ids[rows[has_label] + 2]]
+    logits = pred @ lm_rows.T  # [w, draft_vocab]
+    valid = labels != _IGNORE
+    ce = F.cross_entropy(logits, labels, ignore_index=_IGNORE) if valid.any() else logits.sum() * 0.0
+    correct = int((logits.argmax(dim=-1)[valid] == labels[valid]).sum())
+    return reg + 0.1 * ce, correct, int(valid.sum())
+
+
+def train_head(
+    head: EagleHead,
+    sequences: Sequence[TrainingSequence],
+    steps: int,
+    window: int = 64,
+    batch_windows: int = 8,
+    lr: float = 1e-3,
+    progress: Callable[[int, float, float], None] | None = None,
+    seed: int = 0,
+) -> float:
+    """AdamW with cosine decay over random windows; returns the teacher-forced top-1 accuracy of the last 10%."""
+    assert head.draft_token_ids is not None, "give the head a draft vocabulary (draft_vocabulary())"
+    gen = torch.Generator().manual_seed(seed)
+    lm_rows = head.lm_head.index_select(0, head.draft_token_ids).detach()  # [draft_vocab, hidden]
+    to_draft = torch.full((head.config.vocab_size,), _IGNORE, dtype=torch.int64)
+    to_draft[head.draft_token_ids] = torch.arange(head.draft_token_ids.shape[0])
+    usable = [s for s in sequences if s.token_ids.shape[0] >= 3]
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    head.train()
+    correct_tail = labelled_tail = 0
+    for step in range(steps):
+        opt.zero_grad()
+        total = torch.zeros(())
+        correct = labelled = 0
+        for _ in range(batch_windows):
+            seq = usable[int(torch.randint(len(usable), (1,), generator=gen))]
+            n = seq.token_ids.shape[0]
+            start = int(torch.randint(max(n - 1 - window, 0) + 1, (1,), generator=gen))
+            loss, c, m = _window_loss(head, lm_rows, to_draft, seq, start, window)
+            total = total + loss / batch_windows
+            correct, labelled = correct + c, labelled + m
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step >= steps * 9 // 10:
+            correct_tail, labelled_tail = correct_tail + correct, labelled_tail + labelled
+        if progress is not None:
+            progress(step, float(total), correct / max(labelled, 1))
+    head.eval()
+    return correct_tail / max(labelled_tail, 1)
