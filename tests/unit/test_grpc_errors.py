@@ -11,7 +11,7 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from proto.baton.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from shared.errors import (
     AuthenticationError,
     BatonError,
@@ -112,7 +112,7 @@ def test_trailer_disagreeing_with_the_status_is_ignored() -> None:
 
 
 class FailingServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
-    """Raises what the handoff id names, from each kind of RPC."""
+    """Raises what the handoff id names."""
 
     ERRORS: dict[str, Exception] = {
         "capacity": CapacityError("store full"),
@@ -127,20 +127,16 @@ class FailingServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             raise self.ERRORS[request.handoff_id]
         return kv_transfer_pb2.ReleaseResponse(found=True)
 
-    async def Claim(
-        self, request: kv_transfer_pb2.ClaimRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_transfer_pb2.HandoffChunk]:
-        yield kv_transfer_pb2.HandoffChunk(hidden=kv_transfer_pb2.HiddenData(data=b"x"))
-        raise self.ERRORS[request.handoff_id]
 
-    async def Put(
-        self,
-        request_iterator: AsyncIterator[kv_transfer_pb2.HandoffChunk],
-        context: grpc.aio.ServicerContext,
-    ) -> kv_transfer_pb2.PutResponse:
-        async for _ in request_iterator:
-            raise UnavailableError("no room at the inn")
-        return kv_transfer_pb2.PutResponse()
+
+class FailingDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """A server-streaming RPC that fails after its first message."""
+
+    async def Generate(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        yield decode_pb2.DecodeResponse(token_ids=[1])
+        raise FailingServicer.ERRORS[request.handoff_id]
 
 
 async def _rpc_error(call: object) -> grpc.aio.AioRpcError:
@@ -159,6 +155,7 @@ def test_interceptor_maps_errors_from_every_rpc_kind(caplog: pytest.LogCaptureFi
     async def scenario() -> None:
         handle = make_server("127.0.0.1:0")
         kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(FailingDecode(), handle.server)
         await handle.start("baton.v1.KVTransferService")
         try:
             async with channel(handle.address) as ch:
@@ -170,14 +167,11 @@ def test_interceptor_maps_errors_from_every_rpc_kind(caplog: pytest.LogCaptureFi
                 assert exc.code() is S.RESOURCE_EXHAUSTED and exc.details() == "store full"
                 assert type(error_from_rpc(exc)) is CapacityError
 
-                exc = await _rpc_error(stub.Claim(kv_transfer_pb2.ClaimRequest(handoff_id="context")))
+                decode = decode_pb2_grpc.DecodeServiceStub(ch)
+                exc = await _rpc_error(decode.Generate(decode_pb2.DecodeRequest(handoff_id="context")))
                 assert exc.code() is S.INVALID_ARGUMENT
                 error = error_from_rpc(exc)
                 assert type(error) is ContextLengthExceededError and error.param == "prompt"
-
-                chunks = [kv_transfer_pb2.HandoffChunk()]
-                exc = await _rpc_error(stub.Put(iter(chunks)))
-                assert exc.code() is S.UNAVAILABLE and type(error_from_rpc(exc)) is UnavailableError
 
                 call = stub.Release(
                     kv_transfer_pb2.ReleaseRequest(handoff_id="boom"), metadata=((REQUEST_ID_KEY, "req-77"),)
