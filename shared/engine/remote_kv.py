@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from shared.engine.kv_link import KVAgents
 from shared.engine.kv_pull import KVPuller, PullOutcome, PullSource
 from shared.engine.kv_push import KVPusher, PushOutcome
+from shared.engine.kv_stats import KVTransferStats
 from shared.engine.request import Request, RequestOutput, RequestStatus
 from shared.errors import BatonError, InvalidRequestError, KVTransferError
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots
@@ -65,7 +66,7 @@ class RemoteKV:
         self._pulling: dict[str, _Pull] = {}
         self._withheld: dict[str, RequestOutput] = {}  # prefill: final outputs waiting for their push
         self.failures: list[tuple[str, BatonError]] = []
-        self.num_imported_tokens = 0
+        self.stats = KVTransferStats()
 
     @property
     def busy(self) -> bool:
@@ -106,7 +107,7 @@ class RemoteKV:
         if outcome.error is None:
             imp.holder.num_computed_tokens = len(e.kv.block_ids(imp.holder.request_id)) * e.config.block_size
             e.kv.cache_full_blocks(imp.holder)  # now local prefix-cache hits for the request
-            self.num_imported_tokens += imp.holder.num_computed_tokens
+            self.stats.imported_tokens += imp.holder.num_computed_tokens
         e.kv.free(imp.holder)
         self._admit_pushed(imp.request, imp.address, imp.slots)
 
@@ -183,12 +184,15 @@ class RemoteKV:
     def poll(self) -> list[RequestOutput]:
         """Finish what the transfers finished; returns prefill outputs released by their push."""
         for holder_id, outcome in self.puller.poll().items():
+            direction = "import" if holder_id in self._imports else "pull"
+            self.stats.observe(direction, outcome.seconds, outcome.nbytes, outcome.error is not None)
             if holder_id in self._imports:
                 self._import_over(self._imports.pop(holder_id), outcome)
             else:
                 self._pull_over(self._pulling.pop(holder_id), outcome)
         released = []
         for request_id, push in self.pusher.poll().items():
+            self.stats.observe("push", push.seconds, push.nbytes, push.error is not None)
             out = self._withheld.pop(request_id)
             out.handoff = push
             self._e.scheduler.release_handoff(request_id)

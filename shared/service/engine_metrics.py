@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.kv_stats import BUCKETS_S
 
 
 class EngineCollector(Collector):
@@ -18,7 +19,7 @@ class EngineCollector(Collector):
         self.aengine = aengine
         self.role = role
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         load = self.aengine.load
         labels = ["role"]
         for name, doc, value in (
@@ -39,6 +40,31 @@ class EngineCollector(Collector):
         preempt.add_metric([self.role], self.aengine.engine.scheduler.num_preemptions_total)
         yield preempt
         yield from self._spec_metrics()
+        yield from self._kv_transfer_metrics()
+
+    def _kv_transfer_metrics(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        """Transfers to and from kv_transfer's slots: time per request, bytes, failures, prefix imports."""
+        remote = self.aengine.engine.remote
+        if remote is None:
+            return
+        seconds = HistogramMetricFamily("baton_kv_transfer_seconds", "Time to move one request's KV",
+                                        labels=["role", "direction"])
+        nbytes = CounterMetricFamily("baton_kv_transfer_bytes", "KV and hidden-state bytes moved",
+                                     labels=["role", "direction"])
+        failures = CounterMetricFamily("baton_kv_transfer_failures", "Requests whose KV transfer failed",
+                                       labels=["role", "direction"])
+        for direction, st in remote.stats.by_direction.items():
+            counts = list(st.bucket_counts)
+            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+            buckets = [(str(b), c) for b, c in zip(BUCKETS_S, cumulative, strict=False)] + [("+Inf", cumulative[-1])]
+            seconds.add_metric([self.role, direction], buckets, st.sum_s)
+            nbytes.add_metric([self.role, direction], st.nbytes)
+            failures.add_metric([self.role, direction], st.failures)
+        imported = CounterMetricFamily("baton_prefix_pool_imported_tokens",
+                                       "Prompt tokens read from kv_transfer's prefix pool instead of computed",
+                                       labels=["role"])
+        imported.add_metric([self.role], remote.stats.imported_tokens)
+        yield from (seconds, nbytes, failures, imported)
 
     def _spec_metrics(self) -> Iterator[CounterMetricFamily]:
         """vLLM's spec-decode counters (mean acceptance length = 1 + accepted / drafts), plus fallbacks."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.decode.main import start as start_decode
@@ -20,6 +21,7 @@ from services.prefill.main import start as start_prefill
 from services.prefill.settings import PrefillSettings
 from shared.engine.request import SamplingParams
 from shared.grpc_common import channel
+from shared.service.engine_metrics import engine_registry
 from shared.tokenizer import encode_prompt
 from shared.transport import available_transports
 from shared.wire import sampling_params_to_proto
@@ -146,8 +148,12 @@ def test_second_turn_computes_only_new_tokens_even_on_another_prefill() -> None:
         tokens1, cached1 = await stack.generate(turn1, params, prefill_index=0)
         assert tokens1 == answer and cached1 == 0
         tokens2, cached2 = await stack.generate(turn2, params, prefill_index=1)  # the other prefill
-        imported = stack.prefills[1].host.aengine.engine.remote.num_imported_tokens
+        imported = stack.prefills[1].host.aengine.engine.remote.stats.imported_tokens
         await stack.assert_nothing_leaked()
+        text = generate_latest(engine_registry(stack.prefills[1].host.aengine, "prefill")).decode()
+        assert f'baton_prefix_pool_imported_tokens_total{{role="prefill"}} {float(imported)}' in text
+        assert 'baton_kv_transfer_seconds_count{direction="push",role="prefill"} 1.0' in text
+        assert 'baton_kv_transfer_failures_total{direction="push",role="prefill"} 0.0' in text
         return tokens2, cached2, imported
 
     tokens2, cached2, imported = run(body, num_prefills=2)
