@@ -60,7 +60,8 @@ def _engine(args: argparse.Namespace, loaded: object = None, **config: object) -
 
 def run_train_draft(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    generator_engine = _engine(args)
+    # room for every prompt and reply at once (~46 KiB per token on SmolLM2): no preemption
+    generator_engine = _engine(args, kv_cache_bytes=768 << 20)
     loaded = generator_engine.loaded
     chat = loaded.chat_template is not None
     prompts = [encode_prompt(loaded.tokenizer, p, chat=chat) for p in TRAIN_PROMPTS[: args.num_prompts]]
