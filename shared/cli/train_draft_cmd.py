@@ -23,10 +23,17 @@ from tqdm import tqdm
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
-from shared.models.loader import DEFAULT_CACHE_DIR
+from shared.models.loader import DEFAULT_CACHE_DIR, LoadedModel, load_model
+from shared.ops.attention import paged_attention_ref
 from shared.spec.eagle import target_lm_head
 from shared.spec.eagle_head import EagleHead, EagleHeadConfig
-from shared.spec.eagle_train import draft_vocabulary, extract_hidden_states, generate_sequences, train_head
+from shared.spec.eagle_train import (
+    TrainingSequence,
+    draft_vocabulary,
+    extract_hidden_states,
+    generate_sequences,
+    train_head,
+)
 from shared.spec.train_prompts import EVAL_PROMPTS, TRAIN_PROMPTS
 from shared.tokenizer import encode_prompt
 
@@ -48,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    p.add_argument("--data-cache", type=Path, help="reuse (or write) the generated text and hidden states here")
     p.set_defaults(func=run_train_draft)
 
 
@@ -58,11 +66,13 @@ def _engine(args: argparse.Namespace, loaded: object = None, **config: object) -
     return LLMEngine(EngineConfig(**kw), loaded=loaded)  # type: ignore[arg-type]
 
 
-def run_train_draft(args: argparse.Namespace) -> int:
-    t0 = time.monotonic()
+def _training_data(args: argparse.Namespace, loaded: LoadedModel) -> list[TrainingSequence]:
+    if args.data_cache is not None and args.data_cache.is_file():
+        logger.info("reusing training data from %s", args.data_cache)
+        rows = torch.load(args.data_cache)
+        return [TrainingSequence(r["token_ids"], r["hidden_states"]) for r in rows]
     # room for every prompt and reply at once (~46 KiB per token on SmolLM2): no preemption
-    generator_engine = _engine(args, kv_cache_bytes=768 << 20)
-    loaded = generator_engine.loaded
+    generator_engine = _engine(args, loaded, kv_cache_bytes=768 << 20)
     chat = loaded.chat_template is not None
     prompts = [encode_prompt(loaded.tokenizer, p, chat=chat) for p in TRAIN_PROMPTS[: args.num_prompts]]
     logger.info("generating %d replies of up to %d tokens with %s", len(prompts), args.max_tokens, args.model)
@@ -70,6 +80,15 @@ def run_train_draft(args: argparse.Namespace) -> int:
     del generator_engine
     logger.info("extracting hidden states through the prefill path")
     data = extract_hidden_states(_engine(args, loaded, role="prefill", enable_prefix_caching=False), sequences)
+    if args.data_cache is not None:
+        torch.save([{"token_ids": d.token_ids, "hidden_states": d.hidden_states} for d in data], args.data_cache)
+    return data
+
+
+def run_train_draft(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    loaded = load_model(args.model, paged_attention_ref, max_model_len=1024, cache_dir=args.cache_dir)
+    data = _training_data(args, loaded)
     num_tokens = sum(s.token_ids.shape[0] for s in data)
 
     model = loaded.model
