@@ -2,7 +2,7 @@
 
 Disaggregated request lifecycle::
 
-    pick kv_transfer, then prefill (shortest queue)
+    pick kv_transfer (prompt-prefix affinity, for its prefix pool), then prefill (shortest queue)
     Prefill(request, handoff_id) ──fails before the first token──► retry on another prefill
         │ first token (streams to the client now: TTFT is prefill's time)
         │ finish_reason set (max_tokens=1, eos) ──► done, no decode
@@ -40,7 +40,7 @@ from shared.errors import BatonError, InvalidRequestError, UnavailableError
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.registry.base import InstanceInfo, Registry
-from shared.registry.picker import pick_decode, pick_prefill
+from shared.registry.picker import pick_decode, pick_kv_transfer, pick_prefill
 from shared.service.lifecycle import cancel, every
 from shared.telemetry import inject_metadata
 from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
@@ -138,7 +138,7 @@ class GrpcBackend:
                 async for chunk in self._decode(req, state, first_token=None):
                     yield chunk
                 return
-            state.kv_transfer = _pick_kv(self.cache.get("kv_transfer")).address
+            state.kv_transfer = pick_kv_transfer(self.cache.get("kv_transfer"), req.prompt_token_ids).address
             first = await self._prefill(req, state)
             state.done = bool(first.finish_reason)  # nothing left to abort once it finished
             yield BackendChunk(
@@ -255,12 +255,6 @@ class GrpcBackend:
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
-
-
-def _pick_kv(instances: list[InstanceInfo]) -> InstanceInfo:
-    if not instances:
-        raise UnavailableError("no kv_transfer instance is up")
-    return min(instances, key=lambda i: (i.load.num_running, i.instance_id))
 
 
 def _request(req: BackendRequest) -> common_pb2.GenerateRequest:

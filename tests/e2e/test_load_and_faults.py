@@ -132,14 +132,15 @@ def test_killing_the_only_decode_gives_errors_not_hangs(tmp_path: Path, redis_ur
 
 def test_full_kv_store_is_429_and_small_requests_still_pass(tmp_path: Path, redis_url: str) -> None:
     """A handoff that cannot fit kv_transfer's store is backpressure (429), not a crash or an OOM."""
-    stack = _fresh_stack(tmp_path, redis_url, "--kv-transfer-capacity-bytes", str(1 << 20))
+    # 3 MiB: four slots of one SmolLM2 block (every layer, 720 KiB)
+    stack = _fresh_stack(tmp_path, redis_url, "--kv-transfer-capacity-bytes", str(3 << 20))
     try:
         url = stack.base_url
-        big = {"model": MODEL, "prompt": "word " * 60, "max_tokens": 4}  # ~4 blocks of KV: > 1 MiB
+        big = {"model": MODEL, "prompt": "word " * 60, "max_tokens": 4}  # 4 blocks of KV + hidden states
         r = httpx.post(f"{url}/completions", json=big, headers=HEADERS, timeout=60)
         assert r.status_code == 429, r.text
         assert r.json()["error"]["type"] == "rate_limit_error"
-        small = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}  # one block: fits
+        small = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}  # one block + hidden states: fits
         assert httpx.post(f"{url}/completions", json=small, headers=HEADERS, timeout=60).status_code == 200
     finally:
         stack.stop()

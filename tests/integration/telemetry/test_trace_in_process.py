@@ -43,7 +43,7 @@ MODEL = "smollm2-135m"
 ENGINE: dict[str, Any] = dict(model=MODEL, port=0, metrics_port=-1, kv_cache_bytes=32 << 20,
                               max_model_len=512, kv_claim_wait_s=0.5)
 ROUTER_SPAN = "POST /v1/chat/completions"
-SERVICE_SPANS = ("prefill.Prefill", "kv_transfer.Put", "decode.Generate", "kv_transfer.Claim")
+SERVICE_SPANS = ("prefill.Prefill", "kv_transfer.Reserve", "decode.Generate", "kv_transfer.Claim")
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE_ID}-00f067aa0ba902b7-01"
 
@@ -117,7 +117,7 @@ def test_one_trace_spans_router_prefill_kv_transfer_decode(spans: InMemorySpanEx
         trace_spans = _wait_for_trace(spans, request_id)
         by_name = {s.name: s for s in trace_spans}
         assert {ROUTER_SPAN, *SERVICE_SPANS} <= set(by_name), sorted(by_name)
-        router, prefill, put = by_name[ROUTER_SPAN], by_name["prefill.Prefill"], by_name["kv_transfer.Put"]
+        router, prefill, put = by_name[ROUTER_SPAN], by_name["prefill.Prefill"], by_name["kv_transfer.Reserve"]
         decode, claim = by_name["decode.Generate"], by_name["kv_transfer.Claim"]
         a = {name: _attrs(span) for name, span in by_name.items()}
         # one trace, one request id, four services (one instrumentation scope each)
@@ -127,16 +127,17 @@ def test_one_trace_spans_router_prefill_kv_transfer_decode(spans: InMemorySpanEx
             "services.decode.server",
         }
         assert {s.kind for s in (router, prefill, put, decode, claim)} == {SpanKind.SERVER}
-        # the call tree: router -> prefill -> Put; router -> decode -> Claim
+        # the call tree: router -> prefill -> Reserve, Commit; router -> decode -> Claim, Release
         assert _parent_id(prefill) == router.context.span_id
         assert _parent_id(put) == prefill.context.span_id
+        assert _parent_id(by_name["kv_transfer.Commit"]) == prefill.context.span_id
         assert _parent_id(decode) == router.context.span_id
         assert _parent_id(claim) == decode.context.span_id
         put_a, claim_a, prefill_a = _attrs(put), _attrs(claim), _attrs(prefill)
         decode_a, router_a = _attrs(decode), _attrs(router)
-        # what moved: the bytes and blocks Put received are those Claim sent and decode took
+        # what moved: the blocks reserved are those claimed and taken by decode; prefill wrote the bytes
         assert put_a[HANDOFF_ID] == claim_a[HANDOFF_ID] == prefill_a[HANDOFF_ID]
-        assert put_a[KV_NBYTES] == claim_a[KV_NBYTES] == prefill_a[KV_NBYTES] > 0
+        assert prefill_a[KV_NBYTES] > 0
         assert put_a[KV_NUM_BLOCKS] == claim_a[KV_NUM_BLOCKS] == decode_a[KV_NUM_BLOCKS] > 0
         # token counts: prefill sampled the first token, decode the rest
         assert router_a[INPUT_TOKENS] == prefill_a[INPUT_TOKENS] > 0

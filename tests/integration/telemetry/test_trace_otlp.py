@@ -80,9 +80,10 @@ def test_trace_reaches_a_collector_over_otlp(collector: tuple[str, Path], tmp_pa
     assert len(roots) == 1, (spans, logs)
     assert {s["service"] for s in in_trace} == SERVICES
     assert {s["name"] for s in in_trace} >= {"POST /v1/chat/completions", "prefill.Prefill",
-                                             "kv_transfer.Put", "kv_transfer.Claim", "decode.Generate"}
+                                             "kv_transfer.Reserve", "kv_transfer.Commit", "kv_transfer.Claim",
+                                             "decode.Generate"}
     assert all(s["attributes"][REQUEST_ID] == request_id for s in in_trace
-               if s["name"] != "kv_transfer.Release")
+               if s["name"] not in ("kv_transfer.Commit", "kv_transfer.Release"))
     by_id = {s["span_id"]: s for s in in_trace}
     assert all(s["parent_span_id"] in by_id for s in in_trace if s is not roots[0])  # one connected tree
     assert roots[0]["parent_span_id"] == ""

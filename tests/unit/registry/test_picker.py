@@ -4,6 +4,7 @@ import pytest
 
 from shared.errors import UnavailableError
 from shared.registry import Load, pick_decode, pick_prefill
+from shared.registry.picker import pick_kv_transfer
 from tests.helpers.registry_factories import decode_load, make_instance
 
 
@@ -79,3 +80,25 @@ def test_load_kv_free_fraction_is_clamped() -> None:
     assert Load(num_kv_blocks_total=10, num_kv_blocks_free=5).kv_free_fraction == 0.5
     assert Load(num_kv_blocks_total=10, num_kv_blocks_free=12).kv_free_fraction == 1.0
     assert Load().kv_free_fraction == 0.0
+
+
+def test_pick_kv_transfer_keeps_a_prompt_prefix_on_one_instance() -> None:
+    pool = [make_instance(name, "kv_transfer") for name in ("k0", "k1", "k2", "k3")]
+    turn1 = list(range(100, 140))
+    turn2 = turn1 + list(range(7, 60))  # the next turn of the same chat
+    assert pick_kv_transfer(pool, turn1).instance_id == pick_kv_transfer(list(reversed(pool)), turn2).instance_id
+    chosen = {pick_kv_transfer(pool, [i] * 40).instance_id for i in range(64)}
+    assert len(chosen) == 4  # different prefixes spread over every instance
+
+
+def test_pick_kv_transfer_leaves_a_much_busier_instance_and_skips_draining() -> None:
+    prompt = list(range(32))
+    pool = [make_instance(name, "kv_transfer") for name in ("k0", "k1")]
+    preferred = pick_kv_transfer(pool, prompt).instance_id
+    busy = [make_instance(i.instance_id, "kv_transfer", load=Load(num_running=20 if i.instance_id == preferred
+                                                                  else 0)) for i in pool]
+    assert pick_kv_transfer(busy, prompt).instance_id != preferred
+    draining = [make_instance(i.instance_id, "kv_transfer", draining=i.instance_id == preferred) for i in pool]
+    assert pick_kv_transfer(draining, prompt).instance_id != preferred
+    with pytest.raises(UnavailableError):
+        pick_kv_transfer([], prompt)
