@@ -12,6 +12,7 @@ drafts, then the recovered or bonus token::
           └ sampled rows: temperature, top-k, top-p, softmax (as plain sampling)
     target [num_chunks, max_k + 1, vocab] ──► rejection sampler ──► emitted ids
 
+A batch of greedy rows only needs argmaxes and skips the sampler.
 Drafts are taken as deterministic (one-hot q): every proposer here proposes
 greedily, which keeps the output distribution exactly the target's.
 """
@@ -62,6 +63,9 @@ def verify_drafts(
         for v, size in zip(inputs, sizes, strict=True) for j in range(size)
     ]
     masked = suppress(logits, row_suppress)  # [num_rows, vocab]
+    if all(v.params.is_greedy for v in inputs):
+        emitted = _greedy_chains(masked.argmax(dim=-1).tolist(), inputs, sizes)
+        return emitted, _logprobs(logits, inputs, sizes, emitted)
     row_params = [v.params for v, size in zip(inputs, sizes, strict=True) for _ in range(size)]
     sampled_rows = [r for r, p in enumerate(row_params) if not p.is_greedy]
     if sampled_rows:
@@ -89,6 +93,24 @@ def verify_drafts(
     num_accepted = out.num_accepted.tolist()
     emitted = [row[: n + 1] for row, n in zip(token_rows, num_accepted, strict=True)]
     return emitted, _logprobs(logits, inputs, sizes, emitted)
+
+
+def _greedy_chains(argmax: list[int], inputs: Sequence[VerifyInput], sizes: list[int]) -> list[list[int]]:
+    """All-greedy batches: accept drafts while they equal the argmax, then emit the argmax.
+
+    What the rejection sampler computes for greedy rows, without its
+    [num_seqs, max_k + 1, vocab] work.
+    """
+    emitted = []
+    start = 0
+    for v, size in zip(inputs, sizes, strict=True):
+        best = argmax[start : start + size]
+        n = 0
+        while n < size - 1 and v.draft_token_ids[n] == best[n]:
+            n += 1
+        emitted.append(list(v.draft_token_ids[:n]) + [best[n]])
+        start += size
+    return emitted
 
 
 def _rejection_sample(

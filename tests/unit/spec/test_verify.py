@@ -61,3 +61,22 @@ def test_greedy_rows_take_the_argmax_chain_and_logprobs() -> None:
     assert [x.token_id for x in logprobs[0]] == [0, 2]
     torch.testing.assert_close(logprobs[0][1].logprob, lp[1, 2].item())
     assert [t for t, _ in logprobs[1][0].top] == [0, 1]
+
+
+def test_greedy_fast_path_matches_the_rejection_sampler() -> None:
+    from shared.ops.rejection_sampler import draw_rejection_noise, rejection_sample_ref
+
+    gen = torch.Generator().manual_seed(0)
+    num_seqs, k, vocab = 64, 4, 5
+    logits = torch.randn(num_seqs * (k + 1), vocab, generator=gen)
+    drafts = torch.randint(0, vocab, (num_seqs, k), generator=gen)
+    drafts[::2] = logits.view(num_seqs, k + 1, vocab)[::2, :k].argmax(-1)  # half the rows all-correct drafts
+    params = SamplingParams(temperature=0.0)
+    inputs = [VerifyInput(d.tolist(), params, None, frozenset(), 0) for d in drafts]
+    fast, _ = verify_drafts(logits, inputs, Sampler())
+    noise = draw_rejection_noise([k] * num_seqs, [None] * num_seqs, [True] * num_seqs, vocab, "cpu")
+    ref = rejection_sample_ref(drafts, torch.full((num_seqs,), k), logits.view(num_seqs, k + 1, vocab), None,
+                               torch.ones(num_seqs, dtype=torch.bool), noise)
+    expected = [row[: n + 1] for row, n in zip(ref.token_ids.tolist(), ref.num_accepted.tolist(), strict=True)]
+    assert fast == expected
+    assert sum(len(e) == k + 1 for e in fast) >= num_seqs // 2
