@@ -241,6 +241,7 @@ class LLMEngine:
         for request_id in plan.preempted_ids:
             self._hidden.pop(request_id, None)  # recomputed from scratch on resume
         if plan.is_empty:
+            self.runner.clock.pause()  # nothing runnable: the wait that follows is no bubble
             if self.remote is not None and self.remote.busy and not released:
                 time.sleep(_TRANSFER_POLL_S)  # only transfers in flight: do not spin a core they may need
             return released
@@ -250,6 +251,8 @@ class LLMEngine:
         for request_id, hidden in result.hidden_states.items():
             self._hidden.setdefault(request_id, []).append(hidden)
         outputs = self.scheduler.update(plan, result)
+        if not self.scheduler.has_unfinished():
+            self.runner.clock.pause()  # out of work until the next request
         # a pushed prefill's final output waits for its last writes (see remote_kv.py)
         return released + [out for out in outputs if not (out.finished and self._finish(out))]
 

@@ -13,6 +13,7 @@ The runner owns the KV cache tensor and the per-request random generators.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,40 @@ class StepInputs:
     spec_hidden_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+class ExecutorClock:
+    """Executor busy time and the gaps between consecutive executor steps (the loop's bubbles).
+
+    A gap counts from the end of one step to the start of the next while the
+    engine has work; the engine calls `pause` when it runs out, so waiting for
+    the next request is not counted. idle ratio = idle / (idle + busy).
+    """
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self._last_end_s: float | None = None
+        self._start_s = 0.0
+
+    def begin(self) -> None:
+        now = time.perf_counter()
+        if self._last_end_s is not None:
+            self.idle_s += now - self._last_end_s
+        self._start_s = now
+
+    def end(self) -> None:
+        now = time.perf_counter()
+        self.busy_s += now - self._start_s
+        self._last_end_s = now
+
+    def pause(self) -> None:
+        self._last_end_s = None
+
+    @property
+    def idle_ratio(self) -> float:
+        total = self.idle_s + self.busy_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, layout: KVLayout, device: str = "cpu", seed: int = 0) -> None:
         self.model = model
@@ -49,6 +84,7 @@ class ModelRunner:
         self.kv_cache = layout.allocate(self.device)  # KVLayout.shape
         self.sampler = Sampler(seed=seed)
         self._generators: dict[str, torch.Generator | None] = {}
+        self.clock = ExecutorClock()
 
     def add_request(self, request_id: str, seed: int | None, num_steps_done: int = 0) -> None:
         """Give a request its generator; `num_steps_done` replays draws made elsewhere.
@@ -125,8 +161,16 @@ class ModelRunner:
             spec_hidden_spans=spec_spans,
         )
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerPlan, on_layer_done: LayerDoneFn | None = None) -> StepResult:
+        """Run one step: inputs, forward, sampling and verification (timed by `clock`)."""
+        self.clock.begin()
+        try:
+            return self._execute(plan, on_layer_done)
+        finally:
+            self.clock.end()
+
+    @torch.inference_mode()
+    def _execute(self, plan: SchedulerPlan, on_layer_done: LayerDoneFn | None) -> StepResult:
         inputs = self.prepare(plan)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, on_layer_done)
         result = StepResult()

@@ -39,6 +39,11 @@ class EngineCollector(Collector):
                                       labels=labels)
         preempt.add_metric([self.role], self.aengine.engine.scheduler.num_preemptions_total)
         yield preempt
+        clock = self.aengine.engine.runner.clock
+        idle = GaugeMetricFamily("baton_engine_idle_ratio", "Gaps between consecutive executor steps over "
+                                 "gaps plus step time, while work was queued", labels=labels)
+        idle.add_metric([self.role], clock.idle_ratio)
+        yield idle
         yield from self._spec_metrics()
         yield from self._kv_transfer_metrics()
 

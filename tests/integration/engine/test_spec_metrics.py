@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import generate_latest
 
@@ -44,3 +46,16 @@ def test_decode_settings_choose_the_proposer(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("BATON_DECODE_SPEC", "medusa")
     with pytest.raises(ValueError):
         DecodeSettings()
+
+
+def test_idle_ratio_counts_gaps_only_while_work_is_queued(make_tiny) -> None:
+    engine, _ = make_tiny("llama")
+    engine.generate(prompts(2), greedy(8))
+    clock = engine.runner.clock
+    busy, idle = clock.busy_s, clock.idle_s
+    assert busy > 0 and 0.0 <= clock.idle_ratio < 1.0
+    time.sleep(0.3)  # no work: this wait must not count
+    engine.generate(prompts(1), greedy(2))
+    assert clock.idle_s - idle < 0.3
+    text = generate_latest(engine_registry(AsyncEngine(engine), "colocated")).decode()
+    assert 0.0 <= sample(text, 'baton_engine_idle_ratio{role="colocated"}') < 1.0
