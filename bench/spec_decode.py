@@ -5,8 +5,8 @@ questions), batch size (1 and 8) and method (none / ngram / draft / eagle):
 greedy generation through the in-process engine, timed per request (TPOT =
 time between a request's first and last token over the tokens in between),
 output tokens/s over the whole batch, the mean acceptance length (tokens
-emitted per verification step: accepted drafts + 1), and the speedup over
-`none`. Greedy outputs are the same for every method, so each does the same
+emitted per verification step: accepted drafts + 1), the speedup over `none`
+and the engine's idle ratio (gaps between executor steps; synchronous loop). Greedy outputs are the same for every method, so each does the same
 work. Batch 1 runs the task's prompts one after another. Writes JSON to
 bench/results/ and prints it as the last line.
 
@@ -131,6 +131,8 @@ def bench_method(loaded: LoadedModel, method: str, args: argparse.Namespace,
         for batch in args.batch:
             before = engine.speculator.stats if engine.speculator else None
             drafts0 = (before.num_verifications, before.num_accepted_tokens) if before else (0, 0)
+            clock = engine.runner.clock
+            busy0, idle0 = clock.busy_s, clock.idle_s
             t = measure(engine, task_prompts[: max(batch, args.batch1_prompts)] if batch == 1 else task_prompts,
                         batch, params)
             row: dict[str, Any] = {
@@ -138,6 +140,7 @@ def bench_method(loaded: LoadedModel, method: str, args: argparse.Namespace,
                 "tok_s": t.num_tokens / t.elapsed_s,
                 "tpot_ms": 1000 * sum(t.tpot_s) / max(len(t.tpot_s), 1),
                 "num_speculative_tokens": NUM_SPEC_TOKENS.get(method, 0),
+                "idle_ratio": (clock.idle_s - idle0) / max(clock.idle_s - idle0 + clock.busy_s - busy0, 1e-9),
             }
             if before is not None:
                 num_verifications = before.num_verifications - drafts0[0]
@@ -184,7 +187,7 @@ def main() -> None:
         "bench": "spec_decode", "model": args.model, "max_tokens": args.max_tokens, "greedy": True,
         "draft_layers": args.draft_layers, "eagle_head": str(args.eagle_head) if "eagle" in methods else None,
         "machine": machine(), "rows": rows,
-        "idle_ratio": None,  # the async (zero-bubble) loop is not built yet
+        "async_loop": False,  # the zero-bubble loop is not built yet: idle_ratio per row is the synchronous loop's
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"spec_decode-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--out", type=Path, required=True, help="safetensors file to write")
     p.add_argument("--num-prompts", type=int, default=len(TRAIN_PROMPTS), help="bundled prompts to use")
     p.add_argument("--max-tokens", type=int, default=128, help="reply length the target generates per prompt")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--samples-per-prompt", type=int, default=4, help="one greedy reply, the rest sampled")
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--window", type=int, default=64, help="rows per training window (= serving hidden window)")
     p.add_argument("--batch-windows", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -70,18 +71,20 @@ def _training_data(args: argparse.Namespace, loaded: LoadedModel) -> list[Traini
     if args.data_cache is not None and args.data_cache.is_file():
         logger.info("reusing training data from %s", args.data_cache)
         rows = torch.load(args.data_cache)
-        return [TrainingSequence(r["token_ids"], r["hidden_states"]) for r in rows]
+        return [TrainingSequence(r["token_ids"], r["hidden_states"], r["greedy_next"]) for r in rows]
     # room for every prompt and reply at once (~46 KiB per token on SmolLM2): no preemption
     generator_engine = _engine(args, loaded, kv_cache_bytes=768 << 20)
     chat = loaded.chat_template is not None
     prompts = [encode_prompt(loaded.tokenizer, p, chat=chat) for p in TRAIN_PROMPTS[: args.num_prompts]]
-    logger.info("generating %d replies of up to %d tokens with %s", len(prompts), args.max_tokens, args.model)
-    sequences = generate_sequences(generator_engine, prompts, args.max_tokens)
+    logger.info("generating %d x %d replies of up to %d tokens with %s", len(prompts), args.samples_per_prompt,
+                args.max_tokens, args.model)
+    sequences = generate_sequences(generator_engine, prompts, args.max_tokens, args.samples_per_prompt)
     del generator_engine
     logger.info("extracting hidden states through the prefill path")
     data = extract_hidden_states(_engine(args, loaded, role="prefill", enable_prefix_caching=False), sequences)
     if args.data_cache is not None:
-        torch.save([{"token_ids": d.token_ids, "hidden_states": d.hidden_states} for d in data], args.data_cache)
+        torch.save([{"token_ids": d.token_ids, "hidden_states": d.hidden_states, "greedy_next": d.greedy_next}
+                    for d in data], args.data_cache)
     return data
 
 

@@ -4,7 +4,11 @@
     sequences ──engine in prefill role (no prefix cache)──► handoff.hidden_states [n, hidden]
     windows of rows r .. r + W - 1:
         input   (h_r, t_{r+1}) at position r + 1
-        target  h_{r+1} (smooth L1)  and  t_{r+2} (cross-entropy over the draft vocabulary)
+        target  h_{r+1} (smooth L1)  and  argmax lm_head(h_{r+1}) (cross-entropy over the draft vocabulary)
+
+The label is the target's own greedy choice at each position (what greedy
+verification compares a draft with), not the token the text happens to hold,
+so sampled replies (several per prompt, for variety) teach the same thing.
 
 The hidden states come out of the prefill path exactly as a decode engine
 receives them in a handoff, so the head learns on the features it is fed when
@@ -37,12 +41,19 @@ _IGNORE = -100
 class TrainingSequence:
     token_ids: torch.Tensor  # [n] int64
     hidden_states: torch.Tensor  # [n, hidden]: the target's final-norm hidden state at each position
+    greedy_next: torch.Tensor  # [n] int64: the target's argmax after each position
 
 
-def generate_sequences(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-    """Prompt + the target's own greedy reply, for each prompt."""
-    results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return [list(p) + r.token_ids for p, r in zip(prompts, results, strict=True)]
+def generate_sequences(
+    engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int, samples_per_prompt: int = 1,
+    temperature: float = 0.8,
+) -> list[list[int]]:
+    """Prompt + the target's own reply: one greedy, then `samples_per_prompt - 1` sampled (seeded)."""
+    batch = [p for p in prompts for _ in range(samples_per_prompt)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % samples_per_prompt == 0 else temperature,
+                             seed=i) for i in range(len(batch))]
+    results = engine.generate(batch, params)
+    return [list(p) + r.token_ids for p, r in zip(batch, results, strict=True)]
 
 
 def extract_hidden_states(engine: LLMEngine, sequences: Sequence[Sequence[int]]) -> list[TrainingSequence]:
@@ -61,16 +72,17 @@ def extract_hidden_states(engine: LLMEngine, sequences: Sequence[Sequence[int]])
     for request_id, seq in zip(ids, sequences, strict=True):
         handoff = results[request_id].handoff
         assert handoff is not None and handoff.hidden_start == 0
-        # a clone outside inference mode: autograd may save it
-        out.append(TrainingSequence(torch.tensor(list(seq), dtype=torch.int64), handoff.hidden_states.float().clone()))
+        hidden = handoff.hidden_states.float().clone()  # a clone outside inference mode: autograd may save it
+        greedy_next = engine.loaded.model.compute_logits(hidden).argmax(dim=-1)
+        out.append(TrainingSequence(torch.tensor(list(seq), dtype=torch.int64), hidden, greedy_next.clone()))
     return out
 
 
 def draft_vocabulary(sequences: Sequence[TrainingSequence], size: int) -> torch.Tensor:  # [<= size] int64
-    """The `size` most frequent tokens of the training text, ascending ids."""
+    """The `size` tokens the target most often picks greedily in the training text, ascending ids."""
     counts: Counter[int] = Counter()
     for s in sequences:
-        counts.update(s.token_ids.tolist())
+        counts.update(s.greedy_next.tolist())
     return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.int64)
 
 
@@ -82,9 +94,7 @@ def _window_loss(
     rows = torch.arange(start, min(start + width, n - 1))
     pred = head.forward_hidden(seq.hidden_states[rows], seq.token_ids[rows + 1], rows + 1)  # [w, hidden]
     reg = F.smooth_l1_loss(pred, seq.hidden_states[rows + 1])
-    has_label = rows + 2 < n
-    labels = torch.full_like(rows, _IGNORE)
-    labels[has_label] = to_draft[seq.token_ids[rows[has_label] + 2]]
+    labels = to_draft[seq.greedy_next[rows + 1]]
     logits = pred @ lm_rows.T  # [w, draft_vocab]
     valid = labels != _IGNORE
     ce = F.cross_entropy(logits, labels, ignore_index=_IGNORE) if valid.any() else logits.sum() * 0.0
@@ -110,7 +120,7 @@ def train_head(
     to_draft[head.draft_token_ids] = torch.arange(head.draft_token_ids.shape[0])
     usable = [s for s in sequences if s.token_ids.shape[0] >= 3]
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     head.train()
     correct_tail = labelled_tail = 0
