@@ -77,7 +77,7 @@ async def measure(model: str, num_tokens: int, iterations: int, transport: str) 
                                   enable_prefix_caching=False)
     kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, transport=transport, capacity_bytes=2 << 30,
                                            lease_timeout_s=120.0))
-    services = [kv]
+    services: list[Any] = [kv]
     try:
         log("starting colocated, layer-wise prefill and after-prefill prefill ...")
         colocated = await start_decode(DecodeSettings(**engine, role="colocated"))

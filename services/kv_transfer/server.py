@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import grpc.aio
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -98,8 +99,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     async def Reserve(  # noqa: N802
         self, request: kv_transfer_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.ReserveResponse:
-        attributes = {HANDOFF_ID: request.handoff_id, REQUEST_ID: request.request_id,
-                      KV_NUM_BLOCKS: request.num_blocks}
+        attributes: dict[str, AttributeValue] = {HANDOFF_ID: request.handoff_id, REQUEST_ID: request.request_id,
+                                                 KV_NUM_BLOCKS: request.num_blocks}
         with server_span(_tracer, context, "kv_transfer.Reserve", attributes):
             spec = reserve_from_proto(request)
             self._cut_slab(spec)

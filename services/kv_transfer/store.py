@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.kv_transfer.slots import EvictionPolicy, SlotPool
+from services.kv_transfer.slots import EvictionPolicy, PoolKey, SlotPool
 from shared.errors import HandoffNotFoundError, InvalidRequestError, RequestAbortedError
 from shared.kv.layout import cdiv
 from shared.kv.remote import (
@@ -139,7 +139,7 @@ class HandoffStore:
         self.expire(self._clock())
         self._check_new(spec.handoff_id)
         space = self._space_for(spec)
-        keys = [(spec.key, h) for h in spec.block_hashes]
+        keys: list[PoolKey | None] = [(spec.key, h) for h in spec.block_hashes]
         keys += [None] * (spec.num_blocks - len(keys))
         num_hidden_slots = cdiv(spec.hidden_nbytes, space.slot_nbytes)
         acquired = self.pool.acquire([*keys, *([None] * num_hidden_slots)])  # raises CapacityError

@@ -216,11 +216,11 @@ class RemoteKV:
                 self._queued.remove(pull)
                 pull.request.status = RequestStatus.FINISHED_ABORTED
                 return True
-        pull = self._pulling.pop(request_id, None)  # type: ignore[assignment]
-        if pull is not None:
+        pulling = self._pulling.pop(request_id, None)
+        if pulling is not None:
             self.puller.abort(request_id)
-            e.kv.free(pull.request)
-            pull.request.status = RequestStatus.FINISHED_ABORTED
+            e.kv.free(pulling.request)
+            pulling.request.status = RequestStatus.FINISHED_ABORTED
             return True
         return False
 

@@ -44,8 +44,9 @@ class KVTransferClient:
     async def reserve(self, address: str, spec: HandoffSpec) -> tuple[HandoffSlots, AgentAddress]:
         """Pin slots for the handoff; blocks the prefix pool holds come back present."""
         try:
+            # wait_for_ready: a kv_transfer restarting (or a channel backing off) is waited for, up to the timeout
             reply = await self._stub(address).Reserve(reserve_to_proto(spec), timeout=_CONTROL_TIMEOUT_S,
-                                                      metadata=inject_metadata())
+                                                      metadata=inject_metadata(), wait_for_ready=True)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
         return slots_from_proto(reply, spec)
@@ -64,7 +65,8 @@ class KVTransferClient:
         """Take the handoff: where its blocks are. Release it once pulled (or on failure)."""
         request = kv_transfer_pb2.ClaimRequest(handoff_id=handoff_id, wait_ms=int(wait_s * 1000))
         try:
-            reply = await self._stub(address).Claim(request, timeout=timeout_s, metadata=inject_metadata())
+            reply = await self._stub(address).Claim(request, timeout=timeout_s, metadata=inject_metadata(),
+                                                    wait_for_ready=True)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
         return claimed_from_proto(reply, handoff_id)

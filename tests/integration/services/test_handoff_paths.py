@@ -93,8 +93,8 @@ def run(body: Any, *, transport: str = "tcp", num_prefills: int = 1, prefill: di
         stack = Stack(kv_service, prefills, decode_service)
         try:
             return await body(stack)
-        finally:
-            for service in (decode_service, *prefills, kv_service):
+        finally:  # what the stack holds now: a test may have stopped or replaced a service
+            for service in (stack.decode, *stack.prefills, stack.kv):
                 await service.stop()
 
     return asyncio.run(main())
@@ -200,11 +200,18 @@ def test_kv_transfer_restart_fails_in_flight_requests_and_serves_new_ones() -> N
     async def body(stack: Stack) -> list[int]:
         await stack.generate(ps[0])
         port = int(stack.kv.address.rsplit(":", 1)[1])
+        in_flight = asyncio.create_task(stack.prefill(list(range(1000, 1900)), GREEDY))
+        await asyncio.sleep(0.5)  # reserved, computing, writing
         await stack.kv.stop()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await in_flight
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert asyncio.get_running_loop().time() - started < 30
         stack.kv = await start_kv(KVTransferSettings(port=port, metrics_port=-1, transport="tcp",
                                                      capacity_bytes=256 << 20))
         tokens, _ = await stack.generate(ps[1])  # engines link to the new agent
         await stack.assert_nothing_leaked()
         return tokens
 
-    assert run(body) == expected([ps[1]])[0]
+    assert run(body, kv={"shutdown_grace_s": 0.0}) == expected([ps[1]])[0]
