@@ -15,7 +15,9 @@ Buffers come from `shared.transport.memory.host_buffer` (huge pages); the
 they buy. The headline is NIXL's 64 MiB READ (decode pulling from the store)
 over memcpy at 64 MiB; target >= 0.70 (`meets_target` asks it of WRITE too).
 
-    python bench/kv_transfer.py [--quick] [--backends nixl nixl-4k ucxx ucxx-eh-off tcp] [--out DIR]
+    python bench/kv_transfer.py [--quick] [--ttft] [--backends nixl nixl-4k ucxx ucxx-eh-off tcp] [--out DIR]
+
+`--ttft` adds the handoff's TTFT comparison (`bench/handoff_ttft.py`) to the same run and result.
 
 Progress goes to stderr; the JSON result is the last line on stdout and is
 written to bench/results/kv_transfer-<timestamp>.json.
@@ -187,6 +189,9 @@ def main() -> None:
     parser.add_argument("--backends", nargs="*", default=None, choices=list(VARIANTS),
                         help="default: every available backend (ucxx both ways)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--ttft", action="store_true",
+                        help="also TTFT of a 2,000-token prompt: colocated vs layer-wise vs after-prefill push "
+                             "(bench/handoff_ttft.py, SmolLM2 as real services)")
     args = parser.parse_args()
     iters = ITERS["quick" if args.quick else "full"]
     torch.set_num_threads(1)  # memcpy is one thread, like cma's process_vm_readv and the target's copy
@@ -222,6 +227,16 @@ def main() -> None:
                                              nixl_64["write_vs_memcpy"]) >= TARGET_RATIO),
         "elapsed_s": round(time.perf_counter() - t_start, 1),
     }
+    if args.ttft:
+        import asyncio
+
+        from handoff_ttft import measure  # this script's folder is on sys.path
+
+        log("TTFT of a 2000-token prompt: colocated, layer-wise push, push after prefill")
+        torch.set_num_threads(os.cpu_count() or 1)  # the engines compute with every core
+        result["ttft"] = asyncio.run(measure("smollm2-135m", 2000, 2 if args.quick else 5, "nixl"
+                                             if "nixl" in available else available[0]))
+        result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kv_transfer-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
