@@ -1,0 +1,185 @@
+"""Serving benchmark: baton against vLLM's CPU build, same client, same prompts, same run.
+
+    for each system in --systems:
+        start it (bench/serve_systems.py) ─► warm up ─► concurrency sweep ─► rate sweep ─► chat set ─► stop
+    ─► JSON in bench/results/serve-*.json, a PNG plot, the table in bench/README.md
+    (last stdout line: the JSON summary)
+
+Concurrency sweep: random-token prompts, 256 in / 128 out (ignore_eos), at
+1, 8 and 32 requests in flight. Rate sweep: the same shape with Poisson
+arrivals. Chat set: real questions through the chat template, 8 in flight.
+Each system's goodput over the rate sweep is reported against the SLO given.
+`--goodput` also runs the disaggregation experiment (bench/serve_goodput.py).
+
+    .venv/bin/python -m bench.serve --systems baton,vllm [--goodput] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.serve_load import RequestSpec, chat_set, random_token_set, run_load, warm_up
+from bench.serve_machine import machine_info
+from bench.serve_stats import SLO, RequestRecord, goodput, summarize
+from bench.serve_systems import BATON_ENV, MODEL_NAME, VLLM_ENV, Server, ServerConfig, export_hf
+
+RESULTS = Path(__file__).parent / "results"
+logger = logging.getLogger("bench.serve")
+
+
+def vocab_ids(hf_dir: Path) -> list[int]:
+    """Token ids a random prompt may use: the whole vocabulary but special and added tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    special = set(tok.all_special_ids) | {int(i) for i in getattr(tok, "added_tokens_decoder", {})}
+    return [i for i in range(len(tok)) if i not in special]
+
+
+def compact(records: Sequence[RequestRecord]) -> list[list[float]]:
+    """Per request [ttft_ms, tpot_ms, output_tokens] (failed: [-1, -1, 0]), enough to recompute goodput."""
+    return [[round(r.ttft_s * 1e3, 2), round(r.tpot_s * 1e3, 2), r.output_tokens] if r.ok else [-1, -1, 0]
+            for r in records]
+
+
+def run_point(server: Server, specs: list[RequestSpec], label: str, *, rate: float | None = None,
+              concurrency: int | None = None, seed: int = 0, timeout_s: float = 300.0,
+              slo: SLO | None = None) -> dict[str, Any]:
+    """One bounded load run against a started server; its summary plus the compact per-request list."""
+    records, duration_s = asyncio.run(run_load(server.base_url, MODEL_NAME, specs, rate=rate,
+                                               concurrency=concurrency, seed=seed, timeout_s=timeout_s))
+    point: dict[str, Any] = {"label": label, "rate": rate, "concurrency": concurrency,
+                             **summarize(records, duration_s, slo), "loadavg_1m_after": os.getloadavg()[0],
+                             "requests": compact(records)}
+    errors = sorted({r.error for r in records if r.error})
+    if errors:
+        point["errors"] = errors[:3]
+    logger.info("%s %s: %.1f out tok/s, %.2f req/s, p50/p99 TTFT %.0f/%.0f ms, p50/p99 TPOT %.1f/%.1f ms%s",
+                server.system, label, point["output_tok_s"], point["req_s"], point["p50_ttft_ms"],
+                point["p99_ttft_ms"], point["p50_tpot_ms"], point["p99_tpot_ms"],
+                f", {point['num_failed']} failed" if point["num_failed"] else "")
+    return point
+
+
+def plan(quick: bool) -> dict[str, Any]:
+    """Load levels and request counts; --quick shrinks everything to a smoke test."""
+    if quick:
+        return {"input_len": 64, "output_len": 16, "concurrency": [(1, 2), (8, 8)], "rates": [(1.0, 6)],
+                "chat": (4, 16), "timeout_s": 120.0}
+    # (level, requests): about a minute of work each at ~40 tok/s, the machine's measured range
+    return {"input_len": 256, "output_len": 128, "concurrency": [(1, 3), (8, 16), (32, 32)],
+            "rates": [(0.1, 6), (0.2, 8), (0.3, 12), (0.45, 18), (0.65, 24)], "chat": (8, 128),
+            "timeout_s": 240.0}
+
+
+def bench_system(server: Server, ids: list[int], p: dict[str, Any], slo: SLO, seed: int) -> dict[str, Any]:
+    asyncio.run(warm_up(server.base_url, MODEL_NAME, ids))
+    shape = (p["input_len"], p["output_len"])
+    out: dict[str, Any] = {"system": server.system, "ready_after_s": round(server.ready_after_s, 1),
+                           "concurrency": [], "rates": []}
+    for conc, n in p["concurrency"]:
+        specs = random_token_set(n, *shape, ids, seed=seed + conc)
+        out["concurrency"].append(run_point(server, specs, f"c={conc}", concurrency=conc,
+                                            timeout_s=p["timeout_s"], slo=slo))
+    for rate, n in p["rates"]:
+        specs = random_token_set(n, *shape, ids, seed=seed + 1000 + int(rate * 100))
+        out["rates"].append(run_point(server, specs, f"rate={rate}", rate=rate, seed=seed,
+                                      timeout_s=p["timeout_s"], slo=slo))
+    att = {pt["rate"]: pt["slo_attainment"] for pt in out["rates"]}
+    out["goodput"] = vars(goodput(att))
+    num_chat, max_tokens = p["chat"]
+    out["chat"] = run_point(server, chat_set(num_chat, max_tokens, seed=seed), "chat c=8", concurrency=8,
+                            timeout_s=p["timeout_s"], slo=slo)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default="baton,vllm", help="comma-separated; see bench/serve_systems.py")
+    parser.add_argument("--goodput", action="store_true", help="also run the colocated/disaggregated experiment")
+    parser.add_argument("--goodput-only", action="store_true", help="only the disaggregation experiment")
+    parser.add_argument("--quick", action="store_true", help="tiny loads: a smoke test of the whole pipeline")
+    parser.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="SLO for the comparison sweep")
+    parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="SLO for the comparison sweep")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=18100)
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/baton/bench-serve")
+    parser.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache/baton/peers/vllm-venv")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite bench/README.md's table")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    config = ServerConfig(work_dir=args.work_dir, hf_dir=export_hf(args.work_dir), vllm_venv=args.vllm_venv,
+                          port=args.port)
+    ids = vocab_ids(config.hf_dir)
+    p = plan(args.quick)
+    slo = SLO(ttft_s=args.ttft_slo_ms / 1e3, tpot_s=args.tpot_slo_ms / 1e3)
+    logger.info("measuring the machine ...")
+    result: dict[str, Any] = {"bench": "serve", "model": MODEL_NAME, "dtype": "float32", "quick": args.quick,
+                              "machine": machine_info(args.vllm_venv), "plan": p,
+                              "env": {"baton": BATON_ENV, "vllm": VLLM_ENV},
+                              "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms,
+                                      "attainment": 0.9}, "systems": []}
+    started = time.monotonic()
+    if not args.goodput_only:
+        for system in [s.strip() for s in args.systems.split(",") if s.strip()]:
+            logger.info("starting %s ...", system)
+            try:
+                with Server(system, config) as server:
+                    result["systems"].append(bench_system(server, ids, p, slo, args.seed))
+            except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+                logger.error("%s failed: %s", system, exc)
+                result["systems"].append({"system": system, "error": str(exc)})
+    if args.goodput or args.goodput_only:
+        from bench.serve_goodput import run_experiment
+
+        result["goodput_experiment"] = run_experiment(config, ids, args.quick, args.seed)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    write_outputs(result, args.out, readme=not args.no_readme)
+    print(json.dumps(headline(result)))
+    return 0
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The one-line summary: per system, output tok/s and p99 TPOT at each concurrency; goodputs."""
+    line: dict[str, Any] = {"bench": "serve", "file": result.get("file"), "commit": result["machine"]["commit"]}
+    for s in result["systems"]:
+        line[s["system"]] = {pt["label"]: [round(pt["output_tok_s"], 1), round(pt["p99_tpot_ms"], 1)]
+                             for pt in s.get("concurrency", [])} or s.get("error")
+    if "goodput_experiment" in result:
+        g = result["goodput_experiment"]
+        line["goodput_req_s"] = {k: v["goodput"]["interpolated_rate"] for k, v in g["systems"].items()}
+        line["goodput_ratio"] = g.get("ratio")
+    return line
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path, readme: bool) -> None:
+    from bench.serve_report import plot, update_readme
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"serve-{stamp}.json"
+    result["file"] = path.name
+    png = out_dir / f"serve-{stamp}.png"
+    if plot(result, png):
+        result["plot"] = png.name
+    path.write_text(json.dumps(result, separators=(",", ":")))
+    logger.info("wrote %s", path)
+    if readme and not result["quick"]:
+        update_readme(result, Path(__file__).parent / "README.md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

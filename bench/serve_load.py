@@ -1,0 +1,187 @@
+"""OpenAI-API load generation: fixed-seed prompt sets, Poisson arrivals or a concurrency cap, streaming.
+
+    prompt set ──► [RequestSpec ...] ──► run_load(rate | concurrency) ──► [RequestRecord ...]
+
+Every request streams (`stream: true`, `stream_options.include_usage`) so the
+arrival of each chunk with text is timed; the output token count comes from
+the server's usage report. Random-token prompts are sent as token ids to
+`/v1/completions` with `ignore_eos` so input and output lengths are exact on
+every server; the chat set goes to `/v1/chat/completions` and stops where the
+model stops (at most `max_tokens`). Every run is bounded: a request count and
+a wall-clock timeout, after which requests still open are cancelled and
+counted as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from bench.serve_stats import RequestRecord
+
+CHAT_QUESTIONS = [
+    "What is the capital of France, and what is it famous for?",
+    "Write a haiku about the sea.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Name three famous painters and one work by each.",
+    "How do airplanes stay in the air?",
+    "Give me a simple recipe for pancakes.",
+    "What is machine learning? Answer in a short paragraph.",
+    "Describe a cat to someone who has never seen one.",
+    "Why do we have seasons on Earth?",
+    "What are prime numbers? Give a few examples.",
+    "Tell me a short story about a robot who learns to paint.",
+    "How does a computer store numbers in memory?",
+    "What is the tallest mountain in the world and how tall is it?",
+    "Summarize the water cycle in a few sentences.",
+    "What makes a good friend?",
+    "How do bees make honey?",
+    "Suggest three names for a bakery that sells bread and coffee.",
+    "What should I pack for a weekend hiking trip?",
+    "Explain the difference between weather and climate.",
+    "Write a polite email asking a colleague to review my report.",
+    "Why is exercise good for your health?",
+    "How do I make a cup of green tea?",
+    "What is the difference between a virus and a bacterium?",
+    "List five tips for learning a new language.",
+]
+SYSTEM_PROMPT = "You are a helpful, concise assistant."
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a prompt set: where it goes and its JSON body (without `model` and `stream`)."""
+
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict[str, Any]
+
+
+def random_token_set(
+    num_requests: int, input_len: int, output_len: int, vocab_ids: Sequence[int], seed: int
+) -> list[RequestSpec]:
+    """Prompts of exactly `input_len` token ids drawn uniformly from `vocab_ids`, exactly `output_len` out."""
+    rng = random.Random(seed)
+    return [
+        RequestSpec("/v1/completions", {
+            "prompt": [rng.choice(vocab_ids) for _ in range(input_len)], "max_tokens": output_len,
+            "min_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+        })
+        for _ in range(num_requests)
+    ]
+
+
+def mixed_set(
+    num_requests: int, shapes: Sequence[tuple[int, int]], vocab_ids: Sequence[int], seed: int
+) -> list[RequestSpec]:
+    """Random-token requests whose (input_len, output_len) is drawn from `shapes` with a fixed seed."""
+    rng = random.Random(seed)
+    specs = []
+    for i in range(num_requests):
+        input_len, output_len = shapes[rng.randrange(len(shapes))]
+        specs += random_token_set(1, input_len, output_len, vocab_ids, seed * 100_003 + i)
+    return specs
+
+
+def chat_set(num_requests: int, max_tokens: int, seed: int) -> list[RequestSpec]:
+    """Short real questions through the chat template, greedy, ending where the model ends."""
+    rng = random.Random(seed)
+    return [
+        RequestSpec("/v1/chat/completions", {
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": rng.choice(CHAT_QUESTIONS)}],
+            "max_tokens": max_tokens, "temperature": 0.0,
+        })
+        for _ in range(num_requests)
+    ]
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:
+        return str(choice["delta"].get("content") or "")
+    return str(choice.get("text") or "")
+
+
+async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, timeout_s: float) -> RequestRecord:
+    """Stream one request, timing every chunk that carries text."""
+    body = {**spec.body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
+    record = RequestRecord(sent_s=time.perf_counter())
+    num_chunks = 0
+    try:
+        async with client.stream("POST", spec.path, json=body, timeout=timeout_s) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if _chunk_text(chunk):
+                    record.token_times_s.append(time.perf_counter())
+                    num_chunks += 1
+                if chunk.get("usage"):
+                    record.output_tokens = int(chunk["usage"]["completion_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    if not record.error and record.output_tokens == 0:
+        record.output_tokens = num_chunks
+    return record
+
+
+async def run_load(
+    base_url: str, model: str, specs: Sequence[RequestSpec], *, rate: float | None = None,
+    concurrency: int | None = None, seed: int = 0, timeout_s: float = 300.0,
+) -> tuple[list[RequestRecord], float]:
+    """Send `specs` with Poisson arrivals at `rate` req/s (None: all at once), at most `concurrency` open.
+
+    Returns the records in send order and the wall time from the first send to
+    the last finish. Requests still open at `timeout_s` are cancelled and fail.
+    """
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency or len(specs))
+    records = [RequestRecord(sent_s=0.0, error="unfinished at the run timeout") for _ in specs]
+    limits = httpx.Limits(max_connections=max(concurrency or len(specs), 1), max_keepalive_connections=64)
+
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout_s) as client:
+        async def one(i: int, spec: RequestSpec) -> None:
+            async with limit:
+                records[i] = await send_one(client, model, spec, timeout_s)
+
+        start = time.perf_counter()
+        tasks = []
+        deadline = start + timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                for i, spec in enumerate(specs):
+                    tasks.append(asyncio.create_task(one(i, spec)))
+                    if rate is not None and i + 1 < len(specs):
+                        await asyncio.sleep(rng.expovariate(rate))
+                await asyncio.gather(*tasks)
+        except TimeoutError:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        end = min(time.perf_counter(), deadline)
+    return records, end - start
+
+
+async def warm_up(base_url: str, model: str, vocab_ids: Sequence[int], timeout_s: float = 120.0) -> None:
+    """A few short requests so first-call costs (allocation, JIT, oneDNN packing) stay out of the numbers."""
+    specs = random_token_set(4, 64, 8, vocab_ids, seed=12345) + chat_set(2, 8, seed=12345)
+    records, _ = await run_load(base_url, model, specs, concurrency=2, timeout_s=timeout_s)
+    failed = [r.error for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"warm-up failed: {failed[:2]}")

