@@ -40,6 +40,7 @@ class Stack:
     prefills: list[Any]
     decode: Any
     _ids: list[int] = field(default_factory=lambda: [0])
+    decode_cached: list[int] = field(default_factory=list)  # per generate: prompt tokens decode had already
 
     def stub(self, prefill_index: int = 0) -> prefill_pb2_grpc.PrefillServiceStub:
         return prefill_pb2_grpc.PrefillServiceStub(channel(self.prefills[prefill_index].address))
@@ -62,10 +63,13 @@ class Stack:
         if first.finish_reason:
             return tokens, first.num_cached_tokens
         stub = decode_pb2_grpc.DecodeServiceStub(channel(self.decode.address))
+        cached = -1
         async for msg in stub.Generate(decode_pb2.DecodeRequest(
                 request=req, handoff_id=f"h-{req.request_id}", kv_transfer_address=self.kv.address,
                 first_token_id=first.first_token_id)):
             tokens.extend(msg.token_ids)
+            cached = msg.num_cached_tokens
+        self.decode_cached.append(cached)
         return tokens, first.num_cached_tokens
 
     def engines(self) -> list[Any]:
@@ -148,6 +152,8 @@ def test_second_turn_computes_only_new_tokens_even_on_another_prefill() -> None:
         tokens1, cached1 = await stack.generate(turn1, params, prefill_index=0)
         assert tokens1 == answer and cached1 == 0
         tokens2, cached2 = await stack.generate(turn2, params, prefill_index=1)  # the other prefill
+        # decode read only what its own prefix cache lacked: turn 1 (and its reply) was already there
+        assert stack.decode_cached[-1] >= (len(turn1) // 16) * 16
         imported = stack.prefills[1].host.aengine.engine.remote.stats.imported_tokens
         await stack.assert_nothing_leaked()
         text = generate_latest(engine_registry(stack.prefills[1].host.aengine, "prefill")).decode()
