@@ -58,6 +58,8 @@ OUTPUT_TOKENS = "gen_ai.usage.output_tokens"  # completion tokens
 CACHED_TOKENS = "baton.num_cached_tokens"  # prompt tokens served from the prefix cache
 KV_NBYTES = "baton.kv.nbytes"  # KV + hidden-state bytes moved through kv_transfer
 KV_NUM_BLOCKS = "baton.kv.num_blocks"  # KV blocks per layer in the handoff
+KV_SECONDS = "baton.kv.seconds"  # first transfer posted to last one done
+KV_GBPS = "baton.kv.gbps"  # nbytes / seconds
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 _PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")

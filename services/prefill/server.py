@@ -33,8 +33,10 @@ from shared.telemetry import (
     CACHED_TOKENS,
     HANDOFF_ID,
     INPUT_TOKENS,
+    KV_GBPS,
     KV_NBYTES,
     KV_NUM_BLOCKS,
+    KV_SECONDS,
     OUTPUT_TOKENS,
     REQUEST_ID,
     server_span,
@@ -112,7 +114,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise KVTransferError(f"request {req.request_id}: pushing its KV failed: {push.error}")
             await self.kv.commit(address, request.handoff_id, push.result)
             committed = True
-            span.set_attributes({KV_NBYTES: push.nbytes, KV_NUM_BLOCKS: len(slots.block_slots)})
+            span.set_attributes({KV_NBYTES: push.nbytes, KV_NUM_BLOCKS: len(slots.block_slots),
+                                 KV_SECONDS: push.seconds, KV_GBPS: push.nbytes / max(push.seconds, 1e-9) / 1e9})
             logger.info("request %s: prefilled %d tokens (%d cached, %d from the pool), handoff %s: %d bytes in "
                         "%.1f ms", req.request_id, final.num_prompt_tokens, final.num_cached_tokens,
                         slots.num_leading_hits * self.aengine.engine.config.block_size, request.handoff_id,

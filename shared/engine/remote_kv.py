@@ -175,6 +175,9 @@ class RemoteKV:
                 f"request {request.request_id}: pulling its KV from kv_transfer failed: {outcome.error}")))
             return
         request.num_computed_tokens = request.num_prompt_tokens
+        logger.info("request %s: pulled %d bytes (%d of %d prompt tokens were cached here) in %.1f ms, %.2f GB/s",
+                    request.request_id, outcome.nbytes, request.num_cached_tokens, request.num_prompt_tokens,
+                    outcome.seconds * 1000, outcome.nbytes / max(outcome.seconds, 1e-9) / 1e9)
         if outcome.hidden_states is not None:
             e.spec_add_hidden(request.request_id, outcome.hidden_states,
                               request.num_prompt_tokens - outcome.hidden_states.shape[0])
