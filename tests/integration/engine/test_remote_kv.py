@@ -1,0 +1,139 @@
+"""The engine's kv_transfer path on a tiny model, against real slots: a registered buffer and a TCP agent
+standing in for kv_transfer's slab (the services tests run the real kv_transfer).
+
+prefill engine ──WRITE (layer by layer)──► slab ──READ──► decode engine: same tokens as colocated;
+a handoff from another model or shape is refused with a clear error; aborts free everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shared.engine.block_pool import hash_prefix_blocks
+from shared.engine.kv_push import PushOutcome
+from shared.engine.request import SamplingParams
+from shared.errors import InvalidRequestError
+from shared.kv.layout import cdiv
+from shared.kv.remote import (
+    AgentAddress,
+    ClaimedHandoff,
+    HandoffResult,
+    HandoffSlots,
+    HandoffSpec,
+    SlotSpace,
+    slot_nbytes_for,
+)
+from shared.transport import host_buffer, make_transport
+from tests.helpers.models import tiny_engine, tiny_loaded
+
+NUM_SLOTS = 64
+
+
+@pytest.fixture(scope="module")
+def slab():  # type: ignore[no-untyped-def]
+    """A TCP agent with a registered slab: what kv_transfer's memory looks like to the engines."""
+    loaded, _ = tiny_loaded()
+    probe = tiny_engine(loaded)
+    slot_nbytes = slot_nbytes_for(probe.layout)
+    agent = make_transport("tcp", "slab", transfer_timeout_s=5.0)
+    memory = host_buffer(NUM_SLOTS * slot_nbytes)
+    region = agent.register(memory)
+    address = AgentAddress("tcp", agent.metadata(), SlotSpace("slab", region.addr, slot_nbytes, NUM_SLOTS))
+    yield loaded, address
+    agent.close()
+
+
+def _spec(engine, prompt: list[int], handoff_id: str) -> HandoffSpec:  # type: ignore[no-untyped-def]
+    bs = engine.config.block_size
+    layout = replace(engine.layout, num_blocks=cdiv(len(prompt), bs))
+    hidden = len(prompt) * engine.loaded.spec.hidden_size * layout.itemsize
+    return HandoffSpec(handoff_id, handoff_id, engine.loaded.identity, layout, prompt,
+                       hash_prefix_blocks(prompt, bs, engine.kv.hash_salt), hidden)
+
+
+def _slots(spec: HandoffSpec, space: SlotSpace, first_slot: int) -> HandoffSlots:
+    num_hidden = cdiv(spec.hidden_nbytes, space.slot_nbytes)
+    ids = list(range(first_slot, first_slot + spec.num_blocks + num_hidden))
+    return HandoffSlots(space, ids[: spec.num_blocks], [False] * spec.num_blocks, ids[spec.num_blocks:])
+
+
+def _drain(engine) -> dict[str, list]:  # type: ignore[no-untyped-def]
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+@pytest.mark.parametrize("decode_block_size", [4, 8])
+def test_prefill_to_decode_through_slots_equals_colocated(slab, decode_block_size: int) -> None:  # type: ignore[no-untyped-def]
+    loaded, address = slab
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i for i in range(23)], [40 + (i * 7) % 50 for i in range(9)]]
+    expected = [r.token_ids for r in tiny_engine(loaded).generate(prompts, params)]
+    prefill = tiny_engine(loaded, role="prefill", max_num_batched_tokens=8)  # chunked: pushes over steps
+    decode = tiny_engine(loaded, role="decode", block_size=decode_block_size)
+    prefill.enable_remote_kv("layerwise")
+    decode.enable_remote_kv()
+    claimed = []
+    first_slot = 0
+    for i, prompt in enumerate(prompts):
+        spec = _spec(prefill, prompt, f"h{i}")
+        slots = _slots(spec, address.space, first_slot)
+        first_slot += len(slots.block_slots) + len(slots.hidden_slots)
+        prefill.add_pushed_request(f"h{i}", prompt, params, address, slots)
+        claimed.append((spec, slots))
+    finals = {rid: outs[-1] for rid, outs in _drain(prefill).items()}
+    results = []
+    for i, (spec, slots) in enumerate(claimed):
+        push = finals[f"h{i}"].handoff
+        assert isinstance(push, PushOutcome) and push.error is None and push.nbytes > 0
+        assert push.result is not None and push.result.num_hidden_tokens == len(prompts[i])
+        decode.add_pulled_handoff(f"h{i}", params, ClaimedHandoff(spec, push.result, slots), address)
+        results.append([push.result.first_token_id])
+    for rid, outs in _drain(decode).items():
+        results[int(rid[1:])].extend(t for out in outs for t in out.new_token_ids)
+    assert results == expected
+    prefill.check_no_leaks()
+    decode.check_no_leaks()
+    assert decode.remote is not None and decode.remote.stats.by_direction["pull"].count == 2
+    prefill.remote.close()  # type: ignore[union-attr]
+    decode.remote.close()
+
+
+def test_incompatible_handoffs_are_refused(slab) -> None:  # type: ignore[no-untyped-def]
+    loaded, address = slab
+    decode = tiny_engine(loaded, role="decode")
+    decode.enable_remote_kv()
+    spec = _spec(decode, [1, 2, 3, 4, 5], "h")
+    slots = _slots(spec, address.space, 0)
+    first = HandoffResult(7, None)
+    other_model = replace(spec, model="another-model")
+    with pytest.raises(InvalidRequestError, match="model another-model"):
+        decode.add_pulled_handoff("a", SamplingParams(), ClaimedHandoff(other_model, first, slots), address)
+    other_heads = replace(spec, layout=replace(spec.layout, num_kv_heads=spec.layout.num_kv_heads * 2))
+    with pytest.raises(InvalidRequestError, match="num_kv_heads"):
+        decode.add_pulled_handoff("b", SamplingParams(), ClaimedHandoff(other_heads, first, slots), address)
+    other_dtype = replace(spec, layout=replace(spec.layout, dtype=torch.float16))
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        decode.add_pulled_handoff("c", SamplingParams(), ClaimedHandoff(other_dtype, first, slots), address)
+    decode.check_no_leaks()
+
+
+def test_abort_while_pulling_frees_the_blocks(slab) -> None:  # type: ignore[no-untyped-def]
+    loaded, address = slab
+    decode = tiny_engine(loaded, role="decode")
+    decode.enable_remote_kv()
+    prompt = list(range(3, 40))
+    spec = _spec(decode, prompt, "h")
+    decode.add_pulled_handoff("h", SamplingParams(max_tokens=4), ClaimedHandoff(spec, HandoffResult(7, None),
+                                                                                  _slots(spec, address.space, 0)),
+                              address)
+    assert decode.has_unfinished() and decode.num_free_kv_blocks < decode.num_kv_blocks
+    assert decode.abort("h")
+    assert not decode.abort("h")  # once
+    decode.check_no_leaks()
+    decode.remote.close()  # type: ignore[union-attr]
