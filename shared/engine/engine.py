@@ -240,6 +240,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for request_id in plan.preempted_ids:
             self._hidden.pop(request_id, None)  # recomputed from scratch on resume
+            if self.remote is not None:
+                self.remote.pusher.restart(request_id)  # its blocks are gone: no write may read them
         if plan.is_empty:
             self.runner.clock.pause()  # nothing runnable: the wait that follows is no bubble
             if self.remote is not None and self.remote.busy and not released:

@@ -147,6 +147,12 @@ class TransferGroup:
                 except TransferFailedError:
                     pass
 
+    def restart(self) -> None:
+        """Abort and forget the transfers so far (their source blocks are gone); the group starts over."""
+        self.abort()
+        self.handles.clear()
+        self.nbytes = 0
+
     def close(self) -> None:
         """Abort and drop the staging registrations (call exactly once, when the group is over)."""
         self.abort()

@@ -145,6 +145,13 @@ class KVPusher:
             logger.warning("request %s: KV push failed: %s", request_id, outcome.error)
         return outcome
 
+    def restart(self, request_id: str) -> None:
+        """The request was preempted (its blocks freed, to be recomputed): stop its writes, send all again."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.group.restart()
+            job.num_blocks_sent = 0
+
     def abort(self, request_id: str) -> None:
         """Stop the request's transfers (before its blocks are freed). Idempotent."""
         job = self._jobs.pop(request_id, None)

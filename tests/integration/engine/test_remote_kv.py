@@ -137,3 +137,51 @@ def test_abort_while_pulling_frees_the_blocks(slab) -> None:  # type: ignore[no-
     assert not decode.abort("h")  # once
     decode.check_no_leaks()
     decode.remote.close()  # type: ignore[union-attr]
+
+
+def _run_pair(loaded, address, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:  # type: ignore[no-untyped-def]
+    """Prefill both prompts through the slab on an engine too small for both at once, decode, return tokens."""
+    prefill = tiny_engine(loaded, role="prefill", num_kv_blocks=8, max_model_len=32, max_num_batched_tokens=12,
+                          enable_prefix_caching=False)
+    decode = tiny_engine(loaded, role="decode")
+    prefill.enable_remote_kv("layerwise")
+    decode.enable_remote_kv()
+    specs, first_slot = [], 0
+    for i, prompt in enumerate(prompts):
+        spec = _spec(prefill, prompt, f"p{i}")
+        slots = _slots(spec, address.space, first_slot)
+        first_slot += len(slots.block_slots) + len(slots.hidden_slots)
+        prefill.add_pushed_request(f"p{i}", prompt, params, address, slots)
+        specs.append((spec, slots))
+    finals = {rid: outs[-1] for rid, outs in _drain(prefill).items()}
+    results = []
+    for i, (spec, slots) in enumerate(specs):
+        push = finals[f"p{i}"].handoff
+        assert push.result is not None, push.error
+        decode.add_pulled_handoff(f"p{i}", params, ClaimedHandoff(spec, push.result, slots), address)
+        results.append([push.result.first_token_id])
+    for rid, outs in _drain(decode).items():
+        results[int(rid[1:])].extend(t for out in outs for t in out.new_token_ids)
+    prefill.check_no_leaks()
+    decode.check_no_leaks()
+    prefill.remote.close()  # type: ignore[union-attr]
+    decode.remote.close()  # type: ignore[union-attr]
+    return results, prefill.scheduler.num_preemptions_total
+
+
+def test_prefill_preempted_mid_push_resends_and_matches_colocated(slab) -> None:  # type: ignore[no-untyped-def]
+    """Too few blocks for both prompts: the second is preempted (its writes restart) while the first's
+    finished handoff still holds its blocks, which lasts until the first's writes are over: a race, so
+    the pair is run until a preemption happened (every run must match colocated either way)."""
+    loaded, address = slab
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i for i in range(20)], [60 + i for i in range(20)]]
+    expected = [r.token_ids for r in tiny_engine(loaded).generate(prompts, params)]
+    preemptions = 0
+    for _ in range(8):
+        results, n = _run_pair(loaded, address, prompts, params)
+        assert results == expected
+        preemptions += n
+        if preemptions:
+            break
+    assert preemptions > 0
