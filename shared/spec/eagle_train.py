@@ -56,14 +56,23 @@ def generate_sequences(
     return [list(p) + r.token_ids for p, r in zip(batch, results, strict=True)]
 
 
-def extract_hidden_states(engine: LLMEngine, sequences: Sequence[Sequence[int]]) -> list[TrainingSequence]:
+def extract_hidden_states(
+    engine: LLMEngine, sequences: Sequence[Sequence[int]], group_size: int = 16
+) -> list[TrainingSequence]:
     """Hidden states of every position, from the handoffs of an engine in the prefill role.
 
     The engine must have prefix caching off: a cached prefix is not computed, so
     its hidden states would be missing from the handoff.
     """
     assert engine.config.role == "prefill" and not engine.config.enable_prefix_caching
-    ids = [f"extract-{i}" for i in range(len(sequences))]
+    out: list[TrainingSequence] = []
+    for lo in range(0, len(sequences), group_size):  # groups that fit the cache: nothing is preempted
+        out.extend(_extract_group(engine, sequences[lo : lo + group_size], lo))
+    return out
+
+
+def _extract_group(engine: LLMEngine, sequences: Sequence[Sequence[int]], offset: int) -> list[TrainingSequence]:
+    ids = [f"extract-{offset + i}" for i in range(len(sequences))]
     for request_id, seq in zip(ids, sequences, strict=True):
         # max_tokens > 1: a request whose first token ends it finishes without a handoff
         engine.add_request(request_id, seq, SamplingParams(max_tokens=2, temperature=0.0))
