@@ -87,7 +87,8 @@ def reserve_from_proto(msg: kv_transfer_pb2.ReserveRequest) -> HandoffSpec:
 
 def slots_to_proto(slots: HandoffSlots, address: AgentAddress) -> kv_transfer_pb2.ReserveResponse:
     return kv_transfer_pb2.ReserveResponse(block_slots=slots.block_slots, present=slots.present,
-                                           hidden_slots=slots.hidden_slots, agent=agent_to_proto(address))
+                                           hidden_slots=slots.hidden_slots, agent=agent_to_proto(address),
+                                           lease_timeout_ms=int(slots.lease_timeout_s * 1000))
 
 
 def slots_from_proto(msg: kv_transfer_pb2.ReserveResponse, spec: HandoffSpec) -> tuple[HandoffSlots, AgentAddress]:
@@ -95,7 +96,8 @@ def slots_from_proto(msg: kv_transfer_pb2.ReserveResponse, spec: HandoffSpec) ->
     if len(msg.block_slots) != spec.num_blocks or len(msg.present) != spec.num_blocks:
         raise InvalidRequestError(f"handoff {spec.handoff_id}: reserve answered {len(msg.block_slots)} slots "
                                   f"for {spec.num_blocks} blocks")
-    slots = HandoffSlots(address.space, list(msg.block_slots), list(msg.present), list(msg.hidden_slots))
+    slots = HandoffSlots(address.space, list(msg.block_slots), list(msg.present), list(msg.hidden_slots),
+                         msg.lease_timeout_ms / 1000)
     _check_slots(slots)
     return slots, address
 

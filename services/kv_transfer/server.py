@@ -2,7 +2,8 @@
 
     GetAgent ─► the slab's agent (name, metadata, slot geometry)
     Reserve  ─► store.reserve  (slots pinned; pool hits marked present)      ─┐ prefill WRITEs the
-    Commit   ─► store.commit   (claimable; new full blocks join the pool)     ─┘ slots in between
+    Renew    ─► store.renew    (prefill still queued or computing)             │ slots in between
+    Commit   ─► store.commit   (claimable; new full blocks join the pool)     ─┘
     Claim    ─► store.claim    (waits for the commit; decode READs the slots after)
     Release  ─► store.release  (pulled / aborted / failed; idempotent)
     Stats    ─► occupancy
@@ -127,6 +128,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         self._store.cut_slots(space)
         self._address = replace(self._address, space=space)
         logger.info("slab cut into %d slots of %d bytes for %s", num_slots, slot_nbytes, spec.key)
+
+    async def Renew(  # noqa: N802
+        self, request: kv_transfer_pb2.RenewRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.RenewResponse:
+        return kv_transfer_pb2.RenewResponse(found=self._store.renew(request.handoff_id))
 
     async def Commit(  # noqa: N802
         self, request: kv_transfer_pb2.CommitRequest, context: grpc.aio.ServicerContext

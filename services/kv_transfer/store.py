@@ -8,6 +8,8 @@ Lifecycle of one handoff (one lease, one owner: the store)::
                   │                   └──deadline─► EXPIRED                         (decode never came)
                   ├──release(failed) / deadline ──► FAILED / EXPIRED               (prefill died mid-push)
 
+While WRITING, prefill renews the lease (its prompt may wait behind others
+before it computes); a prefill that dies stops renewing and the lease expires.
 `reserve` pins one slot per KV block and enough slots for the hidden states,
 all or nothing: a full store refuses with CapacityError (backpressure), never
 runs out of memory halfway. Blocks whose prefix hash is already in the pool
@@ -142,12 +144,12 @@ class HandoffStore:
         keys: list[PoolKey | None] = [(spec.key, h) for h in spec.block_hashes]
         keys += [None] * (spec.num_blocks - len(keys))
         num_hidden_slots = cdiv(spec.hidden_nbytes, space.slot_nbytes)
-        acquired = self.pool.acquire([*keys, *([None] * num_hidden_slots)])  # raises CapacityError
-        slots = HandoffSlots(space, acquired.slots[: spec.num_blocks], acquired.hits[: spec.num_blocks],
-                             acquired.slots[spec.num_blocks :])
         timeout_s = spec.lease_timeout_ms / 1000 if spec.lease_timeout_ms else self.lease_timeout_s
         if self.max_lease_timeout_s is not None:
             timeout_s = min(timeout_s, self.max_lease_timeout_s)
+        acquired = self.pool.acquire([*keys, *([None] * num_hidden_slots)])  # raises CapacityError
+        slots = HandoffSlots(space, acquired.slots[: spec.num_blocks], acquired.hits[: spec.num_blocks],
+                             acquired.slots[spec.num_blocks :], timeout_s)
         self._ended.pop(spec.handoff_id, None)
         self._leases[spec.handoff_id] = _Lease(spec, slots, self._clock() + timeout_s, timeout_s)
         self.hit_blocks_total += slots.num_leading_hits
@@ -180,6 +182,14 @@ class HandoffStore:
         assert self.space is None and not self._leases
         self.space = space
         self.pool = SlotPool(space.num_slots, self._policy)
+
+    def renew(self, handoff_id: str) -> bool:
+        """Prefill is alive and still writing (queued behind other prompts, or computing): restart the deadline."""
+        lease = self._leases.get(handoff_id)
+        if lease is None or lease.state is not LeaseState.WRITING:
+            return False
+        lease.deadline_s = self._clock() + lease.timeout_s
+        return True
 
     def commit(self, handoff_id: str, result: HandoffResult) -> int:
         """Prefill wrote everything: the handoff becomes LEASED and its full blocks join the pool."""

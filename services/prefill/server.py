@@ -13,6 +13,7 @@ releases the slots, so no write of ours can land in a slot given to someone else
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 
@@ -87,6 +88,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise InvalidRequestError("empty prompt", param="prompt")
         address = request.kv_transfer_address
         slots, agent = await self.kv.reserve(address, self._spec(request))
+        renewer = asyncio.create_task(self._renew(address, request.handoff_id, slots.lease_timeout_s))
         committed = False
         failed = True  # the slots' content is not to be trusted unless the first token ended the request
         try:
@@ -122,9 +124,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                         push.nbytes, push.seconds * 1000)
             return reply
         finally:
+            renewer.cancel()
             if not committed:
                 # stop the engine's writes before the slots can go to anyone else, even if this task is cancelled
                 await self.kv.run_cleanup(self._drop(req.request_id, address, request.handoff_id, failed))
+
+    async def _renew(self, address: str, handoff_id: str, lease_timeout_s: float) -> None:
+        """While the prompt waits and computes, keep its lease: a prefill that dies stops renewing."""
+        if lease_timeout_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(max(lease_timeout_s / 3, 0.05))
+            if not await self.kv.renew(address, handoff_id):
+                return
 
     async def _drop(self, request_id: str, address: str, handoff_id: str, failed: bool) -> None:
         try:

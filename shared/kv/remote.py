@@ -93,6 +93,7 @@ class HandoffSlots:
     block_slots: list[int]
     present: list[bool]  # present[i]: block i is a prefix-pool hit, nobody needs to write it
     hidden_slots: list[int]
+    lease_timeout_s: float = 0.0  # the writer renews within this while it is still writing
 
     @property
     def num_leading_hits(self) -> int:

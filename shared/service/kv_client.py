@@ -51,6 +51,16 @@ class KVTransferClient:
             raise error_from_rpc(e) from e
         return slots_from_proto(reply, spec)
 
+    async def renew(self, address: str, handoff_id: str) -> bool:
+        """Keep a handoff being written alive; False when it already ended."""
+        try:
+            reply = await self._stub(address).Renew(kv_transfer_pb2.RenewRequest(handoff_id=handoff_id),
+                                                    timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
+        except grpc.RpcError as e:
+            logger.warning("renewing handoff %s failed: %s", handoff_id, error_from_rpc(e))
+            return False
+        return bool(reply.found)
+
     async def commit(self, address: str, handoff_id: str, result: HandoffResult) -> int:
         """Make a fully written handoff claimable; returns the bytes of slots it holds."""
         try:

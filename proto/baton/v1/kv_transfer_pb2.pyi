@@ -68,16 +68,30 @@ class ReserveRequest(_message.Message):
     def __init__(self, handoff_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., hidden_nbytes: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_slots", "present", "hidden_slots", "agent")
+    __slots__ = ("block_slots", "present", "hidden_slots", "agent", "lease_timeout_ms")
     BLOCK_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     block_slots: _containers.RepeatedScalarFieldContainer[int]
     present: _containers.RepeatedScalarFieldContainer[bool]
     hidden_slots: _containers.RepeatedScalarFieldContainer[int]
     agent: AgentInfo
-    def __init__(self, block_slots: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[bool]] = ..., hidden_slots: _Optional[_Iterable[int]] = ..., agent: _Optional[_Union[AgentInfo, _Mapping]] = ...) -> None: ...
+    lease_timeout_ms: int
+    def __init__(self, block_slots: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[bool]] = ..., hidden_slots: _Optional[_Iterable[int]] = ..., agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("handoff_id",)
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    handoff_id: str
+    def __init__(self, handoff_id: _Optional[str] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("handoff_id", "first_token_id", "first_logprobs", "hidden_width", "num_hidden_tokens")

@@ -44,6 +44,11 @@ class KVTransferServiceStub:
                 request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/baton.v1.KVTransferService/Renew',
+                request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.RenewRequest.SerializeToString,
+                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/baton.v1.KVTransferService/Commit',
                 request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
@@ -78,6 +83,13 @@ class KVTransferServiceServicer:
 
     def Reserve(self, request, context):
         """Prefill pins slots for a new handoff; blocks the pool holds come back as present.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Prefill is still at it (queued or computing): push a WRITING handoff's deadline back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,6 +135,11 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveRequest.FromString,
                     response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.RenewRequest.FromString,
+                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.RenewResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -199,6 +216,33 @@ class KVTransferService:
             '/baton.v1.KVTransferService/Reserve',
             proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveRequest.SerializeToString,
             proto_dot_baton_dot_v1_dot_kv__transfer__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVTransferService/Renew',
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.RenewRequest.SerializeToString,
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

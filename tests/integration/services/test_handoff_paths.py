@@ -221,3 +221,17 @@ def test_kv_transfer_restart_fails_in_flight_requests_and_serves_new_ones() -> N
         return tokens
 
     assert run(body, kv={"shutdown_grace_s": 0.0}) == expected([ps[1]])[0]
+
+
+def test_prompts_that_wait_longer_than_the_lease_keep_it_by_renewing() -> None:
+    """A 1 s lease, prompts that take seconds to compute and queue behind each other: none expires."""
+    long_prompts = [list(range(1000 + 300 * i, 1000 + 300 * i + 700)) for i in range(2)]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    async def body(stack: Stack) -> list[list[int]]:
+        got = await asyncio.gather(*(stack.generate(p, params) for p in long_prompts))
+        await stack.assert_nothing_leaked()
+        return [tokens for tokens, _ in got]
+
+    result = run(body, prefill={"max_num_seqs": 1}, kv={"lease_timeout_s": 1.0})
+    assert result == expected(long_prompts, params)

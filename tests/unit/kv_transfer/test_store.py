@@ -226,3 +226,17 @@ def test_random_operations_never_leak(clock: FakeClock, ends: Ends) -> None:
     assert store.pool.num_free + store.pool.num_evictable == 12
     counts = Counter(h for h, _ in ends.calls)
     assert sum(counts.values()) == len(ends.calls)
+
+
+def test_a_renewed_writing_lease_outlives_its_timeout(store: HandoffStore, clock: FakeClock, ends: Ends) -> None:
+    slots = store.reserve(make_spec("slow"))  # a prompt queued behind others at its prefill
+    assert slots.lease_timeout_s == 5.0
+    for _ in range(4):
+        clock.now_s += 4.0
+        assert store.renew("slow")
+        assert store.sweep() == []
+    store.commit("slow", RESULT)
+    assert not store.renew("slow")  # only a handoff being written is renewed
+    clock.now_s += 5.1
+    assert store.sweep() == ["slow"]  # nobody claimed it
+    assert not store.renew("slow")
