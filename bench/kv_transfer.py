@@ -230,7 +230,8 @@ def main() -> None:
     if args.ttft:
         import asyncio
 
-        from handoff_ttft import measure  # this script's folder is on sys.path
+        sys.path.insert(0, str(Path(__file__).parent))  # run as a script or with -m
+        from handoff_ttft import measure
 
         log("TTFT of a 2000-token prompt: colocated, layer-wise push, push after prefill")
         torch.set_num_threads(os.cpu_count() or 1)  # the engines compute with every core
