@@ -10,6 +10,9 @@ at any moment:
   the client only once decode could take over).
 - after_prefill: the same, but the prefill writes every block only after its last layer.
 
+Then a second chat turn (turn 1's prompt plus 100 tokens) goes to the other prefill instance:
+its TTFT and the tokens it read from kv_transfer's prefix pool instead of computing them.
+
 Each iteration sends the three a fresh random prompt (no prefix hits) in rotating order;
 medians are reported with the ratios to colocated. Target: layerwise within 10% of colocated.
 
@@ -73,8 +76,7 @@ async def _disagg_ttft(stub: prefill_pb2_grpc.PrefillServiceStub, kv_address: st
 
 async def measure(model: str, num_tokens: int, iterations: int, transport: str) -> dict[str, Any]:
     engine: dict[str, Any] = dict(model=model, port=0, metrics_port=-1, kv_cache_bytes=512 << 20,
-                                  max_model_len=max(4096, num_tokens + 64), max_num_batched_tokens=num_tokens + 64,
-                                  enable_prefix_caching=False)
+                                  max_model_len=max(4096, num_tokens + 256), max_num_batched_tokens=num_tokens + 256)
     kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, transport=transport, capacity_bytes=2 << 30,
                                            lease_timeout_s=120.0))
     services: list[Any] = [kv]
@@ -108,6 +110,7 @@ async def measure(model: str, num_tokens: int, iterations: int, transport: str) 
                 log(f"  iteration {it}{' (warm-up)' if not it else ''}: {name:13s} TTFT {ttft * 1000:8.1f} ms")
         medians = {name: statistics.median(v) for name, v in samples.items()}
         base = medians["colocated"]
+        reuse = await _prefix_reuse(runners, rng, vocab, num_tokens, layerwise, after)
         return {
             "num_prompt_tokens": num_tokens, "iterations": iterations, "transport": kv.transport.kind,
             "ttft_ms_median": {k: round(v * 1000, 1) for k, v in medians.items()},
@@ -115,10 +118,27 @@ async def measure(model: str, num_tokens: int, iterations: int, transport: str) 
             "ratio_to_colocated": {k: round(v / base, 3) for k, v in medians.items()},
             "target_layerwise_ratio": TARGET_RATIO,
             "meets_target": medians["layerwise"] / base <= TARGET_RATIO,
+            "prefix_reuse": reuse,
         }
     finally:
         for service in reversed(services):
             await service.stop()
+
+
+async def _prefix_reuse(runners: dict[str, Any], rng: random.Random, vocab: int, num_tokens: int,
+                        first: Any, second: Any) -> dict[str, Any]:
+    """A second chat turn (the first turn's prompt plus 100 tokens) on the OTHER prefill instance."""
+    turn1 = [rng.randrange(10, vocab) for _ in range(num_tokens)]
+    turn2 = turn1 + [rng.randrange(10, vocab) for _ in range(100)]
+    before = second.host.aengine.engine.remote.stats.imported_tokens
+    t1 = await runners["layerwise"]("turn-1", turn1)
+    t2 = await runners["after_prefill"]("turn-2", turn2)
+    imported = second.host.aengine.engine.remote.stats.imported_tokens - before
+    log(f"  prefix reuse: turn 1 ({len(turn1)} tokens) {t1 * 1000:.1f} ms; turn 2 ({len(turn2)} tokens, other "
+        f"prefill) {t2 * 1000:.1f} ms, {imported} tokens read from the pool")
+    return {"turn1_tokens": len(turn1), "turn1_ttft_ms": round(t1 * 1000, 1), "turn2_tokens": len(turn2),
+            "turn2_ttft_ms_other_prefill": round(t2 * 1000, 1), "turn2_imported_tokens": imported,
+            "turn2_over_turn1": round(t2 / t1, 3)}
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ class RemoteKV:
         # at least one prompt token is computed here: its step samples the first token
         num_pool_blocks = min(slots.num_leading_hits, (request.num_prompt_tokens - 1) // bs)
         local = e.kv.find_cached_prefix(request)
-        if num_pool_blocks > len(local):
+        if num_pool_blocks > len(local) and e.pool.enable_prefix_caching:  # imports land in the prefix cache
             holder = Request(f"import:{request.request_id}", list(request.prompt_token_ids), request.params,
                              eos_token_ids=request.eos_token_ids)
             if e.kv.allocate_slots(holder, num_pool_blocks * bs, local):
