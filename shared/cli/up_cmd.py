@@ -62,7 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
-    p.add_argument("--spec", default="none", help="speculative decoding method (none for now)")
+    p.add_argument("--spec", choices=["none", "ngram", "draft", "eagle"], default="none",
+                   help="speculative decoding in decode (eagle needs --spec-eagle-head)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens verified per step")
+    p.add_argument("--spec-eagle-head", type=Path, default=None, help="head saved by `baton train-draft`")
     p.add_argument("--redis-url", default="", help="registry; default: an in-process registry in the router")
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
@@ -85,8 +88,8 @@ def free_port() -> int:
 
 def plan_stack(args: argparse.Namespace) -> Stack:
     """Ports and environments of every child, before anything starts."""
-    if args.spec != "none":
-        raise ConfigError(f"--spec {args.spec} is not available yet (only none)")
+    if args.spec == "eagle" and args.spec_eagle_head is None:
+        raise ConfigError("--spec eagle needs --spec-eagle-head (a head saved by `baton train-draft`)")
     if args.prefill < 1 or args.decode < 1:
         raise ConfigError("--prefill and --decode must be >= 1")
     engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
@@ -113,8 +116,11 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
     role = "decode" if args.mode == "disagg" else "colocated"
+    spec = {"SPEC": args.spec, "NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens)}
+    if args.spec_eagle_head is not None:
+        spec["SPEC_EAGLE_HEAD"] = str(args.spec_eagle_head)
     for i in range(args.decode):
-        add(f"decode-{i}", role, "DECODE", {**engine_common, "ROLE": role, "INSTANCE_ID": f"decode-{i}"})
+        add(f"decode-{i}", role, "DECODE", {**engine_common, **spec, "ROLE": role, "INSTANCE_ID": f"decode-{i}"})
     static = ",".join(f"{c.service}={c.address}" for c in stack.children)
     add("router", "router", "ROUTER", {
         **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),

@@ -1,0 +1,38 @@
+"""`baton up`'s plan: which environment each child gets (no process is started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.cli.main import build_parser
+from shared.cli.up_cmd import plan_stack
+from shared.errors import ConfigError
+
+
+def plan(*argv: str):  # type: ignore[no-untyped-def]
+    return plan_stack(build_parser().parse_args(["up", *argv]))
+
+
+def test_spec_settings_reach_every_decode_and_only_decode() -> None:
+    stack = plan("--spec", "ngram", "--num-speculative-tokens", "5", "--decode", "2")
+    decodes = [c for c in stack.children if c.service == "decode"]
+    assert len(decodes) == 2
+    for child in decodes:
+        assert child.env["BATON_DECODE_SPEC"] == "ngram"
+        assert child.env["BATON_DECODE_NUM_SPECULATIVE_TOKENS"] == "5"
+    assert not any("SPEC" in k for c in stack.children if c.service != "decode" for k in c.env)
+
+
+def test_eagle_needs_a_head() -> None:
+    with pytest.raises(ConfigError, match="spec-eagle-head"):
+        plan("--spec", "eagle")
+    stack = plan("--spec", "eagle", "--spec-eagle-head", "/tmp/head.safetensors", "--mode", "colocated")
+    (decode,) = [c for c in stack.children if c.service == "colocated"]
+    assert decode.env["BATON_DECODE_SPEC_EAGLE_HEAD"] == "/tmp/head.safetensors"
+
+
+def test_default_stack_speculates_nothing() -> None:
+    stack = plan()
+    assert {c.service for c in stack.children} == {"kv_transfer", "prefill", "decode", "router"}
+    (decode,) = [c for c in stack.children if c.service == "decode"]
+    assert decode.env["BATON_DECODE_SPEC"] == "none"
