@@ -73,7 +73,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         prompt = list(request.request.prompt_token_ids)
         bs = engine.config.block_size
         layout = replace(engine.layout, num_blocks=cdiv(len(prompt), bs))
-        hidden_nbytes = len(prompt) * engine.loaded.spec.hidden_size * layout.itemsize if self.send_hidden_states else 0
+        hidden_nbytes = len(prompt) * engine.hidden_width * layout.itemsize if self.send_hidden_states else 0
         return HandoffSpec(
             request.handoff_id, request.request.request_id, engine.loaded.identity, layout, prompt,
             hash_prefix_blocks(prompt, bs, engine.kv.hash_salt), hidden_nbytes,

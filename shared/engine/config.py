@@ -39,6 +39,8 @@ class EngineConfig:
     spec_draft_model: str | None = None  # draft: alias, GGUF or HF dir; None = the target truncated
     spec_draft_num_layers: int = 4  # draft with no spec_draft_model: the target's first N layers
     spec_eagle_head: Path | None = None  # eagle: safetensors from `baton train-draft`
+    # prefill role: layers whose outputs travel after the final hidden states (EAGLE-3 style draft input)
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -93,7 +93,10 @@ class LLMEngine:
             spec_needs_hidden=self.speculator is not None and self.speculator.uses_hidden_states,
         )
         self.scheduler = Scheduler(sched_config, self.kv)
-        self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed)
+        if any(not 0 <= layer < spec.num_layers for layer in config.aux_hidden_layers):
+            raise ConfigError(f"aux_hidden_layers {config.aux_hidden_layers} outside [0, {spec.num_layers})")
+        self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
+                                  tuple(config.aux_hidden_layers))
         self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()
         self.remote: RemoteKV | None = None  # handoffs through kv_transfer, when a service enables them
         self._hidden: dict[str, list[torch.Tensor]] = {}
@@ -178,10 +181,18 @@ class LLMEngine:
         """Requests that failed outside a step's outputs (a KV pull broke), each reported once."""
         return self.remote.take_failures() if self.remote is not None else []
 
+    @property
+    def hidden_width(self) -> int:
+        """Columns of the hidden states a prefill engine hands out: final, then each auxiliary layer's."""
+        return self.loaded.spec.hidden_size * (1 + len(self.config.aux_hidden_layers))
+
     def spec_add_hidden(self, request_id: str, hidden_states: torch.Tensor, start: int) -> None:
-        """Prompt hidden states from prefill (rows from prompt position `start`), for the draft head."""
+        """Prompt hidden states from prefill (rows from prompt position `start`), for the draft head.
+
+        The head here reads the final hidden states: the first `hidden_size` columns (auxiliary layers follow).
+        """
         if self.speculator is not None:
-            self.speculator.add_hidden_states(request_id, hidden_states, start)
+            self.speculator.add_hidden_states(request_id, hidden_states[:, : self.loaded.spec.hidden_size], start)
 
     def add_handoff(self, request_id: str, params: SamplingParams, handoff: KVHandoff) -> RequestOutput | None:
         """Admit a request prefilled elsewhere. Returns its final output if the first token ended it."""
@@ -297,8 +308,7 @@ class LLMEngine:
 
     def _spec_add_handoff(self, request_id: str, handoff: KVHandoff) -> None:
         """The prefill engine's hidden states are the draft head's prompt features."""
-        if self.speculator is not None:
-            self.speculator.add_hidden_states(request_id, handoff.hidden_states, handoff.hidden_start)
+        self.spec_add_hidden(request_id, handoff.hidden_states, handoff.hidden_start)
 
     def _spec_remove(self, request_id: str) -> None:
         if self.speculator is not None:

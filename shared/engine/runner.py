@@ -77,8 +77,12 @@ class ExecutorClock:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, layout: KVLayout, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model: DecoderLM, layout: KVLayout, device: str = "cpu", seed: int = 0,
+                 aux_hidden_layers: tuple[int, ...] = ()) -> None:
+        """`aux_hidden_layers`: layers whose outputs follow the final hidden states in handed-out hidden
+        states, as an EAGLE-3 head reads them: [num_tokens, hidden * (1 + len(aux_hidden_layers))]."""
         self.model = model
+        self.aux_hidden_layers = aux_hidden_layers
         self.layout = layout
         self.device = torch.device(device)
         self.kv_cache = layout.allocate(self.device)  # KVLayout.shape
@@ -172,10 +176,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, plan: SchedulerPlan, on_layer_done: LayerDoneFn | None) -> StepResult:
         inputs = self.prepare(plan)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, on_layer_done)
+        captured = {layer: torch.empty(0) for layer in self.aux_hidden_layers} if inputs.hidden_spans else None
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, on_layer_done,
+                                    captured)
         result = StepResult()
         for request_id, (lo, hi) in inputs.hidden_spans.items():
-            result.hidden_states[request_id] = hidden[lo:hi].to("cpu", copy=True)
+            parts = [hidden[lo:hi], *(captured[layer][lo:hi] for layer in self.aux_hidden_layers)] if captured \
+                else [hidden[lo:hi]]
+            result.hidden_states[request_id] = torch.cat(parts, dim=-1).to("cpu")  # cat copies: no view kept
         for request_id, (lo, hi) in inputs.spec_hidden_spans.items():
             result.spec_hidden_states[request_id] = hidden[lo:hi].clone()
         if inputs.verify_rows:

@@ -141,13 +141,18 @@ class DecoderLM:
         kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         on_layer_done: LayerDoneFn | None = None,
+        captured: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The final (normed) hidden states; `captured`'s keys name layers whose outputs (the residual
+        stream after that layer, transformers' hidden_states[layer + 1]) are stored into it."""
         x = F.embedding(input_ids, self.embed)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         rope = {theta: r.cos_sin(positions, x.dtype) for theta, r in self.ropes.items()}
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, rope[self.spec.layer_rope_theta[i]], kv_cache, meta)
+            if captured is not None and i in captured:
+                captured[i] = x
             if on_layer_done is not None:
                 on_layer_done(i)
         return self._norm(x, self.norm_final, self.spec.rms_eps)

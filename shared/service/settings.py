@@ -42,6 +42,9 @@ class EngineServiceSettings(BaseSettings):
     torch_threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = torch's default")
     cache_dir: Path = DEFAULT_CACHE_DIR
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20)
+    aux_hidden_layers: tuple[int, ...] = Field(
+        default=(), description="prefill: layers whose outputs travel with the final hidden states (EAGLE-3 "
+        "style), e.g. BATON_PREFILL_AUX_HIDDEN_LAYERS='[2, 14, 27]'")
     kv_transfer_timeout_s: float = Field(default=30.0, gt=0, description="deadline of one KV transfer")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = "INFO"
@@ -61,7 +64,7 @@ class EngineServiceSettings(BaseSettings):
             device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
             spec_method=self.spec, num_speculative_tokens=self.num_speculative_tokens,
             spec_draft_model=self.spec_draft_model, spec_draft_num_layers=self.spec_draft_num_layers,
-            spec_eagle_head=self.spec_eagle_head,
+            spec_eagle_head=self.spec_eagle_head, aux_hidden_layers=self.aux_hidden_layers,
         )
 
     @property

@@ -185,3 +185,22 @@ def test_prefill_preempted_mid_push_resends_and_matches_colocated(slab) -> None:
         if preemptions:
             break
     assert preemptions > 0
+
+
+def test_aux_hidden_layers_travel_after_the_final_hidden_states() -> None:
+    """EAGLE-3 style: layers 0 and 2's outputs follow the final hidden states, equal to transformers'."""
+    loaded, hf = tiny_loaded(num_hidden_layers=4)
+    prompt = [5 + (i * 3) % 40 for i in range(11)]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    plain = tiny_engine(loaded, role="prefill").generate([prompt], params)[0].handoff
+    aux = tiny_engine(loaded, role="prefill", aux_hidden_layers=(0, 2)).generate([prompt], params)[0].handoff
+    h = loaded.spec.hidden_size
+    assert plain is not None and aux is not None
+    assert aux.hidden_states.shape == (len(prompt), 3 * h)
+    torch.testing.assert_close(aux.hidden_states[:, :h], plain.hidden_states)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states  # [embeddings, layer 0, ...]
+    torch.testing.assert_close(aux.hidden_states[:, h:2 * h], ref[1][0], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(aux.hidden_states[:, 2 * h:], ref[3][0], atol=2e-4, rtol=2e-4)
+    with pytest.raises(Exception, match="aux_hidden_layers"):
+        tiny_engine(loaded, role="prefill", aux_hidden_layers=(99,))

@@ -126,11 +126,14 @@ def test_greedy_is_identical_to_colocated_with_every_transport(transport: str) -
     assert run(body, transport=transport) == expected(ps)
 
 
-@pytest.mark.parametrize("case", ["after_prefill", "decode_block_32", "decode_block_8"])
+@pytest.mark.parametrize("case", ["after_prefill", "decode_block_32", "decode_block_8", "aux_hidden_layers"])
 def test_push_after_prefill_and_block_size_conversion(case: str) -> None:
-    """The baseline push mode, and a decode engine whose blocks are not prefill's (converted on receive)."""
+    """The baseline push mode, a decode engine whose blocks are not prefill's (converted on receive), and
+    hidden states three layers wide (EAGLE-3 style auxiliary layers)."""
     ps = prompts()
-    prefill = {"kv_push_mode": "after_prefill"} if case == "after_prefill" else {}
+    prefill: dict[str, Any] = {"kv_push_mode": "after_prefill"} if case == "after_prefill" else {}
+    if case == "aux_hidden_layers":
+        prefill["aux_hidden_layers"] = (2, 14)
     decode = {"block_size": int(case.rsplit("_", 1)[1])} if case.startswith("decode_block") else {}
 
     async def body(stack: Stack) -> list[list[int]]:
