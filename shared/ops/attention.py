@@ -118,6 +118,11 @@ def _sdpa_grouped(
     return out.reshape(b, lq, num_heads, head_dim)
 
 
+# Chunks up to this many query tokens that have earlier context (decodes, speculative verify chunks)
+# run together as one padded batch; longer ones (prefill chunks) run one by one.
+_SHORT_MAX_QUERY = 16
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (this step's keys, already written)
@@ -130,16 +135,16 @@ def paged_attention_ref(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Torch reference of paged attention over mixed prefill and decode sequences.
 
-    Single-token (decode) sequences run as one padded batch; each longer chunk
-    runs on its own. A chunk with no earlier context attends to this step's own
-    keys directly, skipping the gather.
+    Short sequences (decodes and speculative verify chunks) run as one padded batch; each longer
+    chunk runs on its own. A chunk with no earlier context attends to this step's own keys
+    directly, skipping the gather.
     """
     out = torch.empty_like(query)
-    decode_seqs: list[int] = []
+    short_seqs: list[int] = []
     starts = meta.query_start_loc.tolist() if meta.num_seqs else [0]
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-        if q_len == 1:
-            decode_seqs.append(i)
+        if q_len == 1 or (q_len <= _SHORT_MAX_QUERY and s_len > q_len):
+            short_seqs.append(i)
             continue
         lo, hi = starts[i], starts[i] + q_len
         if s_len == q_len:
@@ -149,44 +154,49 @@ def paged_attention_ref(
             values = _gather_keys(v_cache, meta.block_tables[i], s_len)
         mask = _chunk_mask(meta, i, q_len, s_len, sliding_window, query.device)
         out[lo:hi] = _sdpa_grouped(query[None, lo:hi], keys[None], values[None], mask[None], scale)[0]
-    if decode_seqs:
-        _decode_batch(query, k_cache, v_cache, meta, scale, sliding_window, decode_seqs, starts, out)
+    if short_seqs:
+        _short_batch(query, k_cache, v_cache, meta, scale, sliding_window, short_seqs, starts, out)
     return out
 
 
 @dataclass
-class _DecodeGroup:
-    """Gather indices and mask of the single-query sequences of one step (shared by all layers)."""
+class _ShortGroup:
+    """Gather indices and mask of one step's short sequences (shared by all layers)."""
 
-    rows: torch.Tensor  # [B] query row of each sequence
+    rows: torch.Tensor  # [B, Lq] query row of each (sequence, query); padding repeats the last row
+    valid: torch.Tensor  # [B, Lq] bool: a real query, not padding
     tables: torch.Tensor  # [B, n] block ids, padded
-    mask: torch.Tensor  # [B, 1, n * block_size] bool
+    mask: torch.Tensor  # [B, Lq, n * block_size] bool
 
 
-def _decode_group(
+def _short_group(
     meta: AttentionMetadata, seq_ids: list[int], starts: list[int], block_size: int,
     sliding_window: int | None, device: torch.device,
-) -> _DecodeGroup:
-    key = ("decode", block_size, sliding_window)
+) -> _ShortGroup:
+    key = ("short", block_size, sliding_window)
     cached = meta.step_cache.get(key)
     if cached is not None:
         return cached  # type: ignore[return-value]
-    seq_lens = [meta.seq_lens_host[i] for i in seq_ids]
-    num_blocks = cdiv(max(seq_lens), block_size)
+    q_lens = [meta.query_lens_host[i] for i in seq_ids]
+    s_lens = [meta.seq_lens_host[i] for i in seq_ids]
+    max_q = max(q_lens)
+    num_blocks = cdiv(max(s_lens), block_size)
+    pad = [[min(t, q - 1) for t in range(max_q)] for q in q_lens]  # query index, padding -> last
+    rows = [[starts[i] + t for t in ts] for i, ts in zip(seq_ids, pad, strict=True)]
+    q_pos = [[s - q + t for t in ts] for q, s, ts in zip(q_lens, s_lens, pad, strict=True)]
     idx = torch.tensor(seq_ids, device=device)
-    tables = meta.block_tables[idx, :num_blocks].long()
-    lens = torch.tensor(seq_lens, device=device)
     k_pos = torch.arange(num_blocks * block_size, device=device).expand(len(seq_ids), -1)
-    group = _DecodeGroup(
-        rows=torch.tensor([starts[i] for i in seq_ids], device=device),
-        tables=tables,
-        mask=_position_mask((lens - 1).unsqueeze(-1), k_pos, sliding_window),
+    group = _ShortGroup(
+        rows=torch.tensor(rows, device=device),
+        valid=torch.tensor([[t < q for t in range(max_q)] for q in q_lens], device=device),
+        tables=meta.block_tables[idx, :num_blocks].long(),
+        mask=_position_mask(torch.tensor(q_pos, device=device), k_pos, sliding_window),
     )
     meta.step_cache[key] = group
     return group
 
 
-def _decode_batch(
+def _short_batch(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -197,9 +207,10 @@ def _decode_batch(
     starts: list[int],
     out: torch.Tensor,
 ) -> None:
-    """All single-query sequences at once, padded to the longest context."""
-    g = _decode_group(meta, seq_ids, starts, k_cache.shape[1], sliding_window, query.device)
+    """All short sequences at once, queries padded to the longest, keys to the longest context."""
+    g = _short_group(meta, seq_ids, starts, k_cache.shape[1], sliding_window, query.device)
     b, n = g.tables.shape
     keys = k_cache[g.tables].reshape(b, n * k_cache.shape[1], *k_cache.shape[2:])
     values = v_cache[g.tables].reshape(b, n * v_cache.shape[1], *v_cache.shape[2:])
-    out[g.rows] = _sdpa_grouped(query[g.rows].unsqueeze(1), keys, values, g.mask, scale)[:, 0]
+    attended = _sdpa_grouped(query[g.rows], keys, values, g.mask, scale)  # [B, Lq, num_heads, head_dim]
+    out[g.rows[g.valid]] = attended[g.valid]

@@ -74,7 +74,8 @@ def test_ref_matches_dense(
 def test_ref_decode_only_and_prefill_only(
     make_batch: Callable[..., AttentionBatch], sliding_window: int | None
 ) -> None:
-    for seqs in ([(3, 1), (17, 1), (40, 1)], [(0, 9)], [(24, 3), (8, 2)]):
+    # decodes only; one prefill; verify-like chunks (k drafts + 1) batched with decodes and a prefill
+    for seqs in ([(3, 1), (17, 1), (40, 1)], [(0, 9)], [(24, 3), (8, 2)], [(20, 4), (33, 4), (7, 2), (5, 1), (0, 6)]):
         batch = make_batch(seqs, 8, 2, 64, 8, seed=len(seqs))
         torch.testing.assert_close(run_ref(batch, sliding_window), dense_attention(batch, sliding_window))
 
