@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from shared.engine.kv_link import KVAgents
 from shared.engine.kv_pull import KVPuller, PullOutcome, PullSource
 from shared.engine.kv_push import KVPusher, PushOutcome
@@ -45,6 +47,7 @@ class _Import:
     request: Request  # admitted when the import is over
     address: AgentAddress
     slots: HandoffSlots
+    num_read_tokens: int  # what the pool supplies beyond the local prefix cache
 
 
 @dataclass
@@ -92,7 +95,8 @@ class RemoteKV:
             holder = Request(f"import:{request.request_id}", list(request.prompt_token_ids), request.params,
                              eos_token_ids=request.eos_token_ids)
             if e.kv.allocate_slots(holder, num_pool_blocks * bs, local):
-                self._imports[holder.request_id] = _Import(holder, request, address, slots)
+                num_read_tokens = (num_pool_blocks - len(local)) * bs
+                self._imports[holder.request_id] = _Import(holder, request, address, slots, num_read_tokens)
                 self.puller.start(holder.request_id, address, PullSource(e.layout, slots, num_pool_blocks * bs),
                                   e.kv.block_ids(holder.request_id), len(local) * bs)
                 return
@@ -107,23 +111,23 @@ class RemoteKV:
         if outcome.error is None:
             imp.holder.num_computed_tokens = len(e.kv.block_ids(imp.holder.request_id)) * e.config.block_size
             e.kv.cache_full_blocks(imp.holder)  # now local prefix-cache hits for the request
-            self.stats.imported_tokens += imp.holder.num_computed_tokens
+            self.stats.imported_tokens += imp.num_read_tokens
         e.kv.free(imp.holder)
         self._admit_pushed(imp.request, imp.address, imp.slots)
 
     def layer_hook(self, plan: SchedulerPlan) -> Callable[[int], None] | None:
         return self.pusher.layer_hook(plan)
 
-    def withhold(self, out: RequestOutput, request: Request, hidden_states: object) -> bool:
+    def withhold(self, out: RequestOutput, request: Request, hidden_states: torch.Tensor | None) -> bool:
         """A prefill request reached its first token: start its last writes and hold its output."""
         if out.request_id not in self.pusher:
             return False
         result = HandoffResult(
             request.output_token_ids[0], request.output_logprobs[0] if request.output_logprobs else None,
-            hidden_states.shape[-1] if hidden_states is not None else 0,  # type: ignore[attr-defined]
-            hidden_states.shape[0] if hidden_states is not None else 0,  # type: ignore[attr-defined]
+            hidden_states.shape[-1] if hidden_states is not None else 0,
+            hidden_states.shape[0] if hidden_states is not None else 0,
         )
-        self.pusher.finish(out.request_id, self._e.kv.block_ids(out.request_id), result, hidden_states)  # type: ignore[arg-type]
+        self.pusher.finish(out.request_id, self._e.kv.block_ids(out.request_id), result, hidden_states)
         self._withheld[out.request_id] = out
         return True
 
