@@ -10,8 +10,11 @@ One step of an engine with speculation on::
 
 How many drafts a request gets: the engine's `num_speculative_tokens`, capped
 by the request's own (`SamplingParams.num_speculative_tokens`, 0 = off), by
-the tokens it may still emit (a step emits up to k + 1) and by the context
-length. A proposer that raises (or returns ids outside the vocabulary) turns
+the tokens it may still emit (a step emits up to k + 1), by the context
+length, and by what its drafts have been worth: a running average of the drafts
+verification accepted per step, plus one, so a request whose drafts keep failing
+verifies one or two instead of paying for k (a batched step on a CPU is
+compute-bound: every rejected draft costs a full token of work). A proposer that raises (or returns ids outside the vocabulary) turns
 speculation off for the request it failed on, which goes on decoding plainly;
 `stats.num_fallbacks` counts those requests.
 
@@ -25,6 +28,7 @@ belongs to position L - 1 - m + r, L being the request's token count.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +41,8 @@ from shared.spec.proposer import ProposalInput, Proposer
 logger = logging.getLogger(__name__)
 
 __all__ = ["SpecStats", "Speculator"]
+
+_AVG_DECAY = 0.5  # weight of the past in a request's running average of accepted drafts
 
 
 @dataclass
@@ -86,6 +92,7 @@ class Speculator:
         self.uses_hidden_states: bool = getattr(proposer, "uses_hidden_states", False)
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
         self._hidden: dict[str, _Hidden] = {}
+        self._accepted_avg: dict[str, float] = {}  # per request: running average of drafts accepted per step
 
     # ---- proposing ------------------------------------------------------------------
     def num_tokens_for(self, request: Request) -> int:
@@ -95,6 +102,9 @@ class Speculator:
         # one step emits up to k + 1 tokens and writes KV at positions up to L - 1 + k
         room = min(request.params.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
+        avg = self._accepted_avg.get(request.request_id)
+        if avg is not None:  # worth: one more draft than it has been accepting (never below one)
+            k = min(k, max(1, math.ceil(avg) + 1))
         return max(0, min(k, room))
 
     def propose(self, running: Sequence[Request]) -> None:
@@ -161,6 +171,8 @@ class Speculator:
                 s.num_accepted_tokens += num_accepted
                 for j in range(num_accepted):
                     s.accepted_per_position[j] += 1
+                avg = self._accepted_avg.get(chunk.request_id, float(num_accepted))
+                self._accepted_avg[chunk.request_id] = _AVG_DECAY * avg + (1 - _AVG_DECAY) * num_accepted
                 num_valid = chunk.num_tokens - chunk.num_draft_tokens + num_accepted
             hidden = result.spec_hidden_states.get(chunk.request_id)
             if hidden is not None:
@@ -188,12 +200,14 @@ class Speculator:
     # ---- lifecycle --------------------------------------------------------------------
     def remove_request(self, request_id: str) -> None:
         self._hidden.pop(request_id, None)
+        self._accepted_avg.pop(request_id, None)
         remove = getattr(self.proposer, "remove_request", None)
         if remove is not None:
             remove(request_id)
 
     def check_no_leaks(self) -> None:
         assert not self._hidden, f"hidden states kept for finished requests: {sorted(self._hidden)}"
+        assert not self._accepted_avg, f"acceptance kept for finished requests: {sorted(self._accepted_avg)}"
         check = getattr(self.proposer, "check_no_leaks", None)
         if check is not None:
             check()
