@@ -22,7 +22,7 @@ from opentelemetry import trace
 from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.request import RequestOutput
-from shared.errors import InvalidRequestError, UnavailableError
+from shared.errors import InvalidRequestError
 from shared.kv.remote import AgentAddress, ClaimedHandoff
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
@@ -86,7 +86,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             if not released:
                 # stop our reads before the slots can go to anyone else, even if this task is cancelled
-                await self.kv.run_cleanup(self._drop(req.request_id, address, request.handoff_id))
+                await self.kv.release_after_abort(lambda: self.aengine.abort(req.request_id), address,
+                                                  request.handoff_id)
 
     async def _claim(self, request: decode_pb2.DecodeRequest) -> tuple[ClaimedHandoff, AgentAddress]:
         claimed, agent = await self.kv.claim(
@@ -99,13 +100,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     request.request.request_id, request.handoff_id, spec.num_blocks, spec.layout.block_size,
                     len(spec.prompt_token_ids))
         return claimed, agent
-
-    async def _drop(self, request_id: str, address: str, handoff_id: str) -> None:
-        try:
-            await self.aengine.abort(request_id)
-        except UnavailableError:
-            pass  # engine stopped: its transports are closed, nothing reads any more
-        await self.kv.release(address, handoff_id)
 
     async def Abort(  # noqa: N802
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -26,7 +26,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.block_pool import hash_prefix_blocks
 from shared.engine.kv_push import PushOutcome
 from shared.engine.request import RequestOutput
-from shared.errors import InvalidRequestError, KVTransferError, UnavailableError
+from shared.errors import InvalidRequestError, KVTransferError
 from shared.kv.layout import cdiv
 from shared.kv.remote import HandoffSpec
 from shared.service.kv_client import KVTransferClient
@@ -127,7 +127,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             renewer.cancel()
             if not committed:
                 # stop the engine's writes before the slots can go to anyone else, even if this task is cancelled
-                await self.kv.run_cleanup(self._drop(req.request_id, address, request.handoff_id, failed))
+                await self.kv.release_after_abort(lambda: self.aengine.abort(req.request_id), address,
+                                                  request.handoff_id, failed)
 
     async def _renew(self, address: str, handoff_id: str, lease_timeout_s: float) -> None:
         """While the prompt waits and computes, keep its lease: a prefill that dies stops renewing."""
@@ -137,13 +138,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await asyncio.sleep(max(lease_timeout_s / 3, 0.05))
             if not await self.kv.renew(address, handoff_id):
                 return
-
-    async def _drop(self, request_id: str, address: str, handoff_id: str, failed: bool) -> None:
-        try:
-            await self.aengine.abort(request_id)
-        except UnavailableError:
-            pass  # engine stopped: its transports are closed, nothing writes any more
-        await self.kv.release(address, handoff_id, failed=failed)
 
     async def Abort(  # noqa: N802
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -166,16 +166,11 @@ class LLMEngine:
         self._check_new_id(request_id)
         self.remote.check_compatible(claimed)
         first = claimed.result
-        request = self._new_request(request_id, claimed.spec.prompt_token_ids, params, [first.first_token_id])
-        if first.first_logprobs is not None:
-            request.output_logprobs.append(first.first_logprobs)
-        status = request.check_stop()
-        if status is not None:
-            request.status = status
-            return RequestOutput(request_id, [], [], True, request.finish_reason, request.num_prompt_tokens, 0)
-        self.runner.add_request(request_id, params.seed, num_steps_done=1)
-        self.remote.add_pulled(request, claimed, address)
-        return None
+        request, done = self._continue_from_first_token(request_id, claimed.spec.prompt_token_ids, params,
+                                                        first.first_token_id, first.first_logprobs)
+        if done is None:
+            self.remote.add_pulled(request, claimed, address)
+        return done
 
     def take_failures(self) -> list[tuple[str, BatonError]]:
         """Requests that failed outside a step's outputs (a KV pull broke), each reported once."""
@@ -201,18 +196,33 @@ class LLMEngine:
                 f"handoff block size {handoff.block_size} != engine block size {self.config.block_size}"
             )
         self._check_new_id(request_id)
-        request = self._new_request(request_id, handoff.prompt_token_ids, params, [handoff.first_token_id])
-        if handoff.first_logprobs is not None:
-            request.output_logprobs.append(handoff.first_logprobs)
-        status = request.check_stop()
-        if status is not None:
-            request.status = status
-            return RequestOutput(request_id, [], [], True, request.finish_reason, request.num_prompt_tokens, 0)
-        self.runner.add_request(request_id, params.seed, num_steps_done=1)
+        request, done = self._continue_from_first_token(request_id, handoff.prompt_token_ids, params,
+                                                        handoff.first_token_id, handoff.first_logprobs)
+        if done is not None:
+            return done
         self._spec_add_handoff(request_id, handoff)
         self._pending_handoffs.append((request, handoff))
         self._admit_handoffs()
         return None
+
+    def _continue_from_first_token(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, first_token_id: int,
+        first_logprobs: TokenLogprobs | None,
+    ) -> tuple[Request, RequestOutput | None]:
+        """A request prefilled elsewhere, holding its first token; its final output if that token ended it.
+
+        Otherwise the runner has taken it (its generator replays the draws prefill made).
+        """
+        request = self._new_request(request_id, prompt_token_ids, params, [first_token_id])
+        if first_logprobs is not None:
+            request.output_logprobs.append(first_logprobs)
+        status = request.check_stop()
+        if status is not None:
+            request.status = status
+            return request, RequestOutput(request_id, [], [], True, request.finish_reason,
+                                          request.num_prompt_tokens, 0)
+        self.runner.add_request(request_id, params.seed, num_steps_done=1)
+        return request, None
 
     def _admit_handoffs(self) -> None:
         """Move handed-off requests in as blocks allow (FIFO; the head waits for room)."""

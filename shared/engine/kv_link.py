@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -166,3 +167,34 @@ class TransferGroup:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.started_s
+
+
+class _Job(Protocol):
+    group: TransferGroup
+
+
+JobT = TypeVar("JobT", bound=_Job)
+
+
+class RequestTransfers(Generic[JobT]):
+    """Transfer jobs by request id (the pusher's and the puller's), each with its TransferGroup."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, JobT] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._jobs
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request's transfers (before its blocks are freed). Idempotent."""
+        job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.group.close()
+
+    def abort_all(self) -> None:
+        for request_id in list(self._jobs):
+            self.abort(request_id)

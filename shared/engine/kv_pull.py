@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.kv_link import KVAgents, TransferGroup
+from shared.engine.kv_link import KVAgents, RequestTransfers, TransferGroup
 from shared.kv.layout import KVLayout, cdiv
 from shared.kv.remote import (
     AgentAddress,
@@ -60,19 +60,12 @@ class _PullJob:
     hidden: torch.Tensor | None
 
 
-class KVPuller:
+class KVPuller(RequestTransfers[_PullJob]):
     def __init__(self, agents: KVAgents, layout: KVLayout, kv_cache: torch.Tensor) -> None:
+        super().__init__()
         self._agents = agents
         self._layout = layout
         self._kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
-        self._jobs: dict[str, _PullJob] = {}
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._jobs
-
-    @property
-    def num_jobs(self) -> int:
-        return len(self._jobs)
 
     def check_compatible(self, remote: KVLayout) -> None:
         """Raises ValueError naming each difference that no conversion can bridge."""
@@ -141,14 +134,3 @@ class KVPuller:
         # cache[:, blocks, :, offsets] is [tokens, num_layers, 2, heads, dim]
         self._kv_cache[:, blocks, :, offsets] = tokens[:, :, positions - base].permute(2, 0, 1, 3, 4).to(
             self._kv_cache.device)
-
-    def abort(self, request_id: str) -> None:
-        """Stop the request's transfers (before its blocks are freed). Idempotent."""
-        job = self._jobs.pop(request_id, None)
-        if job is not None:
-            job.group.close()
-
-    def abort_all(self) -> None:
-        for request_id in list(self._jobs):
-            self.abort(request_id)
-

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.kv_link import KVAgents, TransferGroup
+from shared.engine.kv_link import KVAgents, RequestTransfers, TransferGroup
 from shared.engine.scheduler import SchedulerPlan
 from shared.kv.layout import KVLayout, cdiv
 from shared.kv.remote import AgentAddress, HandoffResult, HandoffSlots, block_plan, slots_plan
@@ -59,21 +59,14 @@ class _PushJob:
         return [self.block_ids[i] for i in idx], [self.slots.block_slots[i] for i in idx]
 
 
-class KVPusher:
+class KVPusher(RequestTransfers[_PushJob]):
     def __init__(self, agents: KVAgents, layout: KVLayout, mode: str = "layerwise") -> None:
         if mode not in PUSH_MODES:
             raise ValueError(f"push mode must be one of {PUSH_MODES}, got {mode!r}")
+        super().__init__()
         self._agents = agents
         self._layout = layout
         self._mode = mode
-        self._jobs: dict[str, _PushJob] = {}
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._jobs
-
-    @property
-    def num_jobs(self) -> int:
-        return len(self._jobs)
 
     def attach(self, request_id: str, address: AgentAddress, slots: HandoffSlots, num_prompt_tokens: int) -> None:
         """Push this request's KV to `slots` as it is computed."""
@@ -151,13 +144,3 @@ class KVPusher:
         if job is not None:
             job.group.restart()
             job.num_blocks_sent = 0
-
-    def abort(self, request_id: str) -> None:
-        """Stop the request's transfers (before its blocks are freed). Idempotent."""
-        job = self._jobs.pop(request_id, None)
-        if job is not None:
-            job.group.close()
-
-    def abort_all(self) -> None:
-        for request_id in list(self._jobs):
-            self.abort(request_id)

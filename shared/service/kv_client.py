@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from shared.errors import UnavailableError
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, HandoffSpec
@@ -91,9 +92,21 @@ class KVTransferClient:
             return False
         return bool(reply.found)
 
-    async def run_cleanup(self, cleanup: Awaitable[None]) -> None:
-        """Run `cleanup` (abort, then release) to the end even if the caller is cancelled; `close` waits for it."""
-        task = asyncio.ensure_future(cleanup)
+    async def release_after_abort(
+        self, abort: Callable[[], Awaitable[object]], address: str, handoff_id: str, failed: bool = False
+    ) -> None:
+        """`abort` the request in the engine (its transfers stop), then release the handoff, so no transfer of
+        ours touches a slot given to someone else. Runs to the end even if the caller is cancelled; `close`
+        waits for it."""
+
+        async def cleanup() -> None:
+            try:
+                await abort()
+            except UnavailableError:
+                pass  # engine stopped: its transports are closed, nothing moves any more
+            await self.release(address, handoff_id, failed=failed)
+
+        task = asyncio.ensure_future(cleanup())
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
         await asyncio.shield(task)

@@ -7,12 +7,14 @@ a handoff from another model or shape is refused with a clear error; aborts free
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
 
 from shared.engine.block_pool import hash_prefix_blocks
+from shared.engine.engine import LLMEngine
 from shared.engine.kv_push import PushOutcome
 from shared.engine.request import SamplingParams
 from shared.errors import InvalidRequestError
@@ -68,40 +70,60 @@ def _drain(engine) -> dict[str, list]:  # type: ignore[no-untyped-def]
     return outputs
 
 
+@dataclass
+class SlotRun:
+    results: list[list[int]]  # per prompt: first token (prefill) + decode's tokens
+    pushes: list[PushOutcome]
+    prefill: LLMEngine
+    decode: LLMEngine
+
+
+def _through_slots(  # type: ignore[no-untyped-def]
+    loaded, address, prompts: list[list[int]], params: SamplingParams, prefill_config: dict[str, Any],
+    decode_config: dict[str, Any],
+) -> SlotRun:
+    """Prefill the prompts writing into the slab layer by layer, decode them from it; both engines leak-checked."""
+    prefill = tiny_engine(loaded, role="prefill", **prefill_config)
+    decode = tiny_engine(loaded, role="decode", **decode_config)
+    prefill.enable_remote_kv("layerwise")
+    decode.enable_remote_kv()
+    specs, first_slot = [], 0
+    for i, prompt in enumerate(prompts):
+        spec = _spec(prefill, prompt, f"p{i}")
+        slots = _slots(spec, address.space, first_slot)
+        first_slot += len(slots.block_slots) + len(slots.hidden_slots)
+        prefill.add_pushed_request(f"p{i}", prompt, params, address, slots)
+        specs.append((spec, slots))
+    finals = {rid: outs[-1] for rid, outs in _drain(prefill).items()}
+    results, pushes = [], []
+    for i, (spec, slots) in enumerate(specs):
+        push = finals[f"p{i}"].handoff
+        assert isinstance(push, PushOutcome) and push.result is not None, push
+        decode.add_pulled_handoff(f"p{i}", params, ClaimedHandoff(spec, push.result, slots), address)
+        results.append([push.result.first_token_id])
+        pushes.append(push)
+    for rid, outs in _drain(decode).items():
+        results[int(rid[1:])].extend(t for out in outs for t in out.new_token_ids)
+    prefill.check_no_leaks()
+    decode.check_no_leaks()
+    prefill.remote.close()  # type: ignore[union-attr]
+    decode.remote.close()  # type: ignore[union-attr]
+    return SlotRun(results, pushes, prefill, decode)
+
+
 @pytest.mark.parametrize("decode_block_size", [4, 8])
 def test_prefill_to_decode_through_slots_equals_colocated(slab, decode_block_size: int) -> None:  # type: ignore[no-untyped-def]
     loaded, address = slab
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i for i in range(23)], [40 + (i * 7) % 50 for i in range(9)]]
     expected = [r.token_ids for r in tiny_engine(loaded).generate(prompts, params)]
-    prefill = tiny_engine(loaded, role="prefill", max_num_batched_tokens=8)  # chunked: pushes over steps
-    decode = tiny_engine(loaded, role="decode", block_size=decode_block_size)
-    prefill.enable_remote_kv("layerwise")
-    decode.enable_remote_kv()
-    claimed = []
-    first_slot = 0
-    for i, prompt in enumerate(prompts):
-        spec = _spec(prefill, prompt, f"h{i}")
-        slots = _slots(spec, address.space, first_slot)
-        first_slot += len(slots.block_slots) + len(slots.hidden_slots)
-        prefill.add_pushed_request(f"h{i}", prompt, params, address, slots)
-        claimed.append((spec, slots))
-    finals = {rid: outs[-1] for rid, outs in _drain(prefill).items()}
-    results = []
-    for i, (spec, slots) in enumerate(claimed):
-        push = finals[f"h{i}"].handoff
-        assert isinstance(push, PushOutcome) and push.error is None and push.nbytes > 0
-        assert push.result is not None and push.result.num_hidden_tokens == len(prompts[i])
-        decode.add_pulled_handoff(f"h{i}", params, ClaimedHandoff(spec, push.result, slots), address)
-        results.append([push.result.first_token_id])
-    for rid, outs in _drain(decode).items():
-        results[int(rid[1:])].extend(t for out in outs for t in out.new_token_ids)
-    assert results == expected
-    prefill.check_no_leaks()
-    decode.check_no_leaks()
-    assert decode.remote is not None and decode.remote.stats.by_direction["pull"].count == 2
-    prefill.remote.close()  # type: ignore[union-attr]
-    decode.remote.close()
+    run = _through_slots(loaded, address, prompts, params, {"max_num_batched_tokens": 8},  # chunked: pushes over steps
+                         {"block_size": decode_block_size})
+    for push, prompt in zip(run.pushes, prompts, strict=True):
+        assert push.error is None and push.nbytes > 0
+        assert push.result is not None and push.result.num_hidden_tokens == len(prompt)
+    assert run.results == expected
+    assert run.decode.remote is not None and run.decode.remote.stats.by_direction["pull"].count == 2
 
 
 def test_incompatible_handoffs_are_refused(slab) -> None:  # type: ignore[no-untyped-def]
@@ -139,36 +161,6 @@ def test_abort_while_pulling_frees_the_blocks(slab) -> None:  # type: ignore[no-
     decode.remote.close()  # type: ignore[union-attr]
 
 
-def _run_pair(loaded, address, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:  # type: ignore[no-untyped-def]
-    """Prefill both prompts through the slab on an engine too small for both at once, decode, return tokens."""
-    prefill = tiny_engine(loaded, role="prefill", num_kv_blocks=8, max_model_len=32, max_num_batched_tokens=12,
-                          enable_prefix_caching=False)
-    decode = tiny_engine(loaded, role="decode")
-    prefill.enable_remote_kv("layerwise")
-    decode.enable_remote_kv()
-    specs, first_slot = [], 0
-    for i, prompt in enumerate(prompts):
-        spec = _spec(prefill, prompt, f"p{i}")
-        slots = _slots(spec, address.space, first_slot)
-        first_slot += len(slots.block_slots) + len(slots.hidden_slots)
-        prefill.add_pushed_request(f"p{i}", prompt, params, address, slots)
-        specs.append((spec, slots))
-    finals = {rid: outs[-1] for rid, outs in _drain(prefill).items()}
-    results = []
-    for i, (spec, slots) in enumerate(specs):
-        push = finals[f"p{i}"].handoff
-        assert push.result is not None, push.error
-        decode.add_pulled_handoff(f"p{i}", params, ClaimedHandoff(spec, push.result, slots), address)
-        results.append([push.result.first_token_id])
-    for rid, outs in _drain(decode).items():
-        results[int(rid[1:])].extend(t for out in outs for t in out.new_token_ids)
-    prefill.check_no_leaks()
-    decode.check_no_leaks()
-    prefill.remote.close()  # type: ignore[union-attr]
-    decode.remote.close()  # type: ignore[union-attr]
-    return results, prefill.scheduler.num_preemptions_total
-
-
 def test_prefill_preempted_mid_push_resends_and_matches_colocated(slab) -> None:  # type: ignore[no-untyped-def]
     """Too few blocks for both prompts: the second is preempted (its writes restart) while the first's
     finished handoff still holds its blocks, which lasts until the first's writes are over: a race, so
@@ -179,9 +171,11 @@ def test_prefill_preempted_mid_push_resends_and_matches_colocated(slab) -> None:
     expected = [r.token_ids for r in tiny_engine(loaded).generate(prompts, params)]
     preemptions = 0
     for _ in range(8):
-        results, n = _run_pair(loaded, address, prompts, params)
-        assert results == expected
-        preemptions += n
+        run = _through_slots(loaded, address, prompts, params, {  # too small for both prompts at once
+            "num_kv_blocks": 8, "max_model_len": 32, "max_num_batched_tokens": 12, "enable_prefix_caching": False,
+        }, {})
+        assert run.results == expected
+        preemptions += run.prefill.scheduler.num_preemptions_total
         if preemptions:
             break
     assert preemptions > 0
