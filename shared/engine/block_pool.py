@@ -61,6 +61,8 @@ class BlockPool:
         # LRU of free blocks: the first key is evicted first
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self._held: list[Sequence[int]] | None = None  # frees waiting for the step in flight to end
+
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,11 +101,30 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_count += 1
 
+    def hold_frees(self) -> None:
+        """Keep what is freed from now on out of the pool until `release_held_frees`.
+
+        The zero-bubble loop holds frees while a step runs on the device: that step may still
+        write the blocks of a request that finished or was preempted meanwhile, so they must not
+        reach anyone who writes blocks from the host (a KV handoff) before it ends.
+        """
+        if self._held is None:
+            self._held = []
+
+    def release_held_frees(self) -> None:
+        """Free what was held (the step it waited for has ended) and stop holding."""
+        held, self._held = self._held, None
+        for block_ids in held or ():
+            self.free(block_ids)
+
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; unreferenced blocks join the LRU tail.
 
         Freed in reverse so a request's tail blocks are evicted before its head.
         """
+        if self._held is not None:
+            self._held.append(list(block_ids))
+            return
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id}"
@@ -135,6 +156,7 @@ class BlockPool:
 
     def check_no_leaks(self) -> None:
         """Assert every block is back in the pool (tests call this after each engine test)."""
+        assert not self._held, f"frees still held for a step in flight: {self._held}"
         held = [b.block_id for b in self.blocks if b.ref_count != 0]
         assert not held, f"blocks still referenced: {held}"
         assert len(self._free) == self.num_blocks, f"free list has {len(self._free)}/{self.num_blocks}"

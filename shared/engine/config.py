@@ -41,6 +41,9 @@ class EngineConfig:
     spec_eagle_head: Path | None = None  # eagle: safetensors from `baton train-draft`
     # prefill role: layers whose outputs travel after the final hidden states (EAGLE-3 style draft input)
     aux_hidden_layers: tuple[int, ...] = ()
+    # zero-bubble loop: plan step N+1 while step N runs on an executor thread (colocated and decode roles;
+    # the draft and eagle proposers need each step's tokens first and keep the synchronous loop)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

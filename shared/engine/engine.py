@@ -6,6 +6,19 @@
                                   ├ runner.execute  (forward + sample)
                                   └ update()        (append, stop, free)
 
+Two loops drive those three. The synchronous one runs them in order. The
+zero-bubble one (`async_scheduling`, colocated and decode roles) keeps the
+executor busy: a step plans N+1 while N runs on the executor thread, hands
+N+1 over the moment N ends (N+1's inputs take N's tokens and accepted counts
+from N's outputs on the device), and only then reads N's results::
+
+    engine thread:  plan N+1 ─ wait N ─ submit N+1 ─ read N, stream, stop checks ─ plan N+2 ─ wait N+1 ...
+    executor:       ════ N ════════════╪═════════════ N+1 ═════════════════════════════╪═══ N+2 ...
+
+Results arrive one step late: a request that finished in N has already run in
+N+1, whose tokens for it are dropped. Blocks freed while a step runs go back to
+the pool only when it ends (`BlockPool.hold_frees`), since it may still write them.
+
 Roles: `colocated` runs requests start to end. `prefill` stops each request
 after its first token and returns its `KVHandoff` on the final output.
 `decode` admits requests with `add_handoff`, copying their KV into blocks it
@@ -18,6 +31,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +42,7 @@ from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
 from shared.engine.kv_manager import KVCacheManager
 from shared.engine.remote_kv import RemoteKV
 from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
-from shared.engine.runner import ModelRunner
+from shared.engine.runner import ModelRunner, StepInputs, StepOutput
 from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPlan, StepResult
 from shared.errors import BatonError, ConfigError, ContextLengthExceededError, InvalidRequestError
 from shared.kv.layout import KVLayout
@@ -61,6 +75,14 @@ def pick_attention(backend: str, device: str):  # type: ignore[no-untyped-def]
     from shared.ops.triton_attention import paged_attention_triton
 
     return paged_attention_triton
+
+
+@dataclass
+class _InFlight:
+    """The step the executor is running (zero-bubble loop)."""
+
+    inputs: StepInputs
+    future: Future[StepOutput]
 
 
 class LLMEngine:
@@ -101,9 +123,24 @@ class LLMEngine:
         self.remote: RemoteKV | None = None  # handoffs through kv_transfer, when a service enables them
         self._hidden: dict[str, list[torch.Tensor]] = {}
         self._arrivals = 0
-        logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d",
+        self.async_scheduling = self._use_async_scheduling()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="executor") if self.async_scheduling else None
+        self._in_flight: _InFlight | None = None
+        logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d, %s loop",
                     config.role, num_blocks, config.block_size, self.layout.total_nbytes / 2**20,
-                    self.max_model_len)
+                    self.max_model_len, "zero-bubble" if self.async_scheduling else "synchronous")
+
+    def _use_async_scheduling(self) -> bool:
+        if not self.config.async_scheduling:
+            return False
+        if self.config.role == "prefill":
+            # a prefill request ends at its first token and its KV leaves from the host: nothing to overlap
+            return False
+        if self.speculator is not None and not self.speculator.proposes_ahead:
+            logger.warning("spec method %r proposes from each step's tokens, which the zero-bubble loop "
+                           "reads a step late: running the synchronous loop", self.config.spec_method)
+            return False
+        return True
 
     # ---- intake -------------------------------------------------------------------
     def _new_request(
@@ -263,21 +300,49 @@ class LLMEngine:
             self._hidden.pop(request_id, None)  # recomputed from scratch on resume
             if self.remote is not None:
                 self.remote.pusher.restart(request_id)  # its blocks are gone: no write may read them
+        if self.async_scheduling:
+            return released + self._step_overlapped(plan)
         if plan.is_empty:
             self.runner.clock.pause()  # nothing runnable: the wait that follows is no bubble
             if self.remote is not None and self.remote.busy and not released:
                 time.sleep(_TRANSFER_POLL_S)  # only transfers in flight: do not spin a core they may need
             return released
         hook = self.remote.layer_hook(plan) if self.remote is not None else None
-        result = self.runner.execute(plan, hook)
-        self._spec_observe(plan, result)
+        out = self.runner.execute(self.runner.prepare(plan), None, hook)
+        return released + self._resolve(out)
+
+    def _step_overlapped(self, plan: SchedulerPlan) -> list[RequestOutput]:
+        """Zero-bubble loop: submit `plan` as soon as the step in flight ends, then read that step."""
+        prev = self._in_flight
+        inputs = None if plan.is_empty else self.runner.prepare(plan, prev.inputs.rows if prev else None)
+        done: StepOutput | None = None
+        if prev is not None:
+            self._in_flight = None
+            try:
+                done = prev.future.result()
+            finally:
+                self.pool.release_held_frees()  # the step that might still write them has ended
+        if inputs is not None:
+            assert self._executor is not None
+            self.pool.hold_frees()
+            self._in_flight = _InFlight(inputs, self._executor.submit(self.runner.execute, inputs, done))
+        else:
+            self.runner.clock.pause()  # nothing runnable: the wait that follows is no bubble
+            if done is None and self.remote is not None and self.remote.busy:
+                time.sleep(_TRANSFER_POLL_S)
+        return self._resolve(done) if done is not None else []
+
+    def _resolve(self, out: StepOutput) -> list[RequestOutput]:
+        """Read a finished step's results: stream tokens, check stops, free what finished."""
+        result = out.result()
+        self._spec_observe(out.plan, result)
         for request_id, hidden in result.hidden_states.items():
             self._hidden.setdefault(request_id, []).append(hidden)
-        outputs = self.scheduler.update(plan, result)
-        if not self.scheduler.has_unfinished():
+        outputs = self.scheduler.update(out.plan, result)
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
             self.runner.clock.pause()  # out of work until the next request
         # a pushed prefill's final output waits for its last writes (see remote_kv.py)
-        return released + [out for out in outputs if not (out.finished and self._finish(out))]
+        return [o for o in outputs if not (o.finished and self._finish(o))]
 
     def _finish(self, out: RequestOutput) -> bool:
         """Wrap up a finished request; True when its output is withheld until its KV push is over."""
@@ -326,7 +391,7 @@ class LLMEngine:
 
     # ---- conveniences ---------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_handoffs) or (
+        return self.scheduler.has_unfinished() or bool(self._pending_handoffs) or self._in_flight is not None or (
             self.remote is not None and self.remote.busy)
 
     def run_to_completion(self) -> dict[str, GenerationResult]:
@@ -370,6 +435,11 @@ class LLMEngine:
     def num_pending_handoffs(self) -> int:
         """Handed-off requests waiting for blocks (decode role)."""
         return len(self._pending_handoffs) + (self.remote.num_queued if self.remote is not None else 0)
+
+    def close(self) -> None:
+        """Stop the executor thread (the zero-bubble loop's), waiting for the step it runs."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     def check_no_leaks(self) -> None:
         assert not self.has_unfinished(), "requests still in flight"

@@ -81,12 +81,16 @@ class KVCacheManager:
         self.pool.free(extra)
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register blocks that this request has filled with computed tokens."""
+        """Register blocks that this request has filled with computed tokens of known ids.
+
+        The newest known token is left out: its KV is written by the step that runs it, which may
+        still be in flight (and planned positions past the known tokens hold guesses).
+        """
         table = self.block_tables.get(request.request_id)
         if table is None or not self.pool.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens - 1) // self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
             block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]

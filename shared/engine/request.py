@@ -7,9 +7,19 @@ Lifecycle of a request inside one engine::
                        └──── PREEMPTED ◄─────┘  (blocks ran out: KV dropped,
                                                  recomputed on re-admission)
 
-`num_computed_tokens` counts tokens whose KV is in the cache; the tokens still
-to run are `all_token_ids[num_computed_tokens:]`. A step that reaches the end
-of the known tokens samples the next one.
+`num_computed_tokens` counts tokens whose KV is in the cache or being written
+by a step already planned: the scheduler advances it when it plans a chunk, as
+if every draft in the chunk will be accepted, and `update` takes back what
+verification rejected. A step that reaches the end of the tokens samples the
+next one.
+
+Tokens in flight: a sampling chunk planned but not yet resolved leaves one
+entry in `inflight_drafts` (the drafts it verifies). The zero-bubble loop plans
+step N+1 before reading step N, so a request may be one or two entries ahead
+of its known tokens::
+
+    known:  t_0 .. t_{L-1}                   (all_token_ids, read from finished steps)
+    ahead:  t_0 .. t_{L-1} d_0 .. d_{k-1} ?  (num_tokens_ahead = L + k + 1; ? = not sampled yet)
 """
 
 from __future__ import annotations
@@ -116,6 +126,8 @@ class Request:
     # scheduler); a proposer failure turns speculation off for the rest of the request
     spec_token_ids: list[int] = field(default_factory=list)
     spec_disabled: bool = False
+    # one entry per planned sampling chunk whose result has not been read: the drafts it verifies
+    inflight_drafts: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -125,6 +137,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_inflight_tokens(self) -> int:
+        """Tokens the planned steps will emit if every draft is accepted."""
+        return sum(len(d) + 1 for d in self.inflight_drafts)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Known tokens plus those in flight, as if every draft in flight is accepted."""
+        return self.num_tokens + self.num_inflight_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

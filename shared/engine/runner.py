@@ -1,12 +1,18 @@
 """The model runner: turns a scheduler plan into one forward pass and samples.
 
-    plan.chunks ──► flat input_ids / positions / slot_mapping + per-sequence
-                    query_start_loc / seq_lens / block_tables
+    plan.chunks ──prepare (host)──► planned input_ids / positions / seq_lens + per-sequence
+                                    query_start_loc / block_tables / the previous step's row
+                ──execute (device)─► prepare_step_inputs: placeholders and positions from the
+                                     previous step's outputs, slot_mapping
                 ──► model.forward (writes K/V into the paged cache, attends)
                 ──► hidden of each sampling chunk's last token ──► logits ──► sampler
                 ──► hidden of each verification chunk's last k + 1 tokens ──► logits
                     ──► rejection sampler (shared/spec/verify.py) ──► accepted + 1 tokens
+                ──► StepOutput: emitted tokens left on the device, one row per sampling chunk
 
+`prepare` runs on the engine thread and `execute` on the executor (the same
+thread in the synchronous loop): the zero-bubble loop prepares step N+1 while
+step N executes, and N+1's `execute` reads N's `StepOutput` where it lies.
 The runner owns the KV cache tensor and the per-request random generators.
 """
 
@@ -18,28 +24,76 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
 from shared.engine.scheduler import SchedulerPlan, StepResult
 from shared.kv.layout import KVLayout
 from shared.models.common import LayerDoneFn
 from shared.models.decoder import DecoderLM
 from shared.ops.attention import AttentionMetadata
-from shared.spec.verify import VerifyInput, verify_drafts
+from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
+from shared.spec.verify import VerifyInput, VerifyOutput, verify_drafts
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
+    plan: SchedulerPlan
+    # planned on the host; for chunks that continue the previous step, ids and positions are guesses
+    planned_ids: torch.Tensor  # [num_tokens]
+    planned_positions: torch.Tensor  # [num_tokens]
+    planned_seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    prev_row: torch.Tensor  # [num_seqs] int64: row of the previous step's output a chunk continues, or -1
+    query_lens_host: list[int]
+    seq_lens_host: list[int]  # upper bounds for continuing chunks
+    generators: list[torch.Generator | None]  # per chunk, taken when planned
     sample_rows: list[int]  # index into the flat tokens of each sampling chunk's last token
     sample_chunks: list[int]  # index into plan.chunks, parallel to sample_rows
     hidden_spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # prefill role
     verify_rows: list[int] = field(default_factory=list)  # flat rows scoring each verified position
     verify_chunks: list[int] = field(default_factory=list)  # index into plan.chunks of each verification
     spec_hidden_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # request id -> its row of the step's outputs: plain sampling chunks first, then verifications
+    rows: dict[str, int] = field(default_factory=dict)
+    # set by `finish`: the true inputs
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    meta: AttentionMetadata | None = None
+
+    @property
+    def continues_previous(self) -> bool:
+        return any(c.continues for c in self.plan.chunks)
+
+    def forward_inputs(self) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, meta) for the forward pass, once `ModelRunner.finish` has run."""
+        assert self.input_ids is not None and self.positions is not None and self.meta is not None, "not finished"
+        return self.input_ids, self.positions, self.meta
+
+
+@dataclass
+class StepOutput:
+    """One step's results as the executor left them: emitted tokens on the device, the rest on the host."""
+
+    plan: SchedulerPlan
+    rows: dict[str, int]  # request id -> its row of `device` (sampling chunks only)
+    device: PrevOutputs
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # prefill role
+    spec_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # chunks with return_spec_hidden
+
+    def result(self) -> StepResult:
+        """Read the emitted tokens to the host: the one device-to-host copy of a step."""
+        emitted = self.device.emitted.tolist()
+        counts = self.device.num_emitted.tolist()
+        return StepResult(
+            emitted={rid: emitted[r][: counts[r]] for rid, r in self.rows.items()},
+            logprobs=self.logprobs,
+            hidden_states=self.hidden_states,
+            spec_hidden_states=self.spec_hidden_states,
+        )
 
 
 class ExecutorClock:
@@ -105,13 +159,17 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def prepare(self, plan: SchedulerPlan) -> StepInputs:
-        bs = self.layout.block_size
+    def prepare(self, plan: SchedulerPlan, prev_rows: dict[str, int] | None = None) -> StepInputs:
+        """Host half of a step. `prev_rows`: the previous step's output rows, for chunks that continue it.
+
+        Inputs that need nothing from the previous step are finished at once; the others when
+        `execute` has the previous step's outputs.
+        """
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[torch.Tensor] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        prev_row: list[int] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
         spans: dict[str, tuple[int, int]] = {}
@@ -123,14 +181,12 @@ class ModelRunner:
         for i, chunk in enumerate(plan.chunks):
             lo = len(ids)
             ids.extend(chunk.token_ids)
-            pos = range(chunk.start_pos, chunk.start_pos + chunk.num_tokens)
-            positions.extend(pos)
-            table = torch.tensor(chunk.block_ids, dtype=torch.int64)
-            tables[i, : len(chunk.block_ids)] = table.to(torch.int32)
-            p = torch.arange(pos.start, pos.stop, dtype=torch.int64)
-            slots.append(table[p // bs] * bs + p % bs)
+            positions.extend(range(chunk.start_pos, chunk.start_pos + chunk.num_tokens))
+            tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int32)
             query_lens.append(chunk.num_tokens)
-            seq_lens.append(pos.stop)
+            seq_lens.append(chunk.start_pos + chunk.num_tokens)
+            prev_row.append(prev_rows[chunk.request_id] if chunk.continues and prev_rows is not None else -1)
+            assert not chunk.continues or prev_row[-1] >= 0, f"{chunk.request_id} continues no known step"
             if chunk.num_draft_tokens:
                 verify_rows.extend(range(len(ids) - chunk.num_draft_tokens - 1, len(ids)))
                 verify_chunks.append(i)
@@ -145,18 +201,17 @@ class ModelRunner:
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
+        inputs = StepInputs(
+            plan=plan,
+            planned_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            planned_positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            planned_seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),
+            prev_row=torch.tensor(prev_row, dtype=torch.int64, device=dev),
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
-        )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta,
+            generators=[self._generators.get(c.request_id) for c in plan.chunks],
             sample_rows=sample_rows,
             sample_chunks=sample_chunks,
             hidden_spans=spans,
@@ -164,61 +219,121 @@ class ModelRunner:
             verify_chunks=verify_chunks,
             spec_hidden_spans=spec_spans,
         )
+        order = [plan.chunks[i].request_id for i in sample_chunks + verify_chunks]
+        inputs.rows = {request_id: r for r, request_id in enumerate(order)}
+        if not inputs.continues_previous:
+            self.finish(inputs, None)
+        return inputs
 
-    def execute(self, plan: SchedulerPlan, on_layer_done: LayerDoneFn | None = None) -> StepResult:
-        """Run one step: inputs, forward, sampling and verification (timed by `clock`)."""
+    def finish(self, inputs: StepInputs, prev: StepOutput | None) -> None:
+        """Device half of the inputs: the previous step's tokens and accepted counts, and the KV slots."""
+        if inputs.meta is not None:
+            return
+        prev_out = prev.device if prev is not None else PrevOutputs.empty(self.device)
+        out = _prepare_step_inputs(
+            inputs.planned_ids, inputs.planned_positions, inputs.planned_seq_lens, inputs.query_start_loc,
+            inputs.block_tables, inputs.prev_row, prev_out, self.layout.block_size,
+        )
+        inputs.input_ids = out.input_ids
+        inputs.positions = out.positions
+        inputs.meta = AttentionMetadata(
+            slot_mapping=out.slot_mapping,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=out.seq_lens,
+            block_tables=inputs.block_tables,
+            query_lens_host=inputs.query_lens_host,
+            seq_lens_host=inputs.seq_lens_host,
+            positions=out.positions,
+        )
+
+    def execute(self, inputs: StepInputs, prev: StepOutput | None = None,
+                on_layer_done: LayerDoneFn | None = None) -> StepOutput:
+        """Device half of a step: inputs, forward, sampling and verification (timed by `clock`)."""
         self.clock.begin()
         try:
-            return self._execute(plan, on_layer_done)
+            return self._execute(inputs, prev, on_layer_done)
         finally:
             self.clock.end()
 
     @torch.inference_mode()
-    def _execute(self, plan: SchedulerPlan, on_layer_done: LayerDoneFn | None) -> StepResult:
-        inputs = self.prepare(plan)
+    def _execute(self, inputs: StepInputs, prev: StepOutput | None, on_layer_done: LayerDoneFn | None) -> StepOutput:
+        self.finish(inputs, prev)
+        input_ids, positions, meta = inputs.forward_inputs()
+        plan = inputs.plan
         captured = {layer: torch.empty(0) for layer in self.aux_hidden_layers} if inputs.hidden_spans else None
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, on_layer_done,
-                                    captured)
-        result = StepResult()
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, on_layer_done, captured)
+        out = StepOutput(plan, inputs.rows, PrevOutputs.empty(self.device))
         for request_id, (lo, hi) in inputs.hidden_spans.items():
             parts = [hidden[lo:hi], *(captured[layer][lo:hi] for layer in self.aux_hidden_layers)] if captured \
                 else [hidden[lo:hi]]
-            result.hidden_states[request_id] = torch.cat(parts, dim=-1).to("cpu")  # cat copies: no view kept
+            out.hidden_states[request_id] = torch.cat(parts, dim=-1).to("cpu")  # cat copies: no view kept
         for request_id, (lo, hi) in inputs.spec_hidden_spans.items():
-            result.spec_hidden_states[request_id] = hidden[lo:hi].clone()
+            out.spec_hidden_states[request_id] = hidden[lo:hi].clone()
+        rows: list[torch.Tensor] = []  # [n, width] blocks of emitted ids, in row order
+        counts: list[torch.Tensor] = []
+        drafts: list[torch.Tensor] = []
+        if inputs.sample_rows:
+            sampled = self._sample(inputs, hidden, out)
+            rows.append(sampled.unsqueeze(1))
+            counts.append(torch.ones_like(sampled))
+            drafts.append(torch.zeros_like(sampled))
         if inputs.verify_rows:
-            self._verify(plan, inputs, hidden, result)
-        if not inputs.sample_rows:
-            return result
+            verified, num_drafts = self._verify(inputs, hidden, out)
+            rows.append(verified.token_ids)
+            counts.append(verified.num_accepted + 1)
+            drafts.append(num_drafts)
+        if rows:
+            width = max(r.shape[1] for r in rows)
+            emitted = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in rows])
+            out.device = PrevOutputs(emitted, torch.cat(counts), torch.cat(drafts))
+        return out
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput) -> torch.Tensor:
+        """One token per plain sampling chunk, [num_sample] on the device."""
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample, vocab]
-        chunks = [plan.chunks[i] for i in inputs.sample_chunks]
-        out = self.sampler(
+        chunks = [inputs.plan.chunks[i] for i in inputs.sample_chunks]
+        sampled = self.sampler(
             logits,
             [c.params for c in chunks],
-            [self._generators.get(c.request_id) for c in chunks],
+            [inputs.generators[i] for i in inputs.sample_chunks],
             [c.suppress_token_ids for c in chunks],
         )
-        token_ids = out.token_ids.tolist()
-        for chunk, token_id, lp in zip(chunks, token_ids, out.logprobs, strict=True):
-            result.sampled_token_ids[chunk.request_id] = token_id
-            result.logprobs[chunk.request_id] = lp
-        return result
+        for chunk, lp in zip(chunks, sampled.logprobs, strict=True):
+            if lp is not None:
+                out.logprobs[chunk.request_id] = [lp]
+        return sampled.token_ids
 
-    def _verify(self, plan: SchedulerPlan, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
+    def _verify(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput) -> tuple[VerifyOutput, torch.Tensor]:
         """Rejection-sample every verification chunk's drafts against the target's logits."""
         logits = self.model.compute_logits(hidden[inputs.verify_rows])  # [num_verify_rows, vocab]
-        chunks = [plan.chunks[i] for i in inputs.verify_chunks]
+        chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
         verify_inputs = [
             VerifyInput(
                 draft_token_ids=c.token_ids[c.num_tokens - c.num_draft_tokens :],
                 params=c.params,
-                generator=self._generators.get(c.request_id),
+                generator=inputs.generators[i],
                 suppress_token_ids=c.suppress_token_ids,
                 num_suppressed_positions=c.num_suppressed_positions,
             )
-            for c in chunks
+            for i, c in zip(inputs.verify_chunks, chunks, strict=True)
         ]
-        token_ids, logprobs = verify_drafts(logits, verify_inputs, self.sampler)
-        for chunk, ids, lps in zip(chunks, token_ids, logprobs, strict=True):
-            result.verified_token_ids[chunk.request_id] = ids
-            result.verified_logprobs[chunk.request_id] = lps
+        verified = verify_drafts(logits, verify_inputs, self.sampler)
+        for chunk, lps in zip(chunks, verified.logprobs, strict=False):  # [] when no chunk asked
+            if lps:
+                out.logprobs[chunk.request_id] = lps
+        num_drafts = torch.tensor([c.num_draft_tokens for c in chunks], dtype=torch.int64, device=self.device)
+        return verified, num_drafts
+
+
+def _prepare_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                         query_start_loc: torch.Tensor, block_tables: torch.Tensor, prev_row: torch.Tensor,
+                         prev: PrevOutputs, block_size: int) -> StepInputsOut:
+    """The Triton kernel on CUDA, the torch reference elsewhere (identical results)."""
+    if input_ids.is_cuda:
+        from shared.ops.step_inputs_triton import prepare_step_inputs_triton, triton_available
+
+        if triton_available():
+            return prepare_step_inputs_triton(input_ids, positions, seq_lens, query_start_loc, block_tables,
+                                              prev_row, prev, block_size)
+    return prepare_step_inputs_ref(input_ids, positions, seq_lens, query_start_loc, block_tables, prev_row,
+                                   prev, block_size)

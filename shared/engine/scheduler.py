@@ -11,6 +11,17 @@ prefill). Blocks for the step are reserved before the step runs; when the pool
 is dry the most recently admitted running request is preempted: its blocks go
 back to the pool and it re-enters the waiting queue to be recomputed.
 
+Planning is optimistic: `schedule()` advances each request's
+`num_computed_tokens` past its chunk at once, as if every draft will be
+accepted, and a sampling chunk leaves an entry in `request.inflight_drafts`;
+`update()` reads the result, takes back what verification rejected and
+appends the emitted tokens. The synchronous loop calls update before the next
+schedule. The zero-bubble loop plans step N+1 before step N's result is read:
+a request that samples in N then runs `[?, drafts...]` in N+1, `?` being a
+placeholder for the token N emits (the runner takes it from N's outputs on the
+device, and corrects the positions by the drafts N rejected). A request certain
+to finish with N's tokens (max_tokens, context length) is not planned again.
+
 Speculation (decode and colocated roles): before `schedule()` the engine
 puts a request's draft tokens in `request.spec_token_ids`. A decoding request
 with drafts runs as one chunk `[last token, d_0 .. d_{k-1}]` that verifies them
@@ -41,6 +52,7 @@ from shared.engine.request import Request, RequestOutput, RequestStatus, Samplin
 logger = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
+PLACEHOLDER_TOKEN_ID = 0  # stands for a token the previous step has not been read for yet
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,10 @@ class ScheduledChunk:
     # suppress_token_ids applies to this many sampling positions, counted from the first
     num_suppressed_positions: int = 0
     return_spec_hidden: bool = False  # the proposer wants this chunk's last-layer hidden states
+    # zero-bubble loop: token_ids[0] is a placeholder for what the previous step emits last, and
+    # start_pos assumes every draft of that step is accepted (the runner corrects both on the device)
+    continues: bool = False
+    epoch: int = 0  # the request's preemption count when planned: a result from an older epoch is stale
 
     @property
     def num_tokens(self) -> int:
@@ -99,13 +115,11 @@ class SchedulerPlan:
 class StepResult:
     """What the runner produced for a plan: one entry per sampling chunk."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs | None] = field(default_factory=dict)
+    # sampled token, or (verification chunks) the accepted drafts then the recovered or bonus token
+    emitted: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # parallel to emitted, when asked
     # prefill role: last-layer hidden states of the chunk's tokens, [num_tokens, hidden]
     hidden_states: dict[str, Any] = field(default_factory=dict)
-    # verification chunks: accepted drafts then the recovered or bonus token, and their logprobs
-    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # chunks with return_spec_hidden: [num_tokens, hidden], drafts included
     spec_hidden_states: dict[str, Any] = field(default_factory=dict)
 
@@ -165,7 +179,10 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._finishes_in_flight(request):
+                request.spec_token_ids = []
+                continue
+            num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
             drafts = self._fit_drafts(request, num_new, budget)
             if not self._reserve(request, num_new, plan, scheduled):
                 continue
@@ -176,11 +193,20 @@ class Scheduler:
             self._admit_waiting(plan, budget)
         return plan
 
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """The tokens already in flight are certain to end the request (each entry emits at least one)."""
+        num_certain = len(request.inflight_drafts)
+        return num_certain > 0 and (
+            request.num_output_tokens + num_certain >= request.params.max_tokens
+            or request.num_tokens + num_certain >= self.config.max_model_len
+            or self.config.role == "prefill"
+        )
+
     def _fit_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The request's drafts that fit the budget and the free blocks; [] unless it is decoding."""
         drafts = request.spec_token_ids[: budget - num_new]
         request.spec_token_ids = []
-        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+        if not drafts or request.num_tokens_ahead - request.num_computed_tokens != 1:
             return []
         if not self.kv.allocate_slots(request, request.num_computed_tokens + num_new + len(drafts)):
             return []  # no room to speculate: decode plainly rather than preempt anyone for a guess
@@ -223,6 +249,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.inflight_drafts = []  # what those steps emit is dropped: recomputed on resume
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         request.status = RequestStatus.PREEMPTED
@@ -230,56 +257,62 @@ class Scheduler:
         plan.preempted_ids.append(request.request_id)
 
     def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
+        """Plan `num_new` tokens (then `drafts`) of `request` and advance it past them."""
+        drafts = drafts or []
         start = request.num_computed_tokens
         end = start + num_new
+        continues = start >= request.num_tokens  # its one token is the previous step's, not read yet
+        assert not continues or num_new == 1, (request.request_id, start, num_new)
         params = request.params
         suppress: frozenset[int] = frozenset()
-        num_below_min = params.min_tokens - request.num_output_tokens
+        # exact even in flight: a request below min_tokens never has drafts in flight (speculator.py)
+        num_below_min = params.min_tokens - request.num_output_tokens - request.num_inflight_tokens
         if num_below_min > 0:
             suppress = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else request.eos_token_ids
             )
-        return ScheduledChunk(
+        sample = end == request.num_tokens_ahead
+        chunk = ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end] + (drafts or []),
+            token_ids=([PLACEHOLDER_TOKEN_ID] if continues else request.all_token_ids[start:end]) + drafts,
             start_pos=start,
             block_ids=list(self.kv.block_ids(request.request_id)),
-            sample=end == request.num_tokens,
+            sample=sample,
             params=params,
             suppress_token_ids=suppress,
             return_hidden=self.config.role == "prefill" and start < request.num_prompt_tokens,
-            num_draft_tokens=len(drafts or []),
+            num_draft_tokens=len(drafts),
             num_suppressed_positions=max(num_below_min, 0),
             return_spec_hidden=self.config.spec_needs_hidden,
+            continues=continues,
+            epoch=request.num_preemptions,
         )
+        request.num_computed_tokens = end + len(drafts)
+        if sample:
+            request.inflight_drafts.append(drafts)
+        return chunk
 
     def update(self, plan: SchedulerPlan, result: StepResult) -> list[RequestOutput]:
-        """Advance every request in the plan by what the runner computed and sampled."""
+        """Resolve a plan: read what it emitted, take back rejected drafts, check stops, free blocks."""
         outputs: list[RequestOutput] = []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            if chunk.num_draft_tokens:
-                outputs.append(self._update_verified(request, chunk, result))
-                continue
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(request)
-            if not chunk.sample:
-                continue
-            token_id = result.sampled_token_ids[chunk.request_id]
-            logprobs = result.logprobs.get(chunk.request_id)
-            request.append_output(token_id, logprobs)
-            status = self._stop_status(request)
-            if status is not None:
-                self._finish(request, status)
-            outputs.append(self._output(request, [token_id], [logprobs] if logprobs is not None else []))
+            if request is None or request.status != RequestStatus.RUNNING or request.num_preemptions != chunk.epoch:
+                continue  # aborted, finished or preempted since it was planned: its work is dropped
+            if chunk.sample:
+                outputs.append(self._update_sampled(request, chunk, result))
+            else:
+                self.kv.cache_full_blocks(request)
         return outputs
 
-    def _update_verified(self, request: Request, chunk: ScheduledChunk, result: StepResult) -> RequestOutput:
-        """Append the verified tokens in order up to the first stop; drop what rejected drafts held."""
-        token_ids = result.verified_token_ids[chunk.request_id]
-        logprobs = result.verified_logprobs.get(chunk.request_id, [])
+    def _update_sampled(self, request: Request, chunk: ScheduledChunk, result: StepResult) -> RequestOutput:
+        """Append the emitted tokens in order up to the first stop; drop what rejected drafts held."""
+        drafts = request.inflight_drafts.pop(0)
+        assert len(drafts) == chunk.num_draft_tokens, (request.request_id, drafts, chunk.num_draft_tokens)
+        token_ids = result.emitted[chunk.request_id]
+        logprobs = result.logprobs.get(chunk.request_id, [])
+        # planned as if all drafts were accepted: the rejected ones' positions are not computed after all
+        request.num_computed_tokens -= len(drafts) - (len(token_ids) - 1)
         status = None
         num_emitted = 0
         for i, token_id in enumerate(token_ids):
@@ -288,13 +321,11 @@ class Scheduler:
             status = self._stop_status(request)
             if status is not None:
                 break
-        # every known token but the newest has its KV written; slots of rejected drafts are garbage
-        request.num_computed_tokens = request.num_tokens - 1
         self.kv.cache_full_blocks(request)
         if status is not None:
             self._finish(request, status)
-        else:
-            self.kv.truncate(request, request.num_tokens)
+        else:  # slots of rejected drafts are garbage; a step planned since keeps what it writes
+            self.kv.truncate(request, max(request.num_tokens, request.num_computed_tokens))
         return self._output(request, token_ids[:num_emitted], logprobs[:num_emitted])
 
     def _stop_status(self, request: Request) -> RequestStatus | None:

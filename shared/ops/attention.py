@@ -30,9 +30,12 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
     seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
-    # host-side copies (the planner has them anyway; the reference needs them to split work)
+    # host-side copies (the planner has them anyway; the reference needs them to split work). In the
+    # zero-bubble loop a short chunk's seq_len is known on the host only as an upper bound (its
+    # previous step's drafts may be rejected); `positions` and `seq_lens` hold the truth
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    positions: torch.Tensor | None = None  # [num_tokens] int64: position of each query token
     # per-step values every layer shares (index tensors, masks), built once by the first layer
     step_cache: dict[object, object] = field(default_factory=dict, repr=False)
 
@@ -118,9 +121,10 @@ def _sdpa_grouped(
     return out.reshape(b, lq, num_heads, head_dim)
 
 
-# Chunks up to this many query tokens that have earlier context (decodes, speculative verify chunks)
-# run together as one padded batch; longer ones (prefill chunks) run one by one.
-_SHORT_MAX_QUERY = 16
+# Chunks up to this many query tokens that have earlier context (decodes, speculative verify chunks
+# of up to 16 drafts) run together as one padded batch, masked by their true positions; longer ones
+# (prefill chunks, whose host lengths are exact) run one by one.
+_SHORT_MAX_QUERY = 17
 
 
 def paged_attention_ref(
@@ -183,14 +187,19 @@ def _short_group(
     num_blocks = cdiv(max(s_lens), block_size)
     pad = [[min(t, q - 1) for t in range(max_q)] for q in q_lens]  # query index, padding -> last
     rows = [[starts[i] + t for t in ts] for i, ts in zip(seq_ids, pad, strict=True)]
-    q_pos = [[s - q + t for t in ts] for q, s, ts in zip(q_lens, s_lens, pad, strict=True)]
+    row_index = torch.tensor(rows, device=device)
+    if meta.positions is not None:  # the truth, also where host lengths are only upper bounds
+        q_pos = meta.positions[row_index]
+    else:
+        q_pos = torch.tensor([[s - q + t for t in ts] for q, s, ts in zip(q_lens, s_lens, pad, strict=True)],
+                             device=device)
     idx = torch.tensor(seq_ids, device=device)
     k_pos = torch.arange(num_blocks * block_size, device=device).expand(len(seq_ids), -1)
     group = _ShortGroup(
-        rows=torch.tensor(rows, device=device),
+        rows=row_index,
         valid=torch.tensor([[t < q for t in range(max_q)] for q in q_lens], device=device),
         tables=meta.block_tables[idx, :num_blocks].long(),
-        mask=_position_mask(torch.tensor(q_pos, device=device), k_pos, sliding_window),
+        mask=_position_mask(q_pos, k_pos, sliding_window),
     )
     meta.step_cache[key] = group
     return group

@@ -127,7 +127,8 @@ class DraftModelProposer:
     def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """One draft forward over `chunks`; the argmax after each chunk's last token."""
         inputs = self.runner.prepare(SchedulerPlan(chunks=chunks))
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.runner.kv_cache, inputs.meta)
+        input_ids, positions, meta = inputs.forward_inputs()
+        hidden = self.model.forward(input_ids, positions, self.runner.kv_cache, meta)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_chunks, vocab]
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
 

@@ -62,6 +62,8 @@ def find_ngram_match(
 class NgramProposer:
     """Prompt lookup over each request's own tokens (vLLM's `ngram` method)."""
 
+    proposes_ahead = True  # stateless, token ids only: it can guess past a token not read yet
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")

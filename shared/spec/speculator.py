@@ -90,6 +90,8 @@ class Speculator:
         self.vocab_size = vocab_size
         self.hidden_window = hidden_window
         self.uses_hidden_states: bool = getattr(proposer, "uses_hidden_states", False)
+        # reads only token ids, so it can propose past a token not read yet (the zero-bubble loop)
+        self.proposes_ahead: bool = getattr(proposer, "proposes_ahead", False)
         self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
         self._hidden: dict[str, _Hidden] = {}
         self._accepted_avg: dict[str, float] = {}  # per request: running average of drafts accepted per step
@@ -99,9 +101,10 @@ class Speculator:
         """How many drafts `request` may verify in its next step."""
         wanted = request.params.num_speculative_tokens
         k = self.num_speculative_tokens if wanted is None else min(wanted, self.num_speculative_tokens)
-        # one step emits up to k + 1 tokens and writes KV at positions up to L - 1 + k
-        room = min(request.params.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
+        # one step emits up to k + 1 tokens and writes KV at positions up to L - 1 + k (counting
+        # what is in flight as if all of it were accepted)
+        room = min(request.params.max_tokens - request.num_output_tokens - request.num_inflight_tokens - 1,
+                   self.max_model_len - request.num_tokens_ahead - 1)
         avg = self._accepted_avg.get(request.request_id)
         if avg is not None:  # worth: one more draft than it has been accepting (never below one)
             k = min(k, max(1, math.ceil(avg) + 1))
@@ -114,10 +117,14 @@ class Speculator:
             request.spec_token_ids = []
             if request.spec_disabled or request.status != RequestStatus.RUNNING:
                 continue
-            if request.num_tokens - request.num_computed_tokens != 1:
+            if request.num_tokens_ahead - request.num_computed_tokens != 1:
                 continue  # still prefilling (or resuming after preemption)
             k = self.num_tokens_for(request)
             if k == 0:
+                continue
+            if request.inflight_drafts:
+                if self._can_propose_ahead(request):
+                    batch.append((request, ProposalInput(request.request_id, self._history_ahead(request), k + 1)))
                 continue
             hidden = None
             if self.uses_hidden_states:
@@ -128,7 +135,24 @@ class Speculator:
         if not batch:
             return
         for (request, _), drafts in zip(batch, self._propose_with_fallback(batch), strict=True):
-            request.spec_token_ids = drafts
+            # proposed ahead: the first token stands for the one in flight, the rest are the drafts
+            request.spec_token_ids = drafts[1:] if request.inflight_drafts else drafts
+
+    def _can_propose_ahead(self, request: Request) -> bool:
+        """Zero-bubble loop: the request's last step is in flight and its tokens are not read yet.
+
+        A proposer that reads nothing but token ids guesses past them: from the history as if the
+        drafts in flight were all accepted, one token more than it needs, the first standing for
+        the token in flight. A wrong guess only costs acceptance; verification keeps the output
+        exact. Below min_tokens no drafts go in flight, so the tokens a step emits stay countable
+        before they are read (the scheduler's suppression relies on it).
+        """
+        return self.proposes_ahead and (
+            request.num_output_tokens + len(request.inflight_drafts) >= request.params.min_tokens)
+
+    @staticmethod
+    def _history_ahead(request: Request) -> list[int]:
+        return request.all_token_ids + [t for drafts in request.inflight_drafts for t in drafts]
 
     def _propose_with_fallback(self, batch: list[tuple[Request, ProposalInput]]) -> list[list[int]]:
         try:
@@ -162,7 +186,7 @@ class Speculator:
         """Count what verification accepted; keep the hidden states of accepted positions."""
         for chunk in plan.chunks:
             num_valid = chunk.num_tokens
-            emitted = result.verified_token_ids.get(chunk.request_id)
+            emitted = result.emitted.get(chunk.request_id)
             if chunk.num_draft_tokens and emitted is not None:
                 num_accepted = len(emitted) - 1
                 s = self.stats

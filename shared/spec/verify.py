@@ -12,7 +12,9 @@ drafts, then the recovered or bonus token::
           └ sampled rows: temperature, top-k, top-p, softmax (as plain sampling)
     target [num_chunks, max_k + 1, vocab] ──► rejection sampler ──► emitted ids
 
-A batch of greedy rows only needs argmaxes and skips the sampler.
+A batch of greedy rows only needs argmaxes and skips the sampler. Results
+stay on the device (`VerifyOutput`): the zero-bubble loop builds the next
+step's inputs from them without a copy to the host.
 Drafts are taken as deterministic (one-hot q): every proposer here proposes
 greedily, which keeps the output distribution exactly the target's.
 """
@@ -20,7 +22,7 @@ greedily, which keeps the output distribution exactly the target's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +35,7 @@ from shared.ops.rejection_sampler import (
     rejection_sample_ref,
 )
 
-__all__ = ["VerifyInput", "verify_drafts"]
+__all__ = ["VerifyInput", "VerifyOutput", "verify_drafts"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +49,26 @@ class VerifyInput:
     num_suppressed_positions: int  # suppress_token_ids applies to positions 0 .. this - 1
 
 
+@dataclass
+class VerifyOutput:
+    """Per chunk, what verification emits; the tensors stay where the logits were."""
+
+    token_ids: torch.Tensor  # [num_chunks, max_k + 1] int64: accepted drafts, recovered/bonus, then -1
+    num_accepted: torch.Tensor  # [num_chunks] int64
+    logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # per chunk; [] when not asked
+
+    def emitted(self) -> list[list[int]]:
+        """The emitted ids per chunk, read to the host (num_accepted + 1 each)."""
+        rows, counts = self.token_ids.tolist(), self.num_accepted.tolist()
+        return [row[: n + 1] for row, n in zip(rows, counts, strict=True)]
+
+
 def verify_drafts(
     logits: torch.Tensor,  # [sum(len(drafts) + 1), vocab] float32, chunk after chunk
     inputs: Sequence[VerifyInput],
     sampler: Sampler,
-) -> tuple[list[list[int]], list[list[TokenLogprobs]]]:
-    """Per chunk: the emitted token ids (num_accepted + 1 of them) and their logprobs ([] when off)."""
+) -> VerifyOutput:
+    """Per chunk: the emitted token ids (num_accepted + 1 of them) and their logprobs when asked."""
     sizes = [len(v.draft_token_ids) + 1 for v in inputs]
     num_rows, vocab = logits.shape
     assert num_rows == sum(sizes), (num_rows, sizes)
@@ -63,54 +79,56 @@ def verify_drafts(
         for v, size in zip(inputs, sizes, strict=True) for j in range(size)
     ]
     masked = suppress(logits, row_suppress)  # [num_rows, vocab]
-    if all(v.params.is_greedy for v in inputs):
-        emitted = _greedy_chains(masked.argmax(dim=-1).tolist(), inputs, sizes)
-        return emitted, _logprobs(logits, inputs, sizes, emitted)
-    row_params = [v.params for v, size in zip(inputs, sizes, strict=True) for _ in range(size)]
-    sampled_rows = [r for r, p in enumerate(row_params) if not p.is_greedy]
-    if sampled_rows:
-        index = torch.tensor(sampled_rows, device=device)
-        masked = masked.index_copy(0, index, processed_probs(masked.index_select(0, index),
-                                                             [row_params[r] for r in sampled_rows]))
     seq_of_row = torch.tensor([i for i, size in enumerate(sizes) for _ in range(size)], device=device)
     pos_of_row = torch.tensor([j for size in sizes for j in range(size)], device=device)
-    target = torch.zeros(num_seqs, max_k + 1, vocab, dtype=torch.float32, device=device)
-    target[seq_of_row, pos_of_row] = masked
-
-    draft_ids = torch.zeros(num_seqs, max(max_k, 1), dtype=torch.int64)
+    draft_ids = torch.full((num_seqs, max_k + 1), -1, dtype=torch.int64)
     for i, v in enumerate(inputs):
         draft_ids[i, : len(v.draft_token_ids)] = torch.tensor(v.draft_token_ids, dtype=torch.int64)
-    draft_ids = draft_ids[:, :max_k].to(device)
+    draft_ids = draft_ids.to(device)
     num_draft = torch.tensor([size - 1 for size in sizes], dtype=torch.int64, device=device)
-    is_greedy_host = [v.params.is_greedy for v in inputs]
-    noise = draw_rejection_noise(
-        [size - 1 for size in sizes], [v.generator for v in inputs], is_greedy_host, vocab, device,
-        default_generator=sampler.default_generator(device),
-    )
-    is_greedy = torch.tensor(is_greedy_host, dtype=torch.bool, device=device)
-    out = _rejection_sample(draft_ids, num_draft, target, is_greedy, noise)
-    token_rows = out.token_ids.tolist()
-    num_accepted = out.num_accepted.tolist()
-    emitted = [row[: n + 1] for row, n in zip(token_rows, num_accepted, strict=True)]
-    return emitted, _logprobs(logits, inputs, sizes, emitted)
+    if all(v.params.is_greedy for v in inputs):
+        best = torch.full((num_seqs, max_k + 1), -1, dtype=torch.int64, device=device)
+        best[seq_of_row, pos_of_row] = masked.argmax(dim=-1)
+        out = greedy_chains(draft_ids, num_draft, best)
+    else:
+        row_params = [v.params for v, size in zip(inputs, sizes, strict=True) for _ in range(size)]
+        sampled_rows = [r for r, p in enumerate(row_params) if not p.is_greedy]
+        if sampled_rows:
+            index = torch.tensor(sampled_rows, device=device)
+            masked = masked.index_copy(0, index, processed_probs(masked.index_select(0, index),
+                                                                 [row_params[r] for r in sampled_rows]))
+        target = torch.zeros(num_seqs, max_k + 1, vocab, dtype=torch.float32, device=device)
+        target[seq_of_row, pos_of_row] = masked
+        is_greedy_host = [v.params.is_greedy for v in inputs]
+        noise = draw_rejection_noise(
+            [size - 1 for size in sizes], [v.generator for v in inputs], is_greedy_host, vocab, device,
+            default_generator=sampler.default_generator(device),
+        )
+        is_greedy = torch.tensor(is_greedy_host, dtype=torch.bool, device=device)
+        rs = _rejection_sample(draft_ids[:, :max_k], num_draft, target, is_greedy, noise)
+        out = VerifyOutput(rs.token_ids, rs.num_accepted)
+    if any(v.params.logprobs is not None for v in inputs):  # reads the results: a host sync
+        out.logprobs = _logprobs(logits, inputs, sizes, out.emitted())
+    return out
 
 
-def _greedy_chains(argmax: list[int], inputs: Sequence[VerifyInput], sizes: list[int]) -> list[list[int]]:
+def greedy_chains(
+    draft_ids: torch.Tensor,  # [num_chunks, max_k + 1] int64, -1 past each chunk's drafts
+    num_draft: torch.Tensor,  # [num_chunks] int64
+    best: torch.Tensor,  # [num_chunks, max_k + 1] int64: the target's argmax at each position
+) -> VerifyOutput:
     """All-greedy batches: accept drafts while they equal the argmax, then emit the argmax.
 
     What the rejection sampler computes for greedy rows, without its
-    [num_seqs, max_k + 1, vocab] work.
+    [num_chunks, max_k + 1, vocab] work, and without leaving the device.
     """
-    emitted = []
-    start = 0
-    for v, size in zip(inputs, sizes, strict=True):
-        best = argmax[start : start + size]
-        n = 0
-        while n < size - 1 and v.draft_token_ids[n] == best[n]:
-            n += 1
-        emitted.append(list(v.draft_token_ids[:n]) + [best[n]])
-        start += size
-    return emitted
+    pos = torch.arange(draft_ids.shape[1], device=draft_ids.device)
+    match = (draft_ids == best) & (pos < num_draft.unsqueeze(1))
+    num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+    at = pos.unsqueeze(0)
+    n = num_accepted.unsqueeze(1)
+    token_ids = torch.where(at < n, draft_ids, torch.where(at == n, best, -1))
+    return VerifyOutput(token_ids, num_accepted)
 
 
 def _rejection_sample(

@@ -153,7 +153,7 @@ def check_plan(scheduler: Scheduler, plan: SchedulerPlan) -> None:
         request = scheduler.requests[chunk.request_id]
         end = chunk.start_pos + chunk.num_tokens
         assert chunk.num_tokens >= 1
-        assert chunk.start_pos == request.num_computed_tokens
+        assert end + chunk.num_draft_tokens == request.num_computed_tokens  # planning advanced it
         assert chunk.token_ids == request.all_token_ids[chunk.start_pos : end]
         assert chunk.sample == (end == request.num_tokens)
         assert chunk.block_ids == scheduler.kv.block_ids(chunk.request_id)
@@ -183,7 +183,7 @@ def fake_execute(
             token = next_token(chunk.request_id, history)
             while token in chunk.suppress_token_ids:  # what the sampler's mask does
                 token += 1
-            result.sampled_token_ids[chunk.request_id] = token
+            result.emitted[chunk.request_id] = [token]
     return result
 
 

@@ -15,9 +15,15 @@ PROMPT = list(range(1000, 1012))  # 3 full blocks of 4
 
 
 def _compute(kv: KVCacheManager, request: Request, num_tokens: int, cached: list[int] | None = None) -> None:
-    """Allocate, 'compute' and register `num_tokens` tokens, as a step would."""
+    """Allocate, 'compute' and register `num_tokens` tokens, as a step would.
+
+    A step that reaches the last known token samples the next one; a block is registered once
+    every slot holds KV of a known token that is not the newest.
+    """
     assert kv.allocate_slots(request, num_tokens, cached)
     request.num_computed_tokens = num_tokens
+    if num_tokens == request.num_tokens:
+        request.append_output(1, None)
     kv.cache_full_blocks(request)
 
 
@@ -151,16 +157,21 @@ def test_cache_full_blocks_registers_computed_full_blocks_only(kv_factory: KVFac
     request.num_computed_tokens = 7
     kv.cache_full_blocks(request)
     assert kv.pool.num_cached_blocks == 1
-    request.num_computed_tokens = 12
+    request.num_computed_tokens = 12  # the prompt's last chunk ran and sampled 77
+    kv.cache_full_blocks(request)
+    assert kv.pool.num_cached_blocks == 2, "block 3 ends with the newest known token: not registered yet"
+    request.append_output(77, None)
     kv.cache_full_blocks(request)
     assert kv.pool.num_cached_blocks == 3
     # generated tokens fill blocks too
-    request.append_output(77, None)
     assert kv.allocate_slots(request, 16)
     request.append_output(78, None)
     request.append_output(79, None)
     request.append_output(80, None)
     request.num_computed_tokens = 16
+    kv.cache_full_blocks(request)
+    assert kv.pool.num_cached_blocks == 3, "position 15 holds the newest token (80), whose KV may be in flight"
+    request.append_output(81, None)
     kv.cache_full_blocks(request)
     assert kv.pool.num_cached_blocks == 4
     follower = make_request("b", PROMPT + [77, 78, 79, 80, 1])

@@ -24,8 +24,7 @@ def run(params: SamplingParams, drafts: list[int], num_seqs: int, suppress: froz
         num_suppressed: int = 0) -> list[list[int]]:
     inputs = [VerifyInput(drafts, params, None, suppress, num_suppressed)] * num_seqs
     logits = LOGITS[: len(drafts) + 1].repeat(num_seqs, 1)
-    emitted, _ = verify_drafts(logits, inputs, Sampler(seed=7))
-    return emitted
+    return verify_drafts(logits, inputs, Sampler(seed=7)).emitted()
 
 
 def test_sampled_tokens_follow_the_processed_target() -> None:
@@ -55,7 +54,9 @@ def test_greedy_rows_take_the_argmax_chain_and_logprobs() -> None:
     params = SamplingParams(temperature=0.0, logprobs=2)
     inputs = [VerifyInput([0], params, None, frozenset(), 0), VerifyInput([3], params, None, frozenset(), 0)]
     logits = torch.cat([LOGITS, LOGITS])
-    emitted, logprobs = verify_drafts(logits, inputs, Sampler())
+    out = verify_drafts(logits, inputs, Sampler())
+    emitted, logprobs = out.emitted(), out.logprobs
+    assert out.token_ids.tolist() == [[0, 2], [0, -1]]  # -1 past what a chunk emits
     assert emitted == [[0, 2], [0]]  # accepted + bonus; rejected -> recovered argmax
     lp = torch.log_softmax(LOGITS, dim=-1)
     assert [x.token_id for x in logprobs[0]] == [0, 2]
@@ -73,7 +74,7 @@ def test_greedy_fast_path_matches_the_rejection_sampler() -> None:
     drafts[::2] = logits.view(num_seqs, k + 1, vocab)[::2, :k].argmax(-1)  # half the rows all-correct drafts
     params = SamplingParams(temperature=0.0)
     inputs = [VerifyInput(d.tolist(), params, None, frozenset(), 0) for d in drafts]
-    fast, _ = verify_drafts(logits, inputs, Sampler())
+    fast = verify_drafts(logits, inputs, Sampler()).emitted()
     noise = draw_rejection_noise([k] * num_seqs, [None] * num_seqs, [True] * num_seqs, vocab, "cpu")
     ref = rejection_sample_ref(drafts, torch.full((num_seqs,), k), logits.view(num_seqs, k + 1, vocab), None,
                                torch.ones(num_seqs, dtype=torch.bool), noise)
