@@ -61,25 +61,31 @@ class BlockPool:
         # LRU of free blocks: the first key is evicted first
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
-        self._held: list[Sequence[int]] | None = None  # frees waiting for the step in flight to end
+        # zero-bubble loop: blocks freed while a step runs on the device, which may still write them.
+        # Steps planned meanwhile may take them (they run after it); host writers may not yet.
+        self._held: OrderedDict[int, None] | None = None
 
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks held by no request (cached-but-unreferenced blocks count as free)."""
-        return len(self._free)
+        return len(self._free) + (len(self._held) if self._held is not None else 0)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks for exclusive use (ref_count 1), evicting cached ones as needed."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")  # caller checks first
+    def allocate(self, n: int, host_writes: bool = False) -> list[int]:
+        """Take `n` blocks for exclusive use (ref_count 1), evicting cached ones as needed.
+
+        `host_writes`: the caller fills them from the host (a KV handoff), so held blocks are out.
+        """
+        if n > self.num_free_for(host_writes):
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free_for(host_writes)} free")  # caller checks
         ids = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            source = self._free if self._free or self._held is None else self._held
+            block_id, _ = source.popitem(last=False)
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_count = 1
@@ -98,39 +104,48 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._free[block_id]
+                if block_id in self._free:
+                    del self._free[block_id]
+                else:  # freed while a step runs: readers may share it (a prefix hit only reads)
+                    assert self._held is not None and block_id in self._held, block_id
+                    del self._held[block_id]
             block.ref_count += 1
 
     def hold_frees(self) -> None:
-        """Keep what is freed from now on out of the pool until `release_held_frees`.
+        """From now on, blocks that become free are kept from host writers until `release_held_frees`.
 
-        The zero-bubble loop holds frees while a step runs on the device: that step may still
-        write the blocks of a request that finished or was preempted meanwhile, so they must not
-        reach anyone who writes blocks from the host (a KV handoff) before it ends.
+        The zero-bubble loop calls this when it submits a step: that step may still write the blocks
+        of a request that finishes or is preempted meanwhile. A later step may reuse them (it runs
+        after this one); a KV handoff copied in from the host may not until the step ends.
         """
         if self._held is None:
-            self._held = []
+            self._held = OrderedDict()
 
     def release_held_frees(self) -> None:
-        """Free what was held (the step it waited for has ended) and stop holding."""
+        """The step has ended: held blocks join the free list's tail, open to everyone."""
         held, self._held = self._held, None
-        for block_ids in held or ():
-            self.free(block_ids)
+        for block_id in held or ():
+            self._free[block_id] = None
+
+    def num_free_for(self, host_writes: bool) -> int:
+        """Free blocks a writer may take: host writers (KV handoffs) only those no step may still write."""
+        return len(self._free) if host_writes else self.num_free_blocks
+
+    def is_free_for(self, block_id: int, host_writes: bool) -> bool:
+        return block_id in self._free or (not host_writes and self._held is not None and block_id in self._held)
 
     def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference from each block; unreferenced blocks join the LRU tail.
+        """Drop one reference from each block; unreferenced blocks join the LRU tail (or the held ones).
 
         Freed in reverse so a request's tail blocks are evicted before its head.
         """
-        if self._held is not None:
-            self._held.append(list(block_ids))
-            return
+        tail = self._held if self._held is not None else self._free
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block_id] = None
+                tail[block_id] = None
 
     def cache_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its prefix hash (first writer wins)."""
@@ -156,7 +171,7 @@ class BlockPool:
 
     def check_no_leaks(self) -> None:
         """Assert every block is back in the pool (tests call this after each engine test)."""
-        assert not self._held, f"frees still held for a step in flight: {self._held}"
+        assert not self._held, f"blocks still held for a step in flight: {list(self._held or ())}"
         held = [b.block_id for b in self.blocks if b.ref_count != 0]
         assert not held, f"blocks still referenced: {held}"
         assert len(self._free) == self.num_blocks, f"free list has {len(self._free)}/{self.num_blocks}"

@@ -43,7 +43,7 @@ class EngineConfig:
     aux_hidden_layers: tuple[int, ...] = ()
     # zero-bubble loop: plan step N+1 while step N runs on an executor thread (colocated and decode roles;
     # the draft and eagle proposers need each step's tokens first and keep the synchronous loop)
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -267,7 +267,7 @@ class LLMEngine:
             request, handoff = self._pending_handoffs[0]
             if self.scheduler.num_running >= self.config.max_num_seqs:
                 return
-            if not self.kv.allocate_slots(request, request.num_prompt_tokens):
+            if not self.kv.allocate_slots(request, request.num_prompt_tokens, host_writes=True):
                 return
             self._pending_handoffs.popleft()
             inject_kv(self.runner.kv_cache, self.kv.block_ids(request.request_id), handoff.kv)
@@ -378,8 +378,9 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
 
     def _spec_observe(self, plan: SchedulerPlan, result: StepResult) -> None:
-        if self.speculator is not None:
-            self.speculator.observe(plan, result)
+        if self.speculator is not None:  # not chunks whose request ended while they ran (zero-bubble loop)
+            current = [c for c in plan.chunks if self.scheduler.is_current(c)]
+            self.speculator.observe(SchedulerPlan(current), result)
 
     def _spec_add_handoff(self, request_id: str, handoff: KVHandoff) -> None:
         """The prefill engine's hidden states are the draft head's prompt features."""

@@ -47,22 +47,24 @@ class KVCacheManager:
         return hit
 
     def allocate_slots(
-        self, request: Request, num_tokens_after_step: int, cached_block_ids: list[int] | None = None
+        self, request: Request, num_tokens_after_step: int, cached_block_ids: list[int] | None = None,
+        host_writes: bool = False,
     ) -> bool:
         """Grow the request's table to hold `num_tokens_after_step` tokens.
 
-        `cached_block_ids` (admission only) are prefix-cache hits to adopt first.
+        `cached_block_ids` (admission only) are prefix-cache hits to adopt first. `host_writes`:
+        the new blocks are filled from the host (a KV handoff), not by a step (see BlockPool.hold_frees).
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         cached = cached_block_ids or []
         table = self.block_tables.get(request.request_id, [])
         num_new = cdiv(num_tokens_after_step, self.block_size) - len(table) - len(cached)
         # cached hits that no one references sit in the free list: adopting them uses it up too
-        num_unreferenced_hits = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
-        if max(num_new, 0) + num_unreferenced_hits > self.pool.num_free_blocks:
+        num_free_hits = sum(1 for b in cached if self.pool.is_free_for(b, host_writes))
+        if max(num_new, 0) > self.pool.num_free_for(host_writes) - num_free_hits:
             return False
         self.pool.touch(cached)
-        new_ids = self.pool.allocate(num_new) if num_new > 0 else []
+        new_ids = self.pool.allocate(num_new, host_writes) if num_new > 0 else []
         self.block_tables[request.request_id] = table + cached + new_ids
         return True
 

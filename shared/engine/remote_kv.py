@@ -94,7 +94,7 @@ class RemoteKV:
         if num_pool_blocks > len(local) and e.pool.enable_prefix_caching:  # imports land in the prefix cache
             holder = Request(f"import:{request.request_id}", list(request.prompt_token_ids), request.params,
                              eos_token_ids=request.eos_token_ids)
-            if e.kv.allocate_slots(holder, num_pool_blocks * bs, local):
+            if e.kv.allocate_slots(holder, num_pool_blocks * bs, local, host_writes=True):
                 num_read_tokens = (num_pool_blocks - len(local)) * bs
                 self._imports[holder.request_id] = _Import(holder, request, address, slots, num_read_tokens)
                 self.puller.start(holder.request_id, address, PullSource(e.layout, slots, num_pool_blocks * bs),
@@ -157,7 +157,7 @@ class RemoteKV:
             if e.scheduler.num_running + len(self._pulling) >= e.config.max_num_seqs:
                 return
             cached = e.kv.find_cached_prefix(request)
-            if not e.kv.allocate_slots(request, request.num_prompt_tokens, cached):
+            if not e.kv.allocate_slots(request, request.num_prompt_tokens, cached, host_writes=True):
                 return
             self._queued.popleft()
             request.num_cached_tokens = len(cached) * e.config.block_size

@@ -14,7 +14,7 @@ verification rejected. A step that reaches the end of the tokens samples the
 next one.
 
 Tokens in flight: a sampling chunk planned but not yet resolved leaves one
-entry in `inflight_drafts` (the drafts it verifies). The zero-bubble loop plans
+entry in `inflight` (the drafts it verifies). The zero-bubble loop plans
 step N+1 before reading step N, so a request may be one or two entries ahead
 of its known tokens::
 
@@ -108,6 +108,18 @@ class TokenLogprobs:
 
 
 @dataclass
+class InFlight:
+    """A planned sampling chunk of a request whose result has not been read yet."""
+
+    drafts: list[int]  # the drafts it verifies
+    # proposed ahead: the last token the step before it was guessed to emit (its drafts follow that guess)
+    guess: int | None = None
+    # the step before it emitted something else: these drafts follow a wrong history and will most
+    # likely be rejected, so a proposal made ahead of this step assumes none is accepted
+    stale: bool = False
+
+
+@dataclass
 class Request:
     """One generation request and its progress. Owned by the scheduler."""
 
@@ -126,8 +138,10 @@ class Request:
     # scheduler); a proposer failure turns speculation off for the rest of the request
     spec_token_ids: list[int] = field(default_factory=list)
     spec_disabled: bool = False
-    # one entry per planned sampling chunk whose result has not been read: the drafts it verifies
-    inflight_drafts: list[list[int]] = field(default_factory=list)
+    # proposed ahead of a step in flight (zero-bubble loop): the token the drafts assume that step emits last
+    spec_guess: int | None = None
+    # one entry per planned sampling chunk whose result has not been read
+    inflight: list[InFlight] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -141,7 +155,7 @@ class Request:
     @property
     def num_inflight_tokens(self) -> int:
         """Tokens the planned steps will emit if every draft is accepted."""
-        return sum(len(d) + 1 for d in self.inflight_drafts)
+        return sum(len(e.drafts) + 1 for e in self.inflight)
 
     @property
     def num_tokens_ahead(self) -> int:

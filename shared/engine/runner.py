@@ -269,16 +269,25 @@ class ModelRunner:
             out.hidden_states[request_id] = torch.cat(parts, dim=-1).to("cpu")  # cat copies: no view kept
         for request_id, (lo, hi) in inputs.spec_hidden_spans.items():
             out.spec_hidden_states[request_id] = hidden[lo:hi].clone()
+        below_min = self._positions_below_min(inputs, prev)
         rows: list[torch.Tensor] = []  # [n, width] blocks of emitted ids, in row order
         counts: list[torch.Tensor] = []
         drafts: list[torch.Tensor] = []
         if inputs.sample_rows:
-            sampled = self._sample(inputs, hidden, out)
+            active = below_min[inputs.sample_chunks] > 0 if below_min is not None else None
+            sampled = self._sample(inputs, hidden, out, active)
             rows.append(sampled.unsqueeze(1))
             counts.append(torch.ones_like(sampled))
             drafts.append(torch.zeros_like(sampled))
         if inputs.verify_rows:
-            verified, num_drafts = self._verify(inputs, hidden, out)
+            active = None
+            if below_min is not None:
+                sizes = [plan.chunks[i].num_draft_tokens + 1 for i in inputs.verify_chunks]
+                chunk_of_row = torch.tensor([i for i, n in zip(inputs.verify_chunks, sizes, strict=True)
+                                             for _ in range(n)], device=self.device)
+                pos_of_row = torch.tensor([j for n in sizes for j in range(n)], device=self.device)
+                active = pos_of_row < below_min[chunk_of_row]
+            verified, num_drafts = self._verify(inputs, hidden, out, active)
             rows.append(verified.token_ids)
             counts.append(verified.num_accepted + 1)
             drafts.append(num_drafts)
@@ -288,7 +297,25 @@ class ModelRunner:
             out.device = PrevOutputs(emitted, torch.cat(counts), torch.cat(drafts))
         return out
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput) -> torch.Tensor:
+    def _positions_below_min(self, inputs: StepInputs, prev: StepOutput | None) -> torch.Tensor | None:
+        """Per chunk, on the device: how many of its sampling positions are still below min_tokens.
+
+        Only needed where the host cannot know: a chunk that continues the previous step and may be
+        below min_tokens, whose count grows by the drafts that step rejected. None = the host's
+        counts (`num_suppressed_positions`) are exact.
+        """
+        chunks = inputs.plan.chunks
+        if prev is None or not any(c.continues and c.suppress_token_ids for c in chunks):
+            return None
+        planned = torch.tensor([c.num_suppressed_positions for c in chunks], dtype=torch.int64, device=self.device)
+        takes = inputs.prev_row >= 0
+        row = inputs.prev_row.clamp(min=0)
+        d = prev.device
+        rejected = torch.where(takes, d.num_drafts[row] - (d.num_emitted[row] - 1), 0)
+        return planned + rejected
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
+                suppress_active: torch.Tensor | None) -> torch.Tensor:
         """One token per plain sampling chunk, [num_sample] on the device."""
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.sample_chunks]
@@ -297,13 +324,15 @@ class ModelRunner:
             [c.params for c in chunks],
             [inputs.generators[i] for i in inputs.sample_chunks],
             [c.suppress_token_ids for c in chunks],
+            suppress_active,
         )
         for chunk, lp in zip(chunks, sampled.logprobs, strict=True):
             if lp is not None:
                 out.logprobs[chunk.request_id] = [lp]
         return sampled.token_ids
 
-    def _verify(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput) -> tuple[VerifyOutput, torch.Tensor]:
+    def _verify(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
+                suppress_active: torch.Tensor | None) -> tuple[VerifyOutput, torch.Tensor]:
         """Rejection-sample every verification chunk's drafts against the target's logits."""
         logits = self.model.compute_logits(hidden[inputs.verify_rows])  # [num_verify_rows, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
@@ -317,7 +346,7 @@ class ModelRunner:
             )
             for i, c in zip(inputs.verify_chunks, chunks, strict=True)
         ]
-        verified = verify_drafts(logits, verify_inputs, self.sampler)
+        verified = verify_drafts(logits, verify_inputs, self.sampler, suppress_active)
         for chunk, lps in zip(chunks, verified.logprobs, strict=False):  # [] when no chunk asked
             if lps:
                 out.logprobs[chunk.request_id] = lps

@@ -65,6 +65,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         suppress_token_ids: Sequence[Collection[int]] | None = None,
+        suppress_active: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -75,6 +76,8 @@ class Sampler:
             suppress_token_ids: per row, token ids forced to -inf before greedy/sampled selection
                 (e.g. eos/stop ids while min_tokens is not yet reached). Logprobs are unaffected.
                 At least one token per row must stay unsuppressed.
+            suppress_active: [num_seqs] bool on the device, the rows suppress_token_ids applies to
+                (None = all).
         """
         num_seqs = logits.shape[0]
         if logits.dim() != 2 or len(params) != num_seqs or len(generators) != num_seqs:
@@ -86,7 +89,7 @@ class Sampler:
             raise ValueError(f"expected {num_seqs} suppress_token_ids entries, got {len(suppress_token_ids)}")
         logits = logits.float()  # no-op for fp32; raw logprobs below must see these unmodified values
 
-        masked = suppress(logits, suppress_token_ids)
+        masked = suppress(logits, suppress_token_ids, suppress_active)
         # argmax's first-max tie rule gives the lowest id; with nothing suppressed this is torch.argmax(logits)
         token_ids = torch.argmax(masked, dim=-1)
 
@@ -157,8 +160,13 @@ def processed_probs(
 def suppress(
     logits: torch.Tensor,  # [num_seqs, vocab]
     suppress_token_ids: Sequence[Collection[int]] | None,
+    active: torch.Tensor | None = None,  # [num_seqs] bool on the device: rows whose ids are suppressed
 ) -> torch.Tensor:  # [num_seqs, vocab]
-    """A copy of `logits` with the suppressed ids at -inf, or `logits` itself when nothing is suppressed."""
+    """A copy of `logits` with the suppressed ids at -inf, or `logits` itself when nothing is suppressed.
+
+    `active` decides on the device which rows' ids apply (the zero-bubble loop learns how many tokens
+    a request has emitted, and so whether it is still below min_tokens, only there); None = all rows.
+    """
     if suppress_token_ids is None:
         return logits
     vocab = logits.shape[1]
@@ -174,7 +182,10 @@ def suppress(
         return logits
     masked = logits.clone()
     index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
-    masked[index[0], index[1]] = float("-inf")
+    if active is None:
+        masked[index[0], index[1]] = float("-inf")
+    else:
+        masked[index[0], index[1]] = torch.where(active[index[0]], float("-inf"), logits[index[0], index[1]])
     return masked
 
 

@@ -13,7 +13,7 @@ back to the pool and it re-enters the waiting queue to be recomputed.
 
 Planning is optimistic: `schedule()` advances each request's
 `num_computed_tokens` past its chunk at once, as if every draft will be
-accepted, and a sampling chunk leaves an entry in `request.inflight_drafts`;
+accepted, and a sampling chunk leaves an entry in `request.inflight`;
 `update()` reads the result, takes back what verification rejected and
 appends the emitted tokens. The synchronous loop calls update before the next
 schedule. The zero-bubble loop plans step N+1 before step N's result is read:
@@ -47,7 +47,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine.kv_manager import KVCacheManager
-from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
+from shared.engine.request import (
+    InFlight,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +91,8 @@ class ScheduledChunk:
     return_hidden: bool = False  # prefill role: keep last-layer hidden states
     # speculation: the last num_draft_tokens of token_ids are drafts to verify
     num_draft_tokens: int = 0
-    # suppress_token_ids applies to this many sampling positions, counted from the first
+    # suppress_token_ids applies to this many sampling positions, counted from the first (<= 0: none);
+    # for a chunk that continues the previous step, plus the drafts that step rejects
     num_suppressed_positions: int = 0
     return_spec_hidden: bool = False  # the proposer wants this chunk's last-layer hidden states
     # zero-bubble loop: token_ids[0] is a placeholder for what the previous step emits last, and
@@ -195,7 +203,7 @@ class Scheduler:
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """The tokens already in flight are certain to end the request (each entry emits at least one)."""
-        num_certain = len(request.inflight_drafts)
+        num_certain = len(request.inflight)
         return num_certain > 0 and (
             request.num_output_tokens + num_certain >= request.params.max_tokens
             or request.num_tokens + num_certain >= self.config.max_model_len
@@ -249,7 +257,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.inflight_drafts = []  # what those steps emit is dropped: recomputed on resume
+        request.inflight = []  # what those steps emit is dropped: recomputed on resume
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         request.status = RequestStatus.PREEMPTED
@@ -265,9 +273,9 @@ class Scheduler:
         assert not continues or num_new == 1, (request.request_id, start, num_new)
         params = request.params
         suppress: frozenset[int] = frozenset()
-        # exact even in flight: a request below min_tokens never has drafts in flight (speculator.py)
+        # positions below min_tokens, as if every draft in flight is accepted (the runner corrects it)
         num_below_min = params.min_tokens - request.num_output_tokens - request.num_inflight_tokens
-        if num_below_min > 0:
+        if params.min_tokens > request.num_output_tokens:
             suppress = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else request.eos_token_ids
             )
@@ -282,37 +290,46 @@ class Scheduler:
             suppress_token_ids=suppress,
             return_hidden=self.config.role == "prefill" and start < request.num_prompt_tokens,
             num_draft_tokens=len(drafts),
-            num_suppressed_positions=max(num_below_min, 0),
+            num_suppressed_positions=num_below_min,
             return_spec_hidden=self.config.spec_needs_hidden,
             continues=continues,
             epoch=request.num_preemptions,
         )
         request.num_computed_tokens = end + len(drafts)
         if sample:
-            request.inflight_drafts.append(drafts)
+            request.inflight.append(InFlight(drafts, request.spec_guess if continues and drafts else None))
+        request.spec_guess = None
         return chunk
 
     def update(self, plan: SchedulerPlan, result: StepResult) -> list[RequestOutput]:
         """Resolve a plan: read what it emitted, take back rejected drafts, check stops, free blocks."""
         outputs: list[RequestOutput] = []
         for chunk in plan.chunks:
-            request = self.requests.get(chunk.request_id)
-            if request is None or request.status != RequestStatus.RUNNING or request.num_preemptions != chunk.epoch:
+            if not self.is_current(chunk):
                 continue  # aborted, finished or preempted since it was planned: its work is dropped
+            request = self.requests[chunk.request_id]
             if chunk.sample:
                 outputs.append(self._update_sampled(request, chunk, result))
             else:
                 self.kv.cache_full_blocks(request)
         return outputs
 
+    def is_current(self, chunk: ScheduledChunk) -> bool:
+        """The chunk's request still runs as it did when the chunk was planned (its result counts)."""
+        request = self.requests.get(chunk.request_id)
+        return request is not None and request.status == RequestStatus.RUNNING and request.num_preemptions == chunk.epoch
+
     def _update_sampled(self, request: Request, chunk: ScheduledChunk, result: StepResult) -> RequestOutput:
         """Append the emitted tokens in order up to the first stop; drop what rejected drafts held."""
-        drafts = request.inflight_drafts.pop(0)
+        drafts = request.inflight.pop(0).drafts
         assert len(drafts) == chunk.num_draft_tokens, (request.request_id, drafts, chunk.num_draft_tokens)
         token_ids = result.emitted[chunk.request_id]
         logprobs = result.logprobs.get(chunk.request_id, [])
         # planned as if all drafts were accepted: the rejected ones' positions are not computed after all
-        request.num_computed_tokens -= len(drafts) - (len(token_ids) - 1)
+        num_rejected = len(drafts) - (len(token_ids) - 1)
+        request.num_computed_tokens -= num_rejected
+        for later in request.inflight:  # planned ahead on the guess that this step emits all and `guess`
+            later.stale |= num_rejected > 0 or (later.guess is not None and later.guess != token_ids[-1])
         status = None
         num_emitted = 0
         for i, token_id in enumerate(token_ids):

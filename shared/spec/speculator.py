@@ -115,6 +115,7 @@ class Speculator:
         batch: list[tuple[Request, ProposalInput]] = []
         for request in running:
             request.spec_token_ids = []
+            request.spec_guess = None
             if request.spec_disabled or request.status != RequestStatus.RUNNING:
                 continue
             if request.num_tokens_ahead - request.num_computed_tokens != 1:
@@ -122,7 +123,7 @@ class Speculator:
             k = self.num_tokens_for(request)
             if k == 0:
                 continue
-            if request.inflight_drafts:
+            if request.inflight:
                 if self._can_propose_ahead(request):
                     batch.append((request, ProposalInput(request.request_id, self._history_ahead(request), k + 1)))
                 continue
@@ -135,8 +136,10 @@ class Speculator:
         if not batch:
             return
         for (request, _), drafts in zip(batch, self._propose_with_fallback(batch), strict=True):
-            # proposed ahead: the first token stands for the one in flight, the rest are the drafts
-            request.spec_token_ids = drafts[1:] if request.inflight_drafts else drafts
+            if request.inflight:  # proposed ahead: the first token stands for the one in flight
+                request.spec_guess = drafts[0] if len(drafts) > 1 else None
+                drafts = drafts[1:]
+            request.spec_token_ids = drafts
 
     def _can_propose_ahead(self, request: Request) -> bool:
         """Zero-bubble loop: the request's last step is in flight and its tokens are not read yet.
@@ -144,15 +147,19 @@ class Speculator:
         A proposer that reads nothing but token ids guesses past them: from the history as if the
         drafts in flight were all accepted, one token more than it needs, the first standing for
         the token in flight. A wrong guess only costs acceptance; verification keeps the output
-        exact. Below min_tokens no drafts go in flight, so the tokens a step emits stay countable
-        before they are read (the scheduler's suppression relies on it).
+        exact.
         """
-        return self.proposes_ahead and (
-            request.num_output_tokens + len(request.inflight_drafts) >= request.params.min_tokens)
+        return self.proposes_ahead
 
     @staticmethod
     def _history_ahead(request: Request) -> list[int]:
-        return request.all_token_ids + [t for drafts in request.inflight_drafts for t in drafts]
+        """Known tokens, then the drafts in flight that may still be accepted (a stale step's are not)."""
+        history = list(request.all_token_ids)
+        for entry in request.inflight:
+            if entry.stale:
+                break
+            history.extend(entry.drafts)
+        return history
 
     def _propose_with_fallback(self, batch: list[tuple[Request, ProposalInput]]) -> list[list[int]]:
         try:

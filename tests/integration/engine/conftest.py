@@ -16,6 +16,7 @@ def engines() -> Iterator[list[LLMEngine]]:
     made: list[LLMEngine] = []
     yield made
     for engine in made:
+        engine.close()
         engine.check_no_leaks()
 
 
