@@ -67,6 +67,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(text[len(printed):])
                 sys.stdout.flush()
                 printed = text
+    engine.close()
     text = decode(engine.loaded.tokenizer, token_ids)
     if args.json:
         print(json.dumps({"token_ids": token_ids, "text": text, "finish_reason": finish_reason}))

@@ -201,6 +201,7 @@ class AsyncEngine:
             self._fail_pending_commands()
             if self.engine.remote is not None:
                 self.engine.remote.close()  # transports are driven by this thread: closed here too
+            self.engine.close()
 
     def _step(self) -> None:
         try:

@@ -55,6 +55,8 @@ class EngineServiceSettings(BaseSettings):
                                          "unset = the target's first spec_draft_num_layers layers")
     spec_draft_num_layers: int = Field(default=4, ge=1, description="layers of a truncated-target draft")
     spec_eagle_head: Path | None = Field(default=None, description="eagle: head from `baton train-draft`")
+    async_scheduling: bool = Field(default=True, description="zero-bubble loop: plan step N+1 while step N "
+                                   "runs (decode / colocated; draft and eagle keep the synchronous loop)")
 
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(
@@ -65,6 +67,7 @@ class EngineServiceSettings(BaseSettings):
             spec_method=self.spec, num_speculative_tokens=self.num_speculative_tokens,
             spec_draft_model=self.spec_draft_model, spec_draft_num_layers=self.spec_draft_num_layers,
             spec_eagle_head=self.spec_eagle_head, aux_hidden_layers=self.aux_hidden_layers,
+            async_scheduling=self.async_scheduling,
         )
 
     @property

@@ -36,3 +36,10 @@ def test_default_stack_speculates_nothing() -> None:
     assert {c.service for c in stack.children} == {"kv_transfer", "prefill", "decode", "router"}
     (decode,) = [c for c in stack.children if c.service == "decode"]
     assert decode.env["BATON_DECODE_SPEC"] == "none"
+
+
+def test_decode_runs_the_zero_bubble_loop_unless_told_not_to() -> None:
+    (decode,) = [c for c in plan().children if c.service == "decode"]
+    assert decode.env["BATON_DECODE_ASYNC_SCHEDULING"] == "true"
+    (decode,) = [c for c in plan("--no-async-scheduling").children if c.service == "decode"]
+    assert decode.env["BATON_DECODE_ASYNC_SCHEDULING"] == "false"

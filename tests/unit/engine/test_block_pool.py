@@ -215,3 +215,25 @@ def test_check_no_leaks_reports_held_blocks() -> None:
         pool.check_no_leaks()
     pool.free(ids)
     pool.check_no_leaks()
+
+
+def test_frees_held_while_a_step_runs_reach_steps_but_not_host_writers(pool_factory: PoolFactory) -> None:
+    pool = pool_factory(num_blocks=4)
+    ids = pool.allocate(3)
+    pool.cache_block(ids[0], hash_block(None, [1, 2]), [1, 2])
+    pool.hold_frees()  # a step was submitted
+    pool.free(ids)
+    assert pool.num_free_blocks == 4 and pool.num_free_for(host_writes=True) == 1
+    with pytest.raises(AssertionError, match="held for a step in flight"):
+        pool.check_no_leaks()
+    with pytest.raises(RuntimeError):
+        pool.allocate(2, host_writes=True)  # a KV handoff may not land where the step may still write
+    assert pool.allocate(1, host_writes=True) == [3]
+    step_ids = pool.allocate(2)  # a later step may: it runs after the one in flight
+    assert set(step_ids) <= set(ids)
+    hit = pool.lookup(hash_block(None, [1, 2]), [1, 2])
+    assert hit is not None and pool.is_free_for(hit, host_writes=False) and not pool.is_free_for(hit, True)
+    pool.touch([hit])  # a prefix hit only reads: sharing a held block is fine
+    pool.release_held_frees()  # the step ended
+    pool.free([hit, *step_ids, 3])
+    assert pool.num_free_for(host_writes=True) == 4
