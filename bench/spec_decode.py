@@ -6,11 +6,15 @@ greedy generation through the in-process engine, timed per request (TPOT =
 time between a request's first and last token over the tokens in between),
 output tokens/s over the whole batch, the mean acceptance length (tokens
 emitted per verification step: accepted drafts + 1), the speedup over `none`
-and the engine's idle ratio (gaps between executor steps; synchronous loop). Greedy outputs are the same for every method, so each does the same
-work. Batch 1 runs the task's prompts one after another. Writes JSON to
-bench/results/ and prints it as the last line.
+on the same loop, and the engine's idle ratio (gaps between executor steps over
+the executor's time) with the synchronous loop and the zero-bubble loop (`--loops`;
+draft and eagle always run the synchronous one). Greedy outputs are the same
+for every method and loop, so each does the same work. Batch 1 runs the task's
+prompts one after another. Writes JSON to bench/results/ and prints it as the
+last line.
 
     python bench/spec_decode.py [--model smollm2-135m] [--batch 1 8] [--max-tokens 128] [--quick]
+                                [--loops sync async] [--methods none ngram draft eagle]
                                 [--eagle-head PATH]   (default: ~/.cache/baton/eagle/<model>.safetensors,
                                                        made by `baton train-draft`; eagle is skipped without it)
 """
@@ -104,8 +108,9 @@ def measure(engine: LLMEngine, prompts: list[list[int]], batch: int, params: Sam
                   [t for p in parts for t in p.tpot_s])
 
 
-def make_engine(loaded: LoadedModel, method: str, args: argparse.Namespace) -> LLMEngine:
-    kw: dict[str, Any] = dict(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20)
+def make_engine(loaded: LoadedModel, method: str, loop: str, args: argparse.Namespace) -> LLMEngine:
+    kw: dict[str, Any] = dict(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20,
+                              async_scheduling=loop == "async")
     if method != "none":
         kw.update(spec_method=method, num_speculative_tokens=NUM_SPEC_TOKENS[method])
     if method == "eagle":
@@ -122,9 +127,13 @@ def machine() -> dict[str, Any]:
             "load_average_1m": os.getloadavg()[0]}
 
 
-def bench_method(loaded: LoadedModel, method: str, args: argparse.Namespace,
+def bench_method(loaded: LoadedModel, method: str, loop: str, args: argparse.Namespace,
                  prompts: dict[str, list[list[int]]], params: SamplingParams) -> list[dict[str, Any]]:
-    engine = make_engine(loaded, method, args)
+    engine = make_engine(loaded, method, loop, args)
+    if loop == "async" and not engine.async_scheduling:
+        log(f"{method}: no zero-bubble loop for this proposer (its synchronous rows stand)")
+        engine.close()
+        return []
     engine.generate(prompts["chat"][:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     rows = []
     for task, task_prompts in prompts.items():
@@ -136,7 +145,7 @@ def bench_method(loaded: LoadedModel, method: str, args: argparse.Namespace,
             t = measure(engine, task_prompts[: max(batch, args.batch1_prompts)] if batch == 1 else task_prompts,
                         batch, params)
             row: dict[str, Any] = {
-                "task": task, "batch": batch, "method": method, "output_tokens": t.num_tokens,
+                "task": task, "batch": batch, "method": method, "loop": loop, "output_tokens": t.num_tokens,
                 "tok_s": t.num_tokens / t.elapsed_s,
                 "tpot_ms": 1000 * sum(t.tpot_s) / max(len(t.tpot_s), 1),
                 "num_speculative_tokens": NUM_SPEC_TOKENS.get(method, 0),
@@ -147,8 +156,10 @@ def bench_method(loaded: LoadedModel, method: str, args: argparse.Namespace,
                 accepted = before.num_accepted_tokens - drafts0[1]
                 row["mean_acceptance_length"] = 1 + accepted / num_verifications if num_verifications else None
             rows.append(row)
-            log(f"{task:8s} batch {batch}: {method:5s} {row['tok_s']:6.1f} tok/s, TPOT {row['tpot_ms']:6.1f} ms, "
+            log(f"{task:8s} batch {batch}: {method:5s} {loop:5s} {row['tok_s']:6.1f} tok/s, "
+                f"TPOT {row['tpot_ms']:6.1f} ms, idle {row['idle_ratio']:.3f}, "
                 f"acceptance {row.get('mean_acceptance_length')}")
+    engine.close()
     engine.check_no_leaks()
     return rows
 
@@ -159,6 +170,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft", "eagle"])
+    parser.add_argument("--loops", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     parser.add_argument("--eagle-head", type=Path)
     parser.add_argument("--draft-layers", type=int, default=4, help="draft = the target's first N layers")
     parser.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one by one at batch 1")
@@ -178,16 +190,20 @@ def main() -> None:
     chat = loaded.chat_template is not None
     prompts = {task: [encode_prompt(loaded.tokenizer, p, chat=chat) for p in texts] for task, texts in TASKS.items()}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    rows = [row for method in methods for row in bench_method(loaded, method, args, prompts, params)]
-    base = {(r["task"], r["batch"]): r["tok_s"] for r in rows if r["method"] == "none"}
+    rows = [row for loop in args.loops for method in methods
+            for row in bench_method(loaded, method, loop, args, prompts, params)]
+    base = {(r["task"], r["batch"], r["loop"]): r["tok_s"] for r in rows if r["method"] == "none"}
     for r in rows:
-        if (r["task"], r["batch"]) in base:
-            r["speedup_vs_none"] = r["tok_s"] / base[(r["task"], r["batch"])]
+        if (r["task"], r["batch"], r["loop"]) in base:
+            r["speedup_vs_none"] = r["tok_s"] / base[(r["task"], r["batch"], r["loop"])]
+        sync = [b for b in rows if b["loop"] == "sync" and (b["task"], b["batch"], b["method"]) ==
+                (r["task"], r["batch"], r["method"])]
+        if r["loop"] == "async" and sync:
+            r["speedup_vs_sync_loop"] = r["tok_s"] / sync[0]["tok_s"]
     result = {
         "bench": "spec_decode", "model": args.model, "max_tokens": args.max_tokens, "greedy": True,
         "draft_layers": args.draft_layers, "eagle_head": str(args.eagle_head) if "eagle" in methods else None,
         "machine": machine(), "rows": rows,
-        "async_loop": False,  # the zero-bubble loop is not built yet: idle_ratio per row is the synchronous loop's
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"spec_decode-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -124,7 +124,7 @@ class LLMEngine:
         self._hidden: dict[str, list[torch.Tensor]] = {}
         self._arrivals = 0
         self.async_scheduling = self._use_async_scheduling()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="executor") if self.async_scheduling else None
+        self._executor: ThreadPoolExecutor | None = None  # the zero-bubble loop's, started on first use
         self._in_flight: _InFlight | None = None
         logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d, %s loop",
                     config.role, num_blocks, config.block_size, self.layout.total_nbytes / 2**20,
@@ -323,7 +323,8 @@ class LLMEngine:
             finally:
                 self.pool.release_held_frees()  # the step that might still write them has ended
         if inputs is not None:
-            assert self._executor is not None
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="executor")
             self.pool.hold_frees()
             self._in_flight = _InFlight(inputs, self._executor.submit(self.runner.execute, inputs, done))
         else:
@@ -438,9 +439,13 @@ class LLMEngine:
         return len(self._pending_handoffs) + (self.remote.num_queued if self.remote is not None else 0)
 
     def close(self) -> None:
-        """Stop the executor thread (the zero-bubble loop's), waiting for the step it runs."""
+        """Stop the executor thread (the zero-bubble loop's), waiting for the step it runs.
+
+        The engine stays usable: a later step starts a new one.
+        """
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+            self._executor = None
 
     def check_no_leaks(self) -> None:
         assert not self.has_unfinished(), "requests still in flight"
