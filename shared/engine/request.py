@@ -112,10 +112,12 @@ class InFlight:
     """A planned sampling chunk of a request whose result has not been read yet."""
 
     drafts: list[int]  # the drafts it verifies
-    # proposed ahead: the last token the step before it was guessed to emit (its drafts follow that guess)
+    # proposed ahead: the drafts of the step before that were assumed accepted, and the last token that
+    # step was guessed to emit; these drafts follow that history
+    assumed_accepted: int = 0
     guess: int | None = None
-    # the step before it emitted something else: these drafts follow a wrong history and will most
-    # likely be rejected, so a proposal made ahead of this step assumes none is accepted
+    # the step before emitted something else: these drafts follow a wrong history and will most likely
+    # be rejected, so a proposal made ahead of this step assumes none of them is accepted
     stale: bool = False
 
 
@@ -138,8 +140,10 @@ class Request:
     # scheduler); a proposer failure turns speculation off for the rest of the request
     spec_token_ids: list[int] = field(default_factory=list)
     spec_disabled: bool = False
-    # proposed ahead of a step in flight (zero-bubble loop): the token the drafts assume that step emits last
+    # proposed ahead of a step in flight (zero-bubble loop): what the drafts assume that step emits,
+    # its drafts accepted and then its last token
     spec_guess: int | None = None
+    spec_assumed_accepted: int = 0
     # one entry per planned sampling chunk whose result has not been read
     inflight: list[InFlight] = field(default_factory=list)
 

@@ -297,7 +297,9 @@ class Scheduler:
         )
         request.num_computed_tokens = end + len(drafts)
         if sample:
-            request.inflight.append(InFlight(drafts, request.spec_guess if continues and drafts else None))
+            ahead = continues and bool(drafts) and request.spec_guess is not None
+            request.inflight.append(InFlight(drafts, request.spec_assumed_accepted if ahead else 0,
+                                             request.spec_guess if ahead else None))
         request.spec_guess = None
         return chunk
 
@@ -328,8 +330,9 @@ class Scheduler:
         # planned as if all drafts were accepted: the rejected ones' positions are not computed after all
         num_rejected = len(drafts) - (len(token_ids) - 1)
         request.num_computed_tokens -= num_rejected
-        for later in request.inflight:  # planned ahead on the guess that this step emits all and `guess`
-            later.stale |= num_rejected > 0 or (later.guess is not None and later.guess != token_ids[-1])
+        if request.inflight and request.inflight[0].guess is not None:  # proposed ahead of this step
+            later = request.inflight[0]
+            later.stale = later.assumed_accepted != len(token_ids) - 1 or later.guess != token_ids[-1]
         status = None
         num_emitted = 0
         for i, token_id in enumerate(token_ids):

@@ -138,6 +138,7 @@ class Speculator:
         for (request, _), drafts in zip(batch, self._propose_with_fallback(batch), strict=True):
             if request.inflight:  # proposed ahead: the first token stands for the one in flight
                 request.spec_guess = drafts[0] if len(drafts) > 1 else None
+                request.spec_assumed_accepted = self._num_assumed_accepted(request)
                 drafts = drafts[1:]
             request.spec_token_ids = drafts
 
@@ -152,14 +153,14 @@ class Speculator:
         return self.proposes_ahead
 
     @staticmethod
-    def _history_ahead(request: Request) -> list[int]:
-        """Known tokens, then the drafts in flight that may still be accepted (a stale step's are not)."""
-        history = list(request.all_token_ids)
-        for entry in request.inflight:
-            if entry.stale:
-                break
-            history.extend(entry.drafts)
-        return history
+    def _num_assumed_accepted(request: Request) -> int:
+        """Drafts of the step in flight taken as accepted: all, unless they follow a wrong guess."""
+        (entry,) = request.inflight  # proposing happens with one step in flight at most
+        return 0 if entry.stale else len(entry.drafts)
+
+    def _history_ahead(self, request: Request) -> list[int]:
+        """Known tokens, then the drafts in flight taken as accepted."""
+        return request.all_token_ids + request.inflight[0].drafts[: self._num_assumed_accepted(request)]
 
     def _propose_with_fallback(self, batch: list[tuple[Request, ProposalInput]]) -> list[list[int]]:
         try:

@@ -49,7 +49,8 @@ def test_rejected_drafts_move_the_request_back_and_mark_later_guesses_stale(
     r.spec_token_ids = [31, 32, 33]
     verify = s.schedule()  # N: [30, 31, 32, 33] at positions 5..8
     assert verify.chunks[0].num_draft_tokens == 3 and r.num_computed_tokens == 9
-    r.spec_token_ids, r.spec_guess = [35, 36], 34  # proposed ahead: N emits ... 34, then 35 36 follow
+    # proposed ahead: N accepts its 3 drafts and emits 34, then 35 36 follow
+    r.spec_token_ids, r.spec_guess, r.spec_assumed_accepted = [35, 36], 34, 3
     ahead = s.schedule()  # N+1: [?, 35, 36] at positions 9..11 if all of N's drafts are accepted
     (chunk,) = ahead.chunks
     assert chunk.continues and chunk.start_pos == 9 and chunk.token_ids[1:] == [35, 36]
@@ -59,8 +60,15 @@ def test_rejected_drafts_move_the_request_back_and_mark_later_guesses_stale(
     assert r.num_computed_tokens == 10, "N+1 really ran at positions 7..9"
     assert r.inflight[0].stale, "N+1's drafts assumed a history that did not happen"
     assert len(s.kv.block_ids("r")) == 3  # blocks for the 10 positions N+1 writes, the rest given back
-    s.update(ahead, emitted(r=[51]))  # N+1's drafts rejected, as expected
-    assert r.num_computed_tokens == 8 and r.num_tokens == 9 and not r.inflight
+    # planned ahead of N+1, assuming it accepts nothing (its drafts are stale) and emits 52
+    r.spec_token_ids, r.spec_guess, r.spec_assumed_accepted = [53], 52, 0
+    after = s.schedule()
+    assert after.chunks[0].token_ids[1:] == [53] and r.num_computed_tokens == 12
+    s.update(ahead, emitted(r=[52]))  # N+1's drafts rejected, as expected
+    assert r.num_computed_tokens == 10 and r.num_tokens == 9, "N+2 really runs [52, 53] at positions 8, 9"
+    assert not r.inflight[0].stale, "N+2 guessed N+1 right"
+    s.update(after, emitted(r=[53, 54]))
+    assert r.output_token_ids == [30, 31, 50, 52, 53, 54] and r.num_computed_tokens == 10
     s.abort("r")
 
 
