@@ -85,10 +85,12 @@ def test_zero_bubble_with_ngram_equals_synchronous_plain(engines, family: str) -
     assert_same(expected, spec_sync.generate(batch, params))
     assert_same(expected, spec.generate(batch, params))
     assert spec.speculator is not None and spec_sync.speculator is not None
-    # drafts proposed ahead of the step in flight are accepted about as well as drafts proposed after it
+    # drafts proposed ahead of the step in flight match a suffix one token older, so they are accepted
+    # somewhat less than drafts proposed after it (0.65-0.9x here); a guess left stale after it was
+    # proven wrong would drop this to about half
     ahead, after = spec.speculator.stats, spec_sync.speculator.stats
     assert ahead.num_accepted_tokens > 0
-    assert ahead.mean_acceptance_length >= 0.7 * after.mean_acceptance_length, (ahead, after)
+    assert ahead.mean_acceptance_length >= 0.6 * after.mean_acceptance_length, (ahead, after)
 
 
 def test_zero_bubble_equals_synchronous_under_preemption(engines) -> None:
