@@ -66,8 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="speculative decoding in decode (eagle needs --spec-eagle-head)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens verified per step")
     p.add_argument("--spec-eagle-head", type=Path, default=None, help="head saved by `baton train-draft`")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode's zero-bubble loop (plan step N+1 while step N runs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode's zero-bubble loop (plan step N+1 while step N runs); default: on with CUDA")
     p.add_argument("--redis-url", default="", help="registry; default: an in-process registry in the router")
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
@@ -118,8 +118,9 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
     role = "decode" if args.mode == "disagg" else "colocated"
-    spec = {"SPEC": args.spec, "NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens),
-            "ASYNC_SCHEDULING": str(args.async_scheduling).lower()}
+    spec = {"SPEC": args.spec, "NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens)}
+    if args.async_scheduling is not None:
+        spec["ASYNC_SCHEDULING"] = str(args.async_scheduling).lower()
     if args.spec_eagle_head is not None:
         spec["SPEC_EAGLE_HEAD"] = str(args.spec_eagle_head)
     for i in range(args.decode):

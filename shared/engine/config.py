@@ -42,8 +42,10 @@ class EngineConfig:
     # prefill role: layers whose outputs travel after the final hidden states (EAGLE-3 style draft input)
     aux_hidden_layers: tuple[int, ...] = ()
     # zero-bubble loop: plan step N+1 while step N runs on an executor thread (colocated and decode roles;
-    # the draft and eagle proposers need each step's tokens first and keep the synchronous loop)
-    async_scheduling: bool = True
+    # the draft and eagle proposers need each step's tokens first and keep the synchronous loop).
+    # None = on with CUDA, off on the CPU, where the executor needs every core for its own math and
+    # the host's work between steps is ~1% of a step (bench/spec_decode.py measures both)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

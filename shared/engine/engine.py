@@ -131,7 +131,10 @@ class LLMEngine:
                     self.max_model_len, "zero-bubble" if self.async_scheduling else "synchronous")
 
     def _use_async_scheduling(self) -> bool:
-        if not self.config.async_scheduling:
+        wanted = self.config.async_scheduling
+        if wanted is None:
+            wanted = self.config.device.startswith("cuda")
+        if not wanted:
             return False
         if self.config.role == "prefill":
             # a prefill request ends at its first token and its KV leaves from the host: nothing to overlap

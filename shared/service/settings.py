@@ -55,8 +55,9 @@ class EngineServiceSettings(BaseSettings):
                                          "unset = the target's first spec_draft_num_layers layers")
     spec_draft_num_layers: int = Field(default=4, ge=1, description="layers of a truncated-target draft")
     spec_eagle_head: Path | None = Field(default=None, description="eagle: head from `baton train-draft`")
-    async_scheduling: bool = Field(default=True, description="zero-bubble loop: plan step N+1 while step N "
-                                   "runs (decode / colocated; draft and eagle keep the synchronous loop)")
+    async_scheduling: bool | None = Field(default=None, description="zero-bubble loop: plan step N+1 while "
+                                          "step N runs (decode / colocated; draft and eagle keep the synchronous "
+                                          "loop); unset = on with CUDA, off on the CPU")
 
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(

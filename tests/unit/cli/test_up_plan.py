@@ -38,8 +38,10 @@ def test_default_stack_speculates_nothing() -> None:
     assert decode.env["BATON_DECODE_SPEC"] == "none"
 
 
-def test_decode_runs_the_zero_bubble_loop_unless_told_not_to() -> None:
+def test_zero_bubble_loop_is_the_engines_choice_unless_told() -> None:
     (decode,) = [c for c in plan().children if c.service == "decode"]
+    assert "BATON_DECODE_ASYNC_SCHEDULING" not in decode.env
+    (decode,) = [c for c in plan("--async-scheduling").children if c.service == "decode"]
     assert decode.env["BATON_DECODE_ASYNC_SCHEDULING"] == "true"
     (decode,) = [c for c in plan("--no-async-scheduling").children if c.service == "decode"]
     assert decode.env["BATON_DECODE_ASYNC_SCHEDULING"] == "false"
