@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--window", type=int, default=64, help="rows per training window (= serving hidden window)")
     p.add_argument("--batch-windows", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token loss next to the feature loss")
     p.add_argument("--draft-vocab", type=int, default=4096, help="most frequent tokens the head may propose")
     p.add_argument("--eval-tokens", type=int, default=64, help="reply length when measuring acceptance")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -104,7 +105,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", top1=f"{acc:.2f}")
 
-    accuracy = train_head(head, data, args.steps, args.window, args.batch_windows, args.lr, progress, args.seed)
+    accuracy = train_head(head, data, args.steps, args.window, args.batch_windows, args.lr, progress, args.seed,
+                          args.ce_weight)
     bar.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     head.save(args.out)

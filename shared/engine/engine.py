@@ -16,8 +16,9 @@ from N's outputs on the device), and only then reads N's results::
     executor:       ════ N ════════════╪═════════════ N+1 ═════════════════════════════╪═══ N+2 ...
 
 Results arrive one step late: a request that finished in N has already run in
-N+1, whose tokens for it are dropped. Blocks freed while a step runs go back to
-the pool only when it ends (`BlockPool.hold_frees`), since it may still write them.
+N+1, whose tokens for it are dropped. Blocks freed while a step runs may go to
+the steps planned after it, but not to a KV handoff written from the host until
+it ends (`BlockPool.hold_frees`): it may still write them.
 
 Roles: `colocated` runs requests start to end. `prefill` stops each request
 after its first token and returns its `KVHandoff` on the final output.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -399,11 +400,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending_handoffs) or self._in_flight is not None or (
             self.remote is not None and self.remote.busy)
 
-    def run_to_completion(self) -> dict[str, GenerationResult]:
-        """Step until every request has finished; results keyed by request id."""
+    def run_to_completion(self, on_output: Callable[[RequestOutput], None] | None = None
+                          ) -> dict[str, GenerationResult]:
+        """Step until every request has finished; results keyed by request id.
+
+        `on_output` sees every output as it comes (progress of long batches).
+        """
         results: dict[str, GenerationResult] = {}
         while self.has_unfinished():
             for out in self.step():
+                if on_output is not None:
+                    on_output(out)
                 res = results.setdefault(
                     out.request_id,
                     GenerationResult(out.request_id, [], None, num_prompt_tokens=out.num_prompt_tokens,
@@ -417,14 +424,15 @@ class LLMEngine:
         return results
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+        on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[GenerationResult]:
         """Run a batch of prompts to completion (continuous batching inside)."""
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, param_list, strict=True):
             self.add_request(request_id, prompt, p)
-        results = self.run_to_completion()
+        results = self.run_to_completion(on_output)
         return [results[i] for i in ids]
 
     # ---- stats ----------------------------------------------------------------------

@@ -19,12 +19,14 @@ that many rows when drafting.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
@@ -52,7 +54,8 @@ def generate_sequences(
     batch = [p for p in prompts for _ in range(samples_per_prompt)]
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % samples_per_prompt == 0 else temperature,
                              seed=i) for i in range(len(batch))]
-    results = engine.generate(batch, params)
+    with tqdm(total=len(batch) * max_tokens, desc="generate", unit="tok", file=sys.stderr) as bar:
+        results = engine.generate(batch, params, lambda out: bar.update(len(out.new_token_ids)))
     return [list(p) + r.token_ids for p, r in zip(batch, results, strict=True)]
 
 
@@ -97,6 +100,7 @@ def draft_vocabulary(sequences: Sequence[TrainingSequence], size: int) -> torch.
 
 def _window_loss(
     head: EagleHead, lm_rows: torch.Tensor, to_draft: torch.Tensor, seq: TrainingSequence, start: int, width: int,
+    ce_weight: float = 0.1,
 ) -> tuple[torch.Tensor, int, int]:
     """Loss over rows start .. start + width - 1 of `seq`; also (correct top-1 drafts, labelled rows)."""
     n = seq.token_ids.shape[0]
@@ -108,7 +112,7 @@ def _window_loss(
     valid = labels != _IGNORE
     ce = F.cross_entropy(logits, labels, ignore_index=_IGNORE) if valid.any() else logits.sum() * 0.0
     correct = int((logits.argmax(dim=-1)[valid] == labels[valid]).sum())
-    return reg + 0.1 * ce, correct, int(valid.sum())
+    return reg + ce_weight * ce, correct, int(valid.sum())
 
 
 def train_head(
@@ -120,6 +124,7 @@ def train_head(
     lr: float = 1e-3,
     progress: Callable[[int, float, float], None] | None = None,
     seed: int = 0,
+    ce_weight: float = 0.1,
 ) -> float:
     """AdamW with cosine decay over random windows; returns the teacher-forced top-1 accuracy of the last 10%."""
     assert head.draft_token_ids is not None, "give the head a draft vocabulary (draft_vocabulary())"
@@ -141,7 +146,7 @@ def train_head(
             seq = usable[int(torch.randint(len(usable), (1,), generator=gen))]
             n = seq.token_ids.shape[0]
             start = int(torch.randint(max(n - 1 - window, 0) + 1, (1,), generator=gen))
-            loss, c, m = _window_loss(head, lm_rows, to_draft, seq, start, window)
+            loss, c, m = _window_loss(head, lm_rows, to_draft, seq, start, window, ce_weight)
             total = total + loss / batch_windows
             correct, labelled = correct + c, labelled + m
         total.backward()
