@@ -77,8 +77,8 @@ def extract_hidden_states(
 def _extract_group(engine: LLMEngine, sequences: Sequence[Sequence[int]], offset: int) -> list[TrainingSequence]:
     ids = [f"extract-{offset + i}" for i in range(len(sequences))]
     for request_id, seq in zip(ids, sequences, strict=True):
-        # max_tokens > 1: a request whose first token ends it finishes without a handoff
-        engine.add_request(request_id, seq, SamplingParams(max_tokens=2, temperature=0.0))
+        # a request whose first token ends it finishes without a handoff: neither max_tokens nor eos may
+        engine.add_request(request_id, seq, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     results = engine.run_to_completion()
     out = []
     for request_id, seq in zip(ids, sequences, strict=True):
