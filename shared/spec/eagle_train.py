@@ -69,8 +69,10 @@ def extract_hidden_states(
     """
     assert engine.config.role == "prefill" and not engine.config.enable_prefix_caching
     out: list[TrainingSequence] = []
-    for lo in range(0, len(sequences), group_size):  # groups that fit the cache: nothing is preempted
-        out.extend(_extract_group(engine, sequences[lo : lo + group_size], lo))
+    with tqdm(total=len(sequences), desc="hidden states", unit="seq", file=sys.stderr) as bar:
+        for lo in range(0, len(sequences), group_size):  # groups that fit the cache: nothing is preempted
+            out.extend(_extract_group(engine, sequences[lo : lo + group_size], lo))
+            bar.update(len(out) - bar.n)
     return out
 
 
