@@ -59,7 +59,7 @@ from shared.engine.request import (
 logger = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
-PLACEHOLDER_TOKEN_ID = 0  # stands for a token the previous step has not been read for yet
+PLACEHOLDER_TOKEN_ID = 0  # stands in for the token the previous step emits, before it is read
 
 
 @dataclass(frozen=True)
