@@ -305,17 +305,21 @@ class LLMEngine:
             if self.remote is not None:
                 self.remote.pusher.restart(request_id)  # its blocks are gone: no write may read them
         if self.async_scheduling:
-            return released + self._step_overlapped(plan)
+            return released + self._step_overlapped(plan, bool(released))
         if plan.is_empty:
-            self.runner.clock.pause()  # nothing runnable: the wait that follows is no bubble
-            if self.remote is not None and self.remote.busy and not released:
-                time.sleep(_TRANSFER_POLL_S)  # only transfers in flight: do not spin a core they may need
+            self._idle(bool(released))
             return released
         hook = self.remote.layer_hook(plan) if self.remote is not None else None
         out = self.runner.execute(self.runner.prepare(plan), None, hook)
         return released + self._resolve(out)
 
-    def _step_overlapped(self, plan: SchedulerPlan) -> list[RequestOutput]:
+    def _idle(self, produced: bool) -> None:
+        """Nothing runnable this step: the wait that follows is no bubble."""
+        self.runner.clock.pause()
+        if self.remote is not None and self.remote.busy and not produced:
+            time.sleep(_TRANSFER_POLL_S)  # only transfers in flight: do not spin a core they may need
+
+    def _step_overlapped(self, plan: SchedulerPlan, produced: bool) -> list[RequestOutput]:
         """Zero-bubble loop: submit `plan` as soon as the step in flight ends, then read that step."""
         prev = self._in_flight
         inputs = None if plan.is_empty else self.runner.prepare(plan, prev.inputs.rows if prev else None)
@@ -332,9 +336,7 @@ class LLMEngine:
             self.pool.hold_frees()
             self._in_flight = _InFlight(inputs, self._executor.submit(self.runner.execute, inputs, done))
         else:
-            self.runner.clock.pause()  # nothing runnable: the wait that follows is no bubble
-            if done is None and self.remote is not None and self.remote.busy:
-                time.sleep(_TRANSFER_POLL_S)
+            self._idle(produced or done is not None)
         return self._resolve(done) if done is not None else []
 
     def _resolve(self, out: StepOutput) -> list[RequestOutput]:

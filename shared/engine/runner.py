@@ -280,14 +280,8 @@ class ModelRunner:
             counts.append(torch.ones_like(sampled))
             drafts.append(torch.zeros_like(sampled))
         if inputs.verify_rows:
-            active = None
-            if below_min is not None:
-                sizes = [plan.chunks[i].num_draft_tokens + 1 for i in inputs.verify_chunks]
-                chunk_of_row = torch.tensor([i for i, n in zip(inputs.verify_chunks, sizes, strict=True)
-                                             for _ in range(n)], device=self.device)
-                pos_of_row = torch.tensor([j for n in sizes for j in range(n)], device=self.device)
-                active = pos_of_row < below_min[chunk_of_row]
-            verified, num_drafts = self._verify(inputs, hidden, out, active)
+            num_suppressed = below_min[inputs.verify_chunks] if below_min is not None else None
+            verified, num_drafts = self._verify(inputs, hidden, out, num_suppressed)
             rows.append(verified.token_ids)
             counts.append(verified.num_accepted + 1)
             drafts.append(num_drafts)
@@ -308,11 +302,7 @@ class ModelRunner:
         if prev is None or not any(c.continues and c.suppress_token_ids for c in chunks):
             return None
         planned = torch.tensor([c.num_suppressed_positions for c in chunks], dtype=torch.int64, device=self.device)
-        takes = inputs.prev_row >= 0
-        row = inputs.prev_row.clamp(min=0)
-        d = prev.device
-        rejected = torch.where(takes, d.num_drafts[row] - (d.num_emitted[row] - 1), 0)
-        return planned + rejected
+        return planned + prev.device.rejected(inputs.prev_row)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
                 suppress_active: torch.Tensor | None) -> torch.Tensor:
@@ -332,7 +322,7 @@ class ModelRunner:
         return sampled.token_ids
 
     def _verify(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
-                suppress_active: torch.Tensor | None) -> tuple[VerifyOutput, torch.Tensor]:
+                num_suppressed: torch.Tensor | None) -> tuple[VerifyOutput, torch.Tensor]:
         """Rejection-sample every verification chunk's drafts against the target's logits."""
         logits = self.model.compute_logits(hidden[inputs.verify_rows])  # [num_verify_rows, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
@@ -346,7 +336,7 @@ class ModelRunner:
             )
             for i, c in zip(inputs.verify_chunks, chunks, strict=True)
         ]
-        verified = verify_drafts(logits, verify_inputs, self.sampler, suppress_active)
+        verified = verify_drafts(logits, verify_inputs, self.sampler, num_suppressed)
         for chunk, lps in zip(chunks, verified.logprobs, strict=False):  # [] when no chunk asked
             if lps:
                 out.logprobs[chunk.request_id] = lps

@@ -38,6 +38,13 @@ class PrevOutputs:
     num_emitted: torch.Tensor  # [R] int64: accepted drafts + 1
     num_drafts: torch.Tensor  # [R] int64: drafts the row verified (0 for plain sampling)
 
+    def rejected(self, prev_row: torch.Tensor) -> torch.Tensor:  # [S] int64
+        """Per sequence, the drafts its previous step rejected (0 where `prev_row` is -1 or nothing came before)."""
+        if self.num_emitted.shape[0] == 0:
+            return torch.zeros_like(prev_row)
+        row = prev_row.clamp(min=0)
+        return torch.where(prev_row >= 0, self.num_drafts[row] - (self.num_emitted[row] - 1), 0)
+
     @staticmethod
     def empty(device: torch.device | str) -> PrevOutputs:
         z = torch.zeros(0, dtype=torch.int64, device=device)
@@ -70,13 +77,11 @@ def prepare_step_inputs_ref(
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
                                            output_size=input_ids.shape[0])
     takes = prev_row >= 0
-    row = prev_row.clamp(min=0)
+    shift = prev.rejected(prev_row)
     if prev.num_emitted.shape[0] > 0:
-        n = prev.num_emitted[row]
-        shift = torch.where(takes, prev.num_drafts[row] - (n - 1), 0)
-        last = prev.emitted[row, (n - 1).clamp(min=0)]
+        row = prev_row.clamp(min=0)
+        last = prev.emitted[row, (prev.num_emitted[row] - 1).clamp(min=0)]
     else:  # nothing came before: no sequence may continue from it
-        shift = torch.zeros(num_seqs, dtype=torch.int64, device=device)
         last = torch.zeros(num_seqs, dtype=torch.int64, device=device)
     ids = input_ids.clone()
     first = query_start_loc[:-1].long()

@@ -124,8 +124,8 @@ class Speculator:
             if k == 0:
                 continue
             if request.inflight:
-                if self._can_propose_ahead(request):
-                    batch.append((request, ProposalInput(request.request_id, self._history_ahead(request), k + 1)))
+                if self.proposes_ahead:
+                    batch.append((request, ProposalInput(request.request_id, self._plan_ahead(request), k + 1)))
                 continue
             hidden = None
             if self.uses_hidden_states:
@@ -138,29 +138,22 @@ class Speculator:
         for (request, _), drafts in zip(batch, self._propose_with_fallback(batch), strict=True):
             if request.inflight:  # proposed ahead: the first token stands for the one in flight
                 request.spec_guess = drafts[0] if len(drafts) > 1 else None
-                request.spec_assumed_accepted = self._num_assumed_accepted(request)
                 drafts = drafts[1:]
             request.spec_token_ids = drafts
 
-    def _can_propose_ahead(self, request: Request) -> bool:
-        """Zero-bubble loop: the request's last step is in flight and its tokens are not read yet.
-
-        A proposer that reads nothing but token ids guesses past them: from the history as if the
-        drafts in flight were all accepted, one token more than it needs, the first standing for
-        the token in flight. A wrong guess only costs acceptance; verification keeps the output
-        exact.
-        """
-        return self.proposes_ahead
-
     @staticmethod
-    def _num_assumed_accepted(request: Request) -> int:
-        """Drafts of the step in flight taken as accepted: all, unless they follow a wrong guess."""
-        (entry,) = request.inflight  # proposing happens with one step in flight at most
-        return 0 if entry.stale else len(entry.drafts)
+    def _plan_ahead(request: Request) -> list[int]:
+        """Zero-bubble loop: what to propose from while the request's last step is in flight.
 
-    def _history_ahead(self, request: Request) -> list[int]:
-        """Known tokens, then the drafts in flight taken as accepted."""
-        return request.all_token_ids + request.inflight[0].drafts[: self._num_assumed_accepted(request)]
+        A proposer that reads nothing but token ids (`proposes_ahead`) guesses past the tokens not
+        read yet: from the known tokens plus the drafts in flight taken as accepted (all of them,
+        unless they follow a guess already proven wrong), asked for one token more than it needs,
+        the first standing for the token in flight. A wrong guess only costs acceptance;
+        verification keeps the output exact. Records the assumption on the request for the scheduler.
+        """
+        (entry,) = request.inflight  # proposing happens with one step in flight at most
+        request.spec_assumed_accepted = 0 if entry.stale else len(entry.drafts)
+        return request.all_token_ids + entry.drafts[: request.spec_assumed_accepted]
 
     def _propose_with_fallback(self, batch: list[tuple[Request, ProposalInput]]) -> list[list[int]]:
         try:

@@ -67,25 +67,26 @@ def verify_drafts(
     logits: torch.Tensor,  # [sum(len(drafts) + 1), vocab] float32, chunk after chunk
     inputs: Sequence[VerifyInput],
     sampler: Sampler,
-    suppress_active: torch.Tensor | None = None,
+    num_suppressed: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Per chunk: the emitted token ids (num_accepted + 1 of them) and their logprobs when asked.
 
-    `suppress_active` ([num_rows] bool on the device) overrides `num_suppressed_positions`: the
-    rows whose suppress ids apply, when only the device knows (the zero-bubble loop).
+    `num_suppressed` ([num_chunks] int64 on the device) overrides `num_suppressed_positions`, when
+    only the device knows how many positions are still below min_tokens (the zero-bubble loop).
     """
     sizes = [len(v.draft_token_ids) + 1 for v in inputs]
     num_rows, vocab = logits.shape
     assert num_rows == sum(sizes), (num_rows, sizes)
     device = logits.device
     num_seqs, max_k = len(inputs), max(sizes) - 1
-    row_suppress = [
-        v.suppress_token_ids if suppress_active is not None or j < v.num_suppressed_positions else frozenset()
-        for v, size in zip(inputs, sizes, strict=True) for j in range(size)
-    ]
-    masked = suppress(logits, row_suppress, suppress_active)  # [num_rows, vocab]
     seq_of_row = torch.tensor([i for i, size in enumerate(sizes) for _ in range(size)], device=device)
     pos_of_row = torch.tensor([j for size in sizes for j in range(size)], device=device)
+    row_suppress = [
+        v.suppress_token_ids if num_suppressed is not None or j < v.num_suppressed_positions else frozenset()
+        for v, size in zip(inputs, sizes, strict=True) for j in range(size)
+    ]
+    active = pos_of_row < num_suppressed[seq_of_row] if num_suppressed is not None else None
+    masked = suppress(logits, row_suppress, active)  # [num_rows, vocab]
     draft_ids = torch.full((num_seqs, max_k + 1), -1, dtype=torch.int64)
     for i, v in enumerate(inputs):
         draft_ids[i, : len(v.draft_token_ids)] = torch.tensor(v.draft_token_ids, dtype=torch.int64)
