@@ -207,7 +207,6 @@ class Scheduler:
         return num_certain > 0 and (
             request.num_output_tokens + num_certain >= request.params.max_tokens
             or request.num_tokens + num_certain >= self.config.max_model_len
-            or self.config.role == "prefill"
         )
 
     def _fit_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
