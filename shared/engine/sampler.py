@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.request import SamplingParams, TokenLogprobs
+from shared.ops.host_copy import to_device
 
 __all__ = ["Sampler", "SamplerOutput", "make_generator", "processed_probs", "raw_logprobs", "suppress"]
 
@@ -101,7 +102,7 @@ class Sampler:
                 [params[i] for i in sampled_rows],
                 [generators[i] for i in sampled_rows],
             )
-            token_ids[torch.tensor(sampled_rows, device=logits.device)] = sampled
+            token_ids[to_device(sampled_rows, device=logits.device)] = sampled
 
         return SamplerOutput(token_ids=token_ids, logprobs=raw_logprobs(logits, token_ids, params))
 
@@ -126,7 +127,7 @@ class Sampler:
     ) -> torch.Tensor:  # [len(rows)] int64
         """Temperature, top-k, top-p, then one exponential-race draw per row."""
         device = logits.device
-        row_index = torch.tensor(rows, device=device)
+        row_index = to_device(rows, device=device)
         probs = processed_probs(logits.index_select(0, row_index), params)  # [n, vocab]
 
         exp_noise = torch.empty_like(probs)  # [n, vocab]
@@ -136,7 +137,7 @@ class Sampler:
             noise = torch.empty(
                 (len(default_rows), probs.shape[1]), dtype=probs.dtype, device=device
             ).exponential_(generator=self.default_generator(device))
-            exp_noise[torch.tensor(default_rows, device=device)] = noise
+            exp_noise[to_device(default_rows, device=device)] = noise
         for j, generator in enumerate(generators):
             if generator is not None:
                 # each seeded row consumes exactly vocab draws from its own stream per step
@@ -150,7 +151,7 @@ def processed_probs(
     params: Sequence[SamplingParams],  # one per row, none greedy
 ) -> torch.Tensor:  # [n, vocab] float32
     """The distribution plain sampling draws from: temperature, top-k, top-p, softmax."""
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    temperature = to_device([p.temperature for p in params], dtype=torch.float32, device=logits.device)
     scaled = logits / temperature.unsqueeze(1)  # [n, vocab]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         scaled = _apply_top_k_top_p(scaled, list(params))
@@ -181,7 +182,7 @@ def suppress(
     if not rows:
         return logits
     masked = logits.clone()
-    index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+    index = to_device([rows, cols], dtype=torch.long, device=logits.device)
     if active is None:
         masked[index[0], index[1]] = float("-inf")
     else:
@@ -198,13 +199,13 @@ def _apply_top_k_top_p(
     device = logits.device
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [n, vocab] each
 
-    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     # a threshold (not a position cut) keeps tokens tied with the k-th, independent of sort stability
     kth_value = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [n, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
 
     # top_p == 1 must keep every token: fp32 cumsum can reach 1.0 before the tail, so disable it outright
-    top_p = torch.tensor(
+    top_p = to_device(
         [p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float32, device=device
     )
     sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [n, vocab]
@@ -227,7 +228,7 @@ def raw_logprobs(
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return result
-    row_index = torch.tensor(rows, device=logits.device)
+    row_index = to_device(rows, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, row_index), dim=-1)  # [n, vocab]
     chosen_ids = token_ids.index_select(0, row_index)  # [n]
     chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)  # [n]

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.ops.host_copy import to_device
+
 __all__ = ["RejectionNoise", "RejectionOutput", "draw_rejection_noise", "rejection_sample_ref"]
 
 # Exp(1) samples of exactly 0 would make w / 0 = inf (or NaN for w = 0) win the argmax.
@@ -106,7 +108,7 @@ def draw_rejection_noise(
     shared_rows = [i for i in range(num_seqs) if not is_greedy[i] and generators[i] is None]
     if shared_rows:
         # unseeded rows share one stream, so one draw covers them all
-        index = torch.tensor(shared_rows, device=device)
+        index = to_device(shared_rows, device=device)
         num_shared = len(shared_rows)
         uniform[index] = torch.empty(num_shared, width, device=device).uniform_(generator=default_generator)
         e = torch.empty(num_shared, vocab_size, device=device).exponential_(generator=default_generator)

@@ -28,6 +28,7 @@ import torch
 
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.engine.sampler import Sampler, processed_probs, raw_logprobs, suppress
+from shared.ops.host_copy import to_device
 from shared.ops.rejection_sampler import (
     RejectionNoise,
     RejectionOutput,
@@ -79,19 +80,17 @@ def verify_drafts(
     assert num_rows == sum(sizes), (num_rows, sizes)
     device = logits.device
     num_seqs, max_k = len(inputs), max(sizes) - 1
-    seq_of_row = torch.tensor([i for i, size in enumerate(sizes) for _ in range(size)], device=device)
-    pos_of_row = torch.tensor([j for size in sizes for j in range(size)], device=device)
+    seq_of_row = to_device([i for i, size in enumerate(sizes) for _ in range(size)], device=device)
+    pos_of_row = to_device([j for size in sizes for j in range(size)], device=device)
     row_suppress = [
         v.suppress_token_ids if num_suppressed is not None or j < v.num_suppressed_positions else frozenset()
         for v, size in zip(inputs, sizes, strict=True) for j in range(size)
     ]
     active = pos_of_row < num_suppressed[seq_of_row] if num_suppressed is not None else None
     masked = suppress(logits, row_suppress, active)  # [num_rows, vocab]
-    draft_ids = torch.full((num_seqs, max_k + 1), -1, dtype=torch.int64)
-    for i, v in enumerate(inputs):
-        draft_ids[i, : len(v.draft_token_ids)] = torch.tensor(v.draft_token_ids, dtype=torch.int64)
-    draft_ids = draft_ids.to(device)
-    num_draft = torch.tensor([size - 1 for size in sizes], dtype=torch.int64, device=device)
+    padded = [list(v.draft_token_ids) + [-1] * (max_k + 1 - len(v.draft_token_ids)) for v in inputs]
+    draft_ids = to_device(padded, dtype=torch.int64, device=device)
+    num_draft = to_device([size - 1 for size in sizes], dtype=torch.int64, device=device)
     if all(v.params.is_greedy for v in inputs):
         best = torch.full((num_seqs, max_k + 1), -1, dtype=torch.int64, device=device)
         best[seq_of_row, pos_of_row] = masked.argmax(dim=-1)
@@ -100,7 +99,7 @@ def verify_drafts(
         row_params = [v.params for v, size in zip(inputs, sizes, strict=True) for _ in range(size)]
         sampled_rows = [r for r, p in enumerate(row_params) if not p.is_greedy]
         if sampled_rows:
-            index = torch.tensor(sampled_rows, device=device)
+            index = to_device(sampled_rows, device=device)
             masked = masked.index_copy(0, index, processed_probs(masked.index_select(0, index),
                                                                  [row_params[r] for r in sampled_rows]))
         target = torch.zeros(num_seqs, max_k + 1, vocab, dtype=torch.float32, device=device)
@@ -110,7 +109,7 @@ def verify_drafts(
             [size - 1 for size in sizes], [v.generator for v in inputs], is_greedy_host, vocab, device,
             default_generator=sampler.default_generator(device),
         )
-        is_greedy = torch.tensor(is_greedy_host, dtype=torch.bool, device=device)
+        is_greedy = to_device(is_greedy_host, dtype=torch.bool, device=device)
         rs = _rejection_sample(draft_ids[:, :max_k], num_draft, target, is_greedy, noise)
         out = VerifyOutput(rs.token_ids, rs.num_accepted)
     if any(v.params.logprobs is not None for v in inputs):  # reads the results: a host sync
@@ -168,9 +167,9 @@ def _logprobs(
     for size in sizes:
         starts.append(starts[-1] + size)
     rows = [starts[i] + j for i in wanted for j in range(len(emitted[i]))]
-    token_ids = torch.tensor([t for i in wanted for t in emitted[i]], device=logits.device)
+    token_ids = to_device([t for i in wanted for t in emitted[i]], device=logits.device)
     params = [inputs[i].params for i in wanted for _ in emitted[i]]
-    flat = raw_logprobs(logits[torch.tensor(rows, device=logits.device)], token_ids, params)
+    flat = raw_logprobs(logits[to_device(rows, device=logits.device)], token_ids, params)
     k = 0
     for i in wanted:
         for _ in emitted[i]:
