@@ -246,7 +246,7 @@ def _check_inputs(
     assert k_cache.shape[3] == head_dim, (k_cache.shape, head_dim)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert head_dim & (head_dim - 1) == 0 and head_dim <= 256, f"head_dim {head_dim}"
-    assert block_size & (block_size - 1) == 0 and block_size >= 8, f"block_size {block_size}"
+    assert block_size & (block_size - 1) == 0, f"block_size {block_size}"  # keys are gathered token by token
     assert query.dtype in _SUPPORTED_DTYPES, query.dtype
     assert k_cache.dtype == v_cache.dtype == query.dtype, (query.dtype, k_cache.dtype, v_cache.dtype)
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):

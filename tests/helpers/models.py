@@ -3,10 +3,15 @@
 Tiny models are built offline in well under a second; their weights are drawn
 wider than transformers' init so that greedy decoding has clear winners and a
 token flip means a real bug, not float noise.
+
+`BATON_TEST_DEVICE=cuda` builds the tiny models and engines on the GPU (Triton
+attention, the step-input kernel, the zero-bubble loop's CUDA path), so the
+engine suites double as the CUDA path's tests on a machine that has one.
 """
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -14,13 +19,14 @@ from typing import Any
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
+from shared.engine.engine import LLMEngine, pick_attention
 from shared.models.decoder import DecoderLM
 from shared.models.families import spec_from_config
 from shared.models.loader import LoadedModel, load_model
 from shared.ops.attention import paged_attention_ref
 
 TINY_VOCAB = 256
+TEST_DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
 
 
 def tiny_llama_config(**overrides: Any) -> Any:
@@ -76,12 +82,13 @@ def random_hf_model(config: Any, seed: int = 0, std: float = 0.2) -> Any:
     return model
 
 
-def tiny_loaded(family: str = "llama", seed: int = 0, **overrides: Any) -> tuple[LoadedModel, Any]:
+def tiny_loaded(family: str = "llama", seed: int = 0, device: str = TEST_DEVICE,
+                **overrides: Any) -> tuple[LoadedModel, Any]:
     """Our model on the same random weights as the returned transformers model."""
     config = tiny_llama_config(**overrides) if family == "llama" else tiny_gemma3_config(**overrides)
     hf = random_hf_model(config, seed)
     spec = spec_from_config(config)
-    model = DecoderLM(spec, hf.state_dict(), paged_attention_ref)
+    model = DecoderLM(spec, hf.state_dict(), pick_attention("auto", device), device=device)
     loaded = LoadedModel(
         name=f"tiny-{family}",
         hf_dir=Path("/nonexistent"),
@@ -95,7 +102,8 @@ def tiny_loaded(family: str = "llama", seed: int = 0, **overrides: Any) -> tuple
 
 
 def tiny_engine(loaded: LoadedModel, **config: Any) -> LLMEngine:
-    kw: dict[str, Any] = dict(model=loaded.name, block_size=4, num_kv_blocks=256, max_model_len=512)
+    kw: dict[str, Any] = dict(model=loaded.name, block_size=4, num_kv_blocks=256, max_model_len=512,
+                              device=TEST_DEVICE)
     kw.update(config)
     return LLMEngine(EngineConfig(**kw), loaded=loaded)
 
@@ -123,17 +131,17 @@ def reference_logits(model: DecoderLM, token_ids: list[int], block_size: int = 1
     layout = KVLayout(
         model.num_layers, num_blocks + 3, block_size, model.num_kv_heads, model.head_dim, model.dtype
     )
-    kv = layout.allocate()
-    blocks = torch.randperm(num_blocks + 3)[:num_blocks]
-    pos = torch.arange(n)
+    kv = layout.allocate(model.device)
+    blocks = torch.randperm(num_blocks + 3, device=model.device)[:num_blocks]
+    pos = torch.arange(n, device=model.device)
     slots = blocks[pos // block_size] * block_size + pos % block_size
     meta = AttentionMetadata(
         slots,
-        torch.tensor([0, n], dtype=torch.int32),
-        torch.tensor([n], dtype=torch.int32),
+        torch.tensor([0, n], dtype=torch.int32, device=model.device),
+        torch.tensor([n], dtype=torch.int32, device=model.device),
         blocks[None].int(),
         [n],
         [n],
     )
-    hidden = model.forward(torch.tensor(token_ids), pos, kv, meta)
-    return model.compute_logits(hidden)
+    hidden = model.forward(torch.tensor(token_ids, device=model.device), pos, kv, meta)
+    return model.compute_logits(hidden).cpu()

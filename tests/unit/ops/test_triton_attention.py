@@ -44,10 +44,11 @@ def run_both(
         (9, 3, 64, 16, MIXED),  # SmolLM2-like
         (9, 3, 64, 8, MIXED),
         (8, 2, 32, 8, MIXED),
+        (8, 2, 32, 4, MIXED),  # the tiny engine tests' block size
         (4, 1, 256, 8, [(6, 5), (0, 4), (19, 1)]),  # Gemma-3-like, few tokens
         (4, 1, 256, 16, [(21, 1), (9, 1)]),  # decode only: the small-tile path
     ],
-    ids=["g3-d64-b16", "g3-d64-b8", "g4-d32-b8", "g4-d256-b8", "g4-d256-b16-decode"],
+    ids=["g3-d64-b16", "g3-d64-b8", "g4-d32-b8", "g4-d32-b4", "g4-d256-b8", "g4-d256-b16-decode"],
 )
 def test_matches_reference_fp32(
     make_batch: Callable[..., AttentionBatch],
@@ -146,7 +147,8 @@ def test_rejects_bad_inputs(make_batch: Callable[..., AttentionBatch]) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window"),
-    [(9, 3, 64, 16, None), (4, 1, 256, 16, 512), (32, 8, 128, 32, None), (16, 2, 64, 8, 100)],
+    [(9, 3, 64, 16, None), (4, 1, 256, 16, 512), (32, 8, 128, 32, None), (16, 2, 64, 8, 100),
+     (4, 2, 64, 4, None)],
 )
 def test_matches_reference_on_gpu(
     make_batch: Callable[..., AttentionBatch],
