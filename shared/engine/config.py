@@ -46,6 +46,9 @@ class EngineConfig:
     # None = on with CUDA, off on the CPU, where the executor needs every core for its own math and
     # the host's work between steps is ~1% of a step (bench/spec_decode.py measures both)
     async_scheduling: bool | None = None
+    # CUDA: replay decode steps from CUDA graphs captured at start (one per padded batch size; one KV
+    # block more is allocated for padding rows). False = launch every kernel eagerly (vLLM's --enforce-eager)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

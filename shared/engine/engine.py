@@ -104,9 +104,11 @@ class LLMEngine:
                 f"KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
                 f"{self.max_model_len}: raise kv_cache_bytes or lower max_model_len"
             )
-        self.layout = KVLayout(
-            spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim, config.torch_dtype
-        )
+        # decode batches replay CUDA graphs whose padding rows write into one more block, which the
+        # pool never hands out
+        use_graphs = config.cuda_graphs and config.device.startswith("cuda") and config.role != "prefill"
+        self.layout = KVLayout(spec.num_layers, num_blocks + int(use_graphs), config.block_size, spec.num_kv_heads,
+                               spec.head_dim, config.torch_dtype)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         # prefix hashes name the model too: blocks of two models never match, in this process or another
         self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())
@@ -120,6 +122,8 @@ class LLMEngine:
             raise ConfigError(f"aux_hidden_layers {config.aux_hidden_layers} outside [0, {spec.num_layers})")
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
                                   tuple(config.aux_hidden_layers))
+        if use_graphs:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
         self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()
         self.remote: RemoteKV | None = None  # handoffs through kv_transfer, when a service enables them
         self._hidden: dict[str, list[torch.Tensor]] = {}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
 from shared.engine.scheduler import SchedulerPlan, StepResult
@@ -31,6 +32,7 @@ from shared.kv.layout import KVLayout
 from shared.models.common import LayerDoneFn
 from shared.models.decoder import DecoderLM
 from shared.ops.attention import AttentionMetadata
+from shared.ops.host_copy import tensor_to_device, to_device
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
 from shared.spec.verify import VerifyInput, VerifyOutput, verify_drafts
 
@@ -58,6 +60,9 @@ class StepInputs:
     spec_hidden_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
     # request id -> its row of the step's outputs: plain sampling chunks first, then verifications
     rows: dict[str, int] = field(default_factory=dict)
+    # the four index lists above as device tensors (indexing with a list copies it to the device
+    # and waits for that copy)
+    device_index: dict[str, torch.Tensor] = field(default_factory=dict)
     # set by `finish`: the true inputs
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -84,10 +89,32 @@ class StepOutput:
     hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # prefill role
     spec_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # chunks with return_spec_hidden
 
+    # CUDA: pinned host copies of (emitted, num_emitted) and the event that marks them done
+    _host: tuple[torch.Tensor, torch.Tensor] | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def stage_to_host(self) -> None:
+        """Queue the copy of the emitted tokens to the host right behind this step's kernels (CUDA).
+
+        `result` then waits for this step alone: a plain read would also wait for the next
+        step, which the zero-bubble loop has queued behind this one by the time it reads.
+        """
+        if not self.device.emitted.is_cuda or self.device.emitted.numel() == 0:
+            return
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in (self.device.emitted, self.device.num_emitted))
+        self._host = host  # type: ignore[assignment]
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
     def result(self) -> StepResult:
         """Read the emitted tokens to the host: the one device-to-host copy of a step."""
-        emitted = self.device.emitted.tolist()
-        counts = self.device.num_emitted.tolist()
+        emitted_t, counts_t = self.device.emitted, self.device.num_emitted
+        if self._host is not None and self._copied is not None:
+            self._copied.synchronize()
+            emitted_t, counts_t = self._host
+        emitted = emitted_t.tolist() if emitted_t.numel() else []
+        counts = counts_t.tolist() if counts_t.numel() else []
         return StepResult(
             emitted={rid: emitted[r][: counts[r]] for rid, r in self.rows.items()},
             logprobs=self.logprobs,
@@ -143,6 +170,18 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self._generators: dict[str, torch.Generator | None] = {}
         self.clock = ExecutorClock()
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
+        """Replay decode steps of up to `max_num_seqs` single-token sequences from CUDA graphs.
+
+        `scratch_block`: a KV block no request ever owns, where padding rows write.
+        """
+        block_size = self.layout.block_size
+        max_blocks = -(-(max_model_len + 1) // block_size)
+        graphs = DecodeGraphs(capture_sizes(max_num_seqs), max_blocks, block_size, scratch_block, self.device)
+        graphs.capture(lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta))
+        self.graphs = graphs
 
     def add_request(self, request_id: str, seed: int | None, num_steps_done: int = 0) -> None:
         """Give a request its generator; `num_steps_done` replays draws made elsewhere.
@@ -203,12 +242,12 @@ class ModelRunner:
             cu.append(cu[-1] + q)
         inputs = StepInputs(
             plan=plan,
-            planned_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            planned_positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            planned_seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            prev_row=torch.tensor(prev_row, dtype=torch.int64, device=dev),
+            planned_ids=to_device(ids, dtype=torch.int64, device=dev),
+            planned_positions=to_device(positions, dtype=torch.int64, device=dev),
+            planned_seq_lens=to_device(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=to_device(cu, dtype=torch.int32, device=dev),
+            block_tables=tensor_to_device(tables, dev),
+            prev_row=to_device(prev_row, dtype=torch.int64, device=dev),
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
             generators=[self._generators.get(c.request_id) for c in plan.chunks],
@@ -219,6 +258,11 @@ class ModelRunner:
             verify_chunks=verify_chunks,
             spec_hidden_spans=spec_spans,
         )
+        inputs.device_index = {
+            name: to_device(values, dtype=torch.int64, device=dev)
+            for name, values in (("sample_rows", sample_rows), ("sample_chunks", sample_chunks),
+                                 ("verify_rows", verify_rows), ("verify_chunks", verify_chunks))
+        }
         order = [plan.chunks[i].request_id for i in sample_chunks + verify_chunks]
         inputs.rows = {request_id: r for r, request_id in enumerate(order)}
         if not inputs.continues_previous:
@@ -261,7 +305,10 @@ class ModelRunner:
         input_ids, positions, meta = inputs.forward_inputs()
         plan = inputs.plan
         captured = {layer: torch.empty(0) for layer in self.aux_hidden_layers} if inputs.hidden_spans else None
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, on_layer_done, captured)
+        if self.graphs is not None and on_layer_done is None and captured is None and self.graphs.fits(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, on_layer_done, captured)
         out = StepOutput(plan, inputs.rows, PrevOutputs.empty(self.device))
         for request_id, (lo, hi) in inputs.hidden_spans.items():
             parts = [hidden[lo:hi], *(captured[layer][lo:hi] for layer in self.aux_hidden_layers)] if captured \
@@ -274,13 +321,13 @@ class ModelRunner:
         counts: list[torch.Tensor] = []
         drafts: list[torch.Tensor] = []
         if inputs.sample_rows:
-            active = below_min[inputs.sample_chunks] > 0 if below_min is not None else None
+            active = below_min[inputs.device_index["sample_chunks"]] > 0 if below_min is not None else None
             sampled = self._sample(inputs, hidden, out, active)
             rows.append(sampled.unsqueeze(1))
             counts.append(torch.ones_like(sampled))
             drafts.append(torch.zeros_like(sampled))
         if inputs.verify_rows:
-            num_suppressed = below_min[inputs.verify_chunks] if below_min is not None else None
+            num_suppressed = below_min[inputs.device_index["verify_chunks"]] if below_min is not None else None
             verified, num_drafts = self._verify(inputs, hidden, out, num_suppressed)
             rows.append(verified.token_ids)
             counts.append(verified.num_accepted + 1)
@@ -289,6 +336,7 @@ class ModelRunner:
             width = max(r.shape[1] for r in rows)
             emitted = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in rows])
             out.device = PrevOutputs(emitted, torch.cat(counts), torch.cat(drafts))
+            out.stage_to_host()
         return out
 
     def _positions_below_min(self, inputs: StepInputs, prev: StepOutput | None) -> torch.Tensor | None:
@@ -301,13 +349,13 @@ class ModelRunner:
         chunks = inputs.plan.chunks
         if prev is None or not any(c.continues and c.suppress_token_ids for c in chunks):
             return None
-        planned = torch.tensor([c.num_suppressed_positions for c in chunks], dtype=torch.int64, device=self.device)
+        planned = to_device([c.num_suppressed_positions for c in chunks], dtype=torch.int64, device=self.device)
         return planned + prev.device.rejected(inputs.prev_row)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
                 suppress_active: torch.Tensor | None) -> torch.Tensor:
         """One token per plain sampling chunk, [num_sample] on the device."""
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sample, vocab]
+        logits = self.model.compute_logits(hidden[inputs.device_index["sample_rows"]])  # [num_sample, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.sample_chunks]
         sampled = self.sampler(
             logits,
@@ -324,7 +372,7 @@ class ModelRunner:
     def _verify(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
                 num_suppressed: torch.Tensor | None) -> tuple[VerifyOutput, torch.Tensor]:
         """Rejection-sample every verification chunk's drafts against the target's logits."""
-        logits = self.model.compute_logits(hidden[inputs.verify_rows])  # [num_verify_rows, vocab]
+        logits = self.model.compute_logits(hidden[inputs.device_index["verify_rows"]])  # [num_verify_rows, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
         verify_inputs = [
             VerifyInput(
@@ -340,7 +388,7 @@ class ModelRunner:
         for chunk, lps in zip(chunks, verified.logprobs, strict=False):  # [] when no chunk asked
             if lps:
                 out.logprobs[chunk.request_id] = lps
-        num_drafts = torch.tensor([c.num_draft_tokens for c in chunks], dtype=torch.int64, device=self.device)
+        num_drafts = to_device([c.num_draft_tokens for c in chunks], dtype=torch.int64, device=self.device)
         return verified, num_drafts
 
 

@@ -58,6 +58,8 @@ class EngineServiceSettings(BaseSettings):
     async_scheduling: bool | None = Field(default=None, description="zero-bubble loop: plan step N+1 while "
                                           "step N runs (decode / colocated; draft and eagle keep the synchronous "
                                           "loop); unset = on with CUDA, off on the CPU")
+    cuda_graphs: bool = Field(default=True, description="CUDA: replay decode steps from captured CUDA graphs; "
+                              "false = launch kernels eagerly")
 
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(
@@ -68,7 +70,7 @@ class EngineServiceSettings(BaseSettings):
             spec_method=self.spec, num_speculative_tokens=self.num_speculative_tokens,
             spec_draft_model=self.spec_draft_model, spec_draft_num_layers=self.spec_draft_num_layers,
             spec_eagle_head=self.spec_eagle_head, aux_hidden_layers=self.aux_hidden_layers,
-            async_scheduling=self.async_scheduling,
+            async_scheduling=self.async_scheduling, cuda_graphs=self.cuda_graphs,
         )
 
     @property
