@@ -1,0 +1,267 @@
+"""The decode loop on a CUDA GPU: eager against CUDA graphs, synchronous against zero-bubble.
+
+For each batch size and setup (loop x graphs): decode tokens/s, the GPU's busy fraction while
+decoding (kernel time over the span from the first kernel to the last, read
+from a torch.profiler trace of a window of steps), and where the host waited
+for the GPU (torch's sync debug mode, by the first frame inside `shared/`).
+Greedy tokens of every setup must be identical; the run fails otherwise.
+
+Weights are random with SmolLM2-135M's shapes (no model hub on a lent GPU
+machine; speed does not depend on the values). Writes JSON to bench/results/.
+
+    python bench/cuda_loop.py [--batch 1 8 32] [--dtype bfloat16] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine, pick_attention
+from shared.engine.request import SamplingParams
+from shared.models.decoder import DecoderLM
+from shared.models.families import spec_from_config
+from shared.models.loader import LoadedModel
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    eos_token_id=2, bos_token_id=1)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def random_loaded(dtype: torch.dtype, num_layers: int, device: str) -> LoadedModel:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": num_layers})
+    spec = spec_from_config(config)
+    torch.manual_seed(0)
+    weights: dict[str, torch.Tensor] = {}
+    h, i, d = config.hidden_size, config.intermediate_size, config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * d
+    weights["model.embed_tokens.weight"] = torch.randn(config.vocab_size, h) * 0.5
+    weights["model.norm.weight"] = torch.ones(h)
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}."
+        for name, shape in [("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kv, h)),
+                            ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, h)),
+                            ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)), ("mlp.down_proj", (h, i))]:
+            weights[p + name + ".weight"] = torch.randn(*shape) * shape[1] ** -0.5
+        weights[p + "input_layernorm.weight"] = torch.ones(h)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    model = DecoderLM(spec, weights, pick_attention("auto", device), device=device, dtype=dtype)
+    return LoadedModel(name="random-smollm2-135m", hf_dir=Path("/nonexistent"), hf_config=config, spec=spec,
+                       model=model, tokenizer=None, eos_token_ids=frozenset({2}))
+
+
+class SyncPoints:
+    """Counts host waits on the GPU by the first `shared/` frame that caused them (sync debug mode)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.where: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self._old = warnings.showwarning
+        warnings.simplefilter("always")
+
+        def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            frames = [f for f in traceback.extract_stack() if "/shared/" in f.filename]
+            key = f"{frames[-1].filename.split('/shared/')[-1]}:{frames[-1].lineno} {frames[-1].line}" \
+                if frames else "outside shared/"
+            with self._lock:
+                self.where[key] += 1
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        if not self.enabled:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._old
+
+
+def gpu_busy_fraction(prof: Any) -> tuple[float, float]:
+    """(kernel time / span from first kernel start to last kernel end, span in ms)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return 0.0, 0.0
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    total = spans[-1][1] - spans[0][0]
+    return busy / total, total / 1e3
+
+
+SETUPS = [("sync", False), ("sync", True), ("async", False), ("async", True)]  # (loop, cuda graphs)
+
+
+def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len: int, new_tokens: int,
+            dtype: str, device: str, profile_dir: Path | None = None) -> tuple[dict[str, Any], list[list[int]]]:
+    engine = LLMEngine(EngineConfig(model=loaded.name, device=device, dtype=dtype, max_model_len=2048,
+                                    kv_cache_bytes=2 << 30, async_scheduling=loop == "async",
+                                    cuda_graphs=graphs, max_num_seqs=max(batch, 8)), loaded=loaded)
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, loaded.spec.vocab_size, (prompt_len,), generator=gen).tolist()
+               for _ in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm up
+    # decode throughput: prefill first, then time the decode steps alone
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(batch)}
+
+    def step() -> int:
+        n = 0
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            n += len(out.new_token_ids)
+        return n
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    step()
+    while any(r.num_output_tokens < 2 for r in engine.scheduler.running):  # all past prefill, none finished
+        step()
+    cuda = torch.device(engine.config.device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # steps 16-47 run under the profiler and sync debug mode, and are left out of the timing
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA]) if cuda else None
+    syncs = SyncPoints(cuda)
+    steps = window = timed_steps = timed_tokens = 0
+    timed_s = 0.0
+    sync()
+    while engine.has_unfinished():
+        profiling = prof is not None and 16 <= steps < 48
+        if profiling and steps == 16:
+            prof.start()
+            syncs.start()
+        t0 = time.perf_counter()
+        emitted = step()
+        if not profiling:
+            timed_s += time.perf_counter() - t0
+            timed_tokens += emitted
+            timed_steps += 1
+        steps += 1
+        if profiling and steps == 48:
+            sync()
+            syncs.stop()
+            prof.stop()
+            window = 32
+    sync()
+    if prof is not None and profile_dir is not None and window:
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        (profile_dir / f"torch-ops-{loop}{'-graphs' if graphs else ''}-b{batch}.txt").write_text(table)
+    engine.close()
+    engine.check_no_leaks()
+    busy, span_ms = gpu_busy_fraction(prof) if window else (0.0, 0.0)
+    row = {
+        "loop": loop, "cuda_graphs": graphs, "batch": batch, "decode_steps": steps, "timed_steps": timed_steps,
+        "tok_per_s": round(timed_tokens / timed_s, 1), "ms_per_step": round(1e3 * timed_s / timed_steps, 3),
+        "gpu_busy_fraction": round(busy, 3), "profiled_steps": window,
+        "profiled_ms_per_step": round(span_ms / window, 3) if window else None,
+        "host_idle_ratio": round(engine.runner.clock.idle_ratio, 4),
+        "sync_points": dict(syncs.where.most_common(12)),
+    }
+    return row, [tokens[f"r{i}"] for i in range(batch)]
+
+
+def profile_host(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    """cProfile of a batch of 8 in the synchronous loop with CUDA graphs: where the host's step time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = LLMEngine(EngineConfig(model=loaded.name, device=args.device, dtype=args.dtype, max_model_len=2048,
+                                    kv_cache_bytes=1 << 30, async_scheduling=False, cuda_graphs=True),
+                       loaded=loaded)
+    prompts = [[5 + i] * args.prompt_len for i in range(8)]
+    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm up
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    while engine.has_unfinished():
+        engine.step()
+    profiler.disable()
+    engine.close()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    (args.out / "host-profile-b8.txt").write_text(text.getvalue())
+    log(text.getvalue()[:6000])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="also write where the host's time goes (cProfile of the synchronous loop, "
+                             "torch op table) beside the JSON")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench/cuda_loop.py needs a CUDA device (or --device cpu for a smoke run)")
+    from shared.engine.config import DTYPES
+
+    loaded = random_loaded(DTYPES[args.dtype], args.layers, args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile_host:
+        profile_host(loaded, args)
+    rows = []
+    for batch in args.batch:
+        first: tuple[dict[str, Any], list[list[int]]] | None = None
+        setups = SETUPS if args.device.startswith("cuda") else [s for s in SETUPS if not s[1]]
+        for loop, graphs in setups:
+            row, tokens = run_one(loaded, loop, graphs, batch, args.prompt_len, args.new_tokens, args.dtype,
+                                  args.device, args.out if args.profile_host else None)
+            first = first or (row, tokens)
+            row["tokens_equal_baseline"] = tokens == first[1]
+            row["speedup_vs_baseline"] = round(row["tok_per_s"] / first[0]["tok_per_s"], 3)
+            log(json.dumps(row))
+            rows.append(row)
+    result = {
+        "bench": "cuda_loop",
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device, "torch": torch.__version__,
+        "dtype": args.dtype, "layers": args.layers, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "baseline": "synchronous loop, eager launches", "rows": rows,
+    }
+    path = args.out / f"cuda_loop-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    if not all(r["tokens_equal_baseline"] for r in rows):
+        sys.exit("tokens differ from the synchronous eager loop's")
+
+
+if __name__ == "__main__":
+    main()
