@@ -30,7 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     dtype: str = "float32"
-    attention_backend: str = "auto"  # auto: Triton on CUDA, torch reference elsewhere
+    attention_backend: str = "auto"  # auto: Triton on CUDA, C++ decode kernel + torch reference on the CPU
     seed: int = 0
     cache_dir: Path = field(default=DEFAULT_CACHE_DIR)
     # speculative decoding (decode and colocated roles; a prefill engine ignores it)

@@ -70,9 +70,14 @@ class GenerationResult:
 
 
 def pick_attention(backend: str, device: str):  # type: ignore[no-untyped-def]
-    """The torch reference on the CPU; the Triton kernel on CUDA unless told otherwise."""
-    if backend == "torch" or (backend == "auto" and not device.startswith("cuda")):
+    """On the CPU the C++ decode kernel over the torch reference (which it falls back to); the Triton
+    kernel on CUDA; "torch" = the reference everywhere."""
+    if backend == "torch":
         return paged_attention_ref
+    if backend == "auto" and not device.startswith("cuda"):
+        from shared.ops.cpu_attention import paged_attention_cpu
+
+        return paged_attention_cpu
     from shared.ops.triton_attention import paged_attention_triton
 
     return paged_attention_triton

@@ -14,6 +14,7 @@ The reference runs anywhere (the CPU serving path uses it); the Triton kernel in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -143,6 +144,28 @@ def paged_attention_ref(
     chunk runs on its own. A chunk with no earlier context attends to this step's own keys
     directly, skipping the gather.
     """
+    return paged_attention_split(query, key, value, k_cache, v_cache, meta, scale, sliding_window, _short_batch)
+
+
+ShortBatchFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, "int | None", list[int], list[int],
+     torch.Tensor],
+    None,
+]
+
+
+def paged_attention_split(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    short_batch: ShortBatchFn,
+) -> torch.Tensor:
+    """Long chunks one by one through SDPA; the short sequences all at once through `short_batch`."""
     out = torch.empty_like(query)
     short_seqs: list[int] = []
     starts = meta.query_start_loc.tolist() if meta.num_seqs else [0]
@@ -159,7 +182,7 @@ def paged_attention_ref(
         mask = _chunk_mask(meta, i, q_len, s_len, sliding_window, query.device)
         out[lo:hi] = _sdpa_grouped(query[None, lo:hi], keys[None], values[None], mask[None], scale)[0]
     if short_seqs:
-        _short_batch(query, k_cache, v_cache, meta, scale, sliding_window, short_seqs, starts, out)
+        short_batch(query, k_cache, v_cache, meta, scale, sliding_window, short_seqs, starts, out)
     return out
 
 

@@ -1,0 +1,71 @@
+"""The CPU's C++ decode kernel against the torch reference, on batches with earlier context in the cache.
+
+Short rows (decodes, verify chunks of up to 17 tokens) go through the kernel, long
+prefill chunks through the reference's SDPA path, so mixed batches check the split
+too. The kernel must build on any machine that runs the tests (it needs the C++
+compiler torch uses); a machine where it does not fails here rather than silently
+comparing the reference with itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from shared.ops import cpu_attention
+from shared.ops.attention import paged_attention_ref
+from tests.unit.ops.conftest import AttentionBatch
+
+MIXED = [(13, 9), (0, 11), (5, 1), (30, 1), (0, 1), (17, 1), (40, 17), (3, 30)]
+
+
+def run_both(batch: AttentionBatch, sliding_window: int | None, poison: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel, reference). `poison`: NaN in every slot no sequence may read, before the kernel runs
+    (the reference reads whole blocks, so it runs first, on the clean cache)."""
+    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    ref = paged_attention_ref(*args, sliding_window)
+    batch.meta.step_cache.clear()
+    if poison:
+        batch.poison_unused_slots()  # a read outside a sequence's keys turns its rows to NaN
+    out = cpu_attention.paged_attention_cpu(*args, sliding_window)
+    return out, ref
+
+
+def test_kernel_builds() -> None:
+    assert cpu_attention.cpu_kernel_available(), "the C++ attention kernel did not build (see the log)"
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (9, 3, 64, 4), (4, 1, 256, 8), (8, 8, 32, 16), (16, 2, 8, 8)],
+    ids=["smollm2", "block4", "gemma3", "mha", "group8-d8"],
+)
+def test_matches_reference(make_batch: Callable[..., AttentionBatch], num_heads: int, num_kv_heads: int,
+                           head_dim: int, block_size: int, sliding_window: int | None) -> None:
+    batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size)
+    out, ref = run_both(batch, sliding_window, poison=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_positions_are_the_truth_when_host_lengths_are_upper_bounds(make_batch: Callable[..., AttentionBatch]) -> None:
+    """The zero-bubble loop's host seq_lens may overshoot; the device positions say where each query is."""
+    batch = make_batch([(20, 1), (9, 4), (33, 1)], 9, 3, 64, 16)
+    truth = batch.meta.positions = torch.cat(
+        [torch.arange(s - q, s) for s, q in zip(batch.meta.seq_lens_host, batch.meta.query_lens_host, strict=True)])
+    _, ref = run_both(batch, None)
+    batch.meta.seq_lens_host = [s + 3 for s in batch.meta.seq_lens_host]  # upper bounds, as planned ahead
+    batch.meta.step_cache.clear()
+    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    out = cpu_attention.paged_attention_cpu(*args, None)
+    assert torch.equal(batch.meta.positions, truth)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_other_dtypes_use_the_reference(make_batch: Callable[..., AttentionBatch]) -> None:
+    batch = make_batch([(10, 1), (4, 1)], 4, 2, 32, 8, dtype=torch.bfloat16)
+    out, ref = run_both(batch, None)
+    assert torch.equal(out, ref)
