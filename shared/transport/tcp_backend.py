@@ -90,6 +90,11 @@ class _Connection:
         self._timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._queue: queue.SimpleQueue[_TcpXfer | None] = queue.SimpleQueue()
+        # the transfer on the socket now, and whether an abort shut the socket down: an abort may only
+        # interrupt its own transfer, never the next one (of another request) sharing the connection
+        self._active_lock = threading.Lock()
+        self._active: _TcpXfer | None = None
+        self._interrupted = False
         self._thread = threading.Thread(target=self._run, name=f"tcp-xfer-{label}", daemon=True)
         self._thread.start()
 
@@ -103,10 +108,12 @@ class _Connection:
                 xfer.phase, xfer.error = "finished", "aborted"
                 xfer.finished.set()
                 return
-        if xfer.phase == "active":
-            self._interrupt()
-            if not xfer.finished.wait(self._timeout_s):
-                logger.error("tcp transfer %d did not stop after abort", xfer.xfer_id)
+        with self._active_lock:
+            if self._active is xfer:
+                self._interrupted = True
+                self._interrupt()
+        if not xfer.finished.wait(self._timeout_s):
+            logger.error("tcp transfer %d did not stop after abort", xfer.xfer_id)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -123,13 +130,22 @@ class _Connection:
 
     def _run(self) -> None:
         while (xfer := self._queue.get()) is not None:
-            if not xfer.claim():
-                continue
+            with self._active_lock:
+                if not xfer.claim():
+                    continue
+                self._active = xfer
+            error: str | None
             try:
-                xfer.finish(self._transfer(xfer))
+                error = self._transfer(xfer)
             except (OSError, TransportError) as e:
                 self._drop()
-                xfer.finish(f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+            with self._active_lock:
+                self._active = None
+                if self._interrupted:  # shut down by an abort, maybe after the reply was in: start afresh
+                    self._interrupted = False
+                    self._drop()
+            xfer.finish(error)
         self._drop()
 
     def _drop(self) -> None:
