@@ -65,7 +65,6 @@ class BlockPool:
         # Steps planned meanwhile may take them (they run after it); host writers may not yet.
         self._held: OrderedDict[int, None] | None = None
 
-
     @property
     def num_free_blocks(self) -> int:
         """Blocks held by no request (cached-but-unreferenced blocks count as free)."""

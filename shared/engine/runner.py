@@ -28,11 +28,11 @@ from shared.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
 from shared.engine.scheduler import SchedulerPlan, StepResult
-from shared.kv.layout import KVLayout
+from shared.kv.layout import KVLayout, cdiv
 from shared.models.common import LayerDoneFn
 from shared.models.decoder import DecoderLM
 from shared.ops.attention import AttentionMetadata
-from shared.ops.host_copy import tensor_to_device, to_device
+from shared.ops.host_copy import tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
 from shared.spec.verify import VerifyInput, VerifyOutput, verify_drafts
 
@@ -101,11 +101,8 @@ class StepOutput:
         """
         if not self.device.emitted.is_cuda or self.device.emitted.numel() == 0:
             return
-        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                     for t in (self.device.emitted, self.device.num_emitted))
-        self._host = host  # type: ignore[assignment]
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        (emitted, counts), self._copied = to_host_async(self.device.emitted, self.device.num_emitted)
+        self._host = (emitted, counts)
 
     def result(self) -> StepResult:
         """Read the emitted tokens to the host: the one device-to-host copy of a step."""
@@ -178,7 +175,7 @@ class ModelRunner:
         `scratch_block`: a KV block no request ever owns, where padding rows write.
         """
         block_size = self.layout.block_size
-        max_blocks = -(-(max_model_len + 1) // block_size)
+        max_blocks = cdiv(max_model_len + 1, block_size)
         graphs = DecodeGraphs(capture_sizes(max_num_seqs), max_blocks, block_size, scratch_block, self.device)
         graphs.capture(lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta))
         self.graphs = graphs

@@ -75,6 +75,15 @@ def _gather_keys(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: in
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
+def query_positions(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:  # [num_tokens] int64
+    """Every query token's position: `meta.positions` (the truth, also where host lengths are only upper
+    bounds) or, when the caller gave none, what the exact host lengths imply."""
+    if meta.positions is not None:
+        return meta.positions
+    return torch.tensor([p for q, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
+                         for p in range(s - q, s)], dtype=torch.int64, device=device)
+
+
 def _position_mask(
     query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None
 ) -> torch.Tensor:
@@ -211,11 +220,7 @@ def _short_group(
     pad = [[min(t, q - 1) for t in range(max_q)] for q in q_lens]  # query index, padding -> last
     rows = [[starts[i] + t for t in ts] for i, ts in zip(seq_ids, pad, strict=True)]
     row_index = torch.tensor(rows, device=device)
-    if meta.positions is not None:  # the truth, also where host lengths are only upper bounds
-        q_pos = meta.positions[row_index]
-    else:
-        q_pos = torch.tensor([[s - q + t for t in ts] for q, s, ts in zip(q_lens, s_lens, pad, strict=True)],
-                             device=device)
+    q_pos = query_positions(meta, device)[row_index]
     idx = torch.tensor(seq_ids, device=device)
     k_pos = torch.arange(num_blocks * block_size, device=device).expand(len(seq_ids), -1)
     group = _ShortGroup(

@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 
 from shared.models.loader import DEFAULT_CACHE_DIR
-from shared.ops.attention import AttentionMetadata, paged_attention_ref, paged_attention_split
+from shared.ops.attention import (
+    AttentionMetadata,
+    paged_attention_ref,
+    paged_attention_split,
+    query_positions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,8 @@ def _build_dir() -> Path:
 def cpu_kernel_available() -> bool:
     """Build (once per process; the compiled library is cached on disk) and load the kernel."""
     global _built
+    if _built is not None:  # every layer of every step asks: no lock once settled
+        return _built
     with _lock:
         if _built is None:
             _built = _build()
@@ -68,11 +75,7 @@ def _short_rows(meta: AttentionMetadata, seq_ids: list[int], starts: list[int],
         rows = [starts[i] + t for i in seq_ids for t in range(meta.query_lens_host[i])]
         seqs = [i for i in seq_ids for _ in range(meta.query_lens_host[i])]
         row_index = torch.tensor(rows, dtype=torch.int64, device=device)
-        if meta.positions is not None:  # the truth, also where host lengths are only upper bounds
-            pos = meta.positions[row_index].contiguous()
-        else:
-            pos = torch.tensor([meta.seq_lens_host[i] - meta.query_lens_host[i] + t
-                                for i in seq_ids for t in range(meta.query_lens_host[i])], device=device)
+        pos = query_positions(meta, device)[row_index]
         cached = meta.step_cache[key] = (row_index, torch.tensor(seqs, dtype=torch.int64, device=device), pos)
     return cached  # type: ignore[return-value]
 
