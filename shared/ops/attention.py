@@ -14,6 +14,7 @@ The reference runs anywhere (the CPU serving path uses it); the Triton kernel in
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -163,6 +164,20 @@ ShortBatchFn = Callable[
 ]
 
 
+def _split_sequences(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
+    """(short sequences, long chunks, query start of each sequence): the same for every layer of a step."""
+    cached = meta.step_cache.get("split")
+    if cached is None:
+        short_seqs: list[int] = []
+        long_seqs: list[int] = []
+        for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+            short = q_len == 1 or (q_len <= _SHORT_MAX_QUERY and s_len > q_len)
+            (short_seqs if short else long_seqs).append(i)
+        starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
+        cached = meta.step_cache["split"] = (short_seqs, long_seqs, starts)
+    return cached  # type: ignore[return-value]
+
+
 def paged_attention_split(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -176,12 +191,9 @@ def paged_attention_split(
 ) -> torch.Tensor:
     """Long chunks one by one through SDPA; the short sequences all at once through `short_batch`."""
     out = torch.empty_like(query)
-    short_seqs: list[int] = []
-    starts = meta.query_start_loc.tolist() if meta.num_seqs else [0]
-    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-        if q_len == 1 or (q_len <= _SHORT_MAX_QUERY and s_len > q_len):
-            short_seqs.append(i)
-            continue
+    short_seqs, long_seqs, starts = _split_sequences(meta)
+    for i in long_seqs:
+        q_len, s_len = meta.query_lens_host[i], meta.seq_lens_host[i]
         lo, hi = starts[i], starts[i] + q_len
         if s_len == q_len:
             keys, values = key[lo:hi], value[lo:hi]

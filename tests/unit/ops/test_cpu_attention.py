@@ -41,13 +41,30 @@ def test_kernel_builds() -> None:
 @pytest.mark.parametrize("sliding_window", [None, 7])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (9, 3, 64, 4), (4, 1, 256, 8), (8, 8, 32, 16), (16, 2, 8, 8)],
-    ids=["smollm2", "block4", "gemma3", "mha", "group8-d8"],
+    [(9, 3, 64, 16), (9, 3, 64, 4), (4, 1, 256, 8), (8, 8, 32, 16), (16, 2, 8, 8), (6, 2, 12, 16),
+     (4, 2, 96, 16)],
+    # d12: dot products with a scalar tail; d96: a value pass narrower than the 64-lane accumulator
+    ids=["smollm2", "block4", "gemma3", "mha", "group8-d8", "d12", "d96"],
 )
 def test_matches_reference(make_batch: Callable[..., AttentionBatch], num_heads: int, num_kv_heads: int,
                            head_dim: int, block_size: int, sliding_window: int | None) -> None:
     batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size)
     out, ref = run_both(batch, sliding_window, poison=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("batch_shape", [[(30, 1)], [(5, 1), (17, 3)]], ids=["one-row", "four-rows"])
+def test_few_rows_split_their_heads_across_jobs(make_batch: Callable[..., AttentionBatch], threads: int,
+                                                batch_shape: list[tuple[int, int]]) -> None:
+    """With fewer rows than twice the threads, a row's KV heads are split over jobs (8 heads: 1 to 8 per job)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = make_batch(batch_shape, 8, 8, 32, 16)
+        out, ref = run_both(batch, None, poison=True)
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
