@@ -1,4 +1,4 @@
-"""`baton train-draft`: train an EAGLE head for a model on the CPU, save it for `--spec eagle`.
+"""`baton train-draft`: train an EAGLE head for a model (on the CPU, or `--device cuda`), save it for `--spec eagle`.
 
     bundled prompts ─► target generates replies ─► prefill-role engine hands out hidden states
         ─► train the head (progress bar) ─► safetensors ─► acceptance length on held-out prompts
@@ -21,10 +21,9 @@ import torch
 from tqdm import tqdm
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
+from shared.engine.engine import LLMEngine, pick_attention
 from shared.engine.request import SamplingParams
 from shared.models.loader import DEFAULT_CACHE_DIR, LoadedModel, load_model
-from shared.ops.attention import paged_attention_ref
 from shared.spec.eagle import target_lm_head
 from shared.spec.eagle_head import EagleHead, EagleHeadConfig
 from shared.spec.eagle_train import (
@@ -34,7 +33,7 @@ from shared.spec.eagle_train import (
     generate_sequences,
     train_head,
 )
-from shared.spec.train_prompts import EVAL_PROMPTS, TRAIN_PROMPTS
+from shared.spec.train_prompts import ALL_TRAIN_PROMPTS, EVAL_PROMPTS
 from shared.tokenizer import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -44,17 +43,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("train-draft", help="train an EAGLE draft head for a model (CPU) and save it")
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument("--out", type=Path, required=True, help="safetensors file to write")
-    p.add_argument("--num-prompts", type=int, default=len(TRAIN_PROMPTS), help="bundled prompts to use")
+    p.add_argument("--num-prompts", type=int, default=len(ALL_TRAIN_PROMPTS), help="bundled prompts to use")
     p.add_argument("--max-tokens", type=int, default=128, help="reply length the target generates per prompt")
-    p.add_argument("--samples-per-prompt", type=int, default=4, help="one greedy reply, the rest sampled")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--samples-per-prompt", type=int, default=2, help="one greedy reply, the rest sampled")
+    p.add_argument("--steps", type=int, default=1300)
     p.add_argument("--window", type=int, default=64, help="rows per training window (= serving hidden window)")
-    p.add_argument("--batch-windows", type=int, default=8)
+    p.add_argument("--batch-windows", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--ce-weight", type=float, default=0.1, help="weight of the token loss next to the feature loss")
     p.add_argument("--draft-vocab", type=int, default=4096, help="most frequent tokens the head may propose")
     p.add_argument("--eval-tokens", type=int, default=64, help="reply length when measuring acceptance")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--depth", type=int, default=3, help="draft steps trained per window (1: teacher forcing only)")
+    p.add_argument("--device", default="cpu", help="where generation and training run (cpu, cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--data-cache", type=Path, help="reuse (or write) the generated text and hidden states here")
@@ -63,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _engine(args: argparse.Namespace, loaded: object = None, **config: object) -> LLMEngine:
     kw: dict[str, object] = dict(model=args.model, max_model_len=1024, kv_cache_bytes=256 << 20,
-                                 cache_dir=args.cache_dir)
+                                 cache_dir=args.cache_dir, device=args.device)
     kw.update(config)
     return LLMEngine(EngineConfig(**kw), loaded=loaded)  # type: ignore[arg-type]
 
@@ -73,10 +74,12 @@ def _training_data(args: argparse.Namespace, loaded: LoadedModel) -> list[Traini
         logger.info("reusing training data from %s", args.data_cache)
         rows = torch.load(args.data_cache)
         return [TrainingSequence(r["token_ids"], r["hidden_states"], r["greedy_next"]) for r in rows]
-    # room for every prompt and reply at once (~46 KiB per token on SmolLM2): no preemption
-    generator_engine = _engine(args, loaded, kv_cache_bytes=768 << 20)
+    # room for every running request's prompt and reply (~46 KiB per token on SmolLM2): no preemption
+    on_gpu = args.device != "cpu"
+    generator_engine = _engine(args, loaded, kv_cache_bytes=(4 << 30) if on_gpu else (768 << 20),
+                               max_num_seqs=256 if on_gpu else 64)
     chat = loaded.chat_template is not None
-    prompts = [encode_prompt(loaded.tokenizer, p, chat=chat) for p in TRAIN_PROMPTS[: args.num_prompts]]
+    prompts = [encode_prompt(loaded.tokenizer, p, chat=chat) for p in ALL_TRAIN_PROMPTS[: args.num_prompts]]
     logger.info("generating %d x %d replies of up to %d tokens with %s", len(prompts), args.samples_per_prompt,
                 args.max_tokens, args.model)
     sequences = generate_sequences(generator_engine, prompts, args.max_tokens, args.samples_per_prompt)
@@ -91,7 +94,8 @@ def _training_data(args: argparse.Namespace, loaded: LoadedModel) -> list[Traini
 
 def run_train_draft(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    loaded = load_model(args.model, paged_attention_ref, max_model_len=1024, cache_dir=args.cache_dir)
+    loaded = load_model(args.model, pick_attention("auto", args.device), device=args.device, max_model_len=1024,
+                        cache_dir=args.cache_dir)
     data = _training_data(args, loaded)
     num_tokens = sum(s.token_ids.shape[0] for s in data)
 
@@ -106,7 +110,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
         bar.set_postfix(loss=f"{loss:.3f}", top1=f"{acc:.2f}")
 
     accuracy = train_head(head, data, args.steps, args.window, args.batch_windows, args.lr, progress, args.seed,
-                          args.ce_weight)
+                          args.ce_weight, args.depth)
     bar.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     head.save(args.out)
@@ -115,7 +119,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
     acceptance = measure_acceptance(args, loaded)
     report = {"out": str(args.out), "model": args.model, "training_tokens": num_tokens, "steps": args.steps,
               "draft_vocab": int(head.draft_token_ids.shape[0]) if head.draft_token_ids is not None else None,
-              "train_top1": accuracy, "eval_mean_acceptance_length": acceptance,
+              "depth": args.depth, "train_top1": accuracy, "eval_mean_acceptance_length": acceptance,
               "num_speculative_tokens": args.num_speculative_tokens, "elapsed_s": time.monotonic() - t0}
     print(json.dumps(report))
     return 0

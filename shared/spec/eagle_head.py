@@ -154,6 +154,7 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,  # [n, hidden] target hidden states at positions t
         token_ids: torch.Tensor,  # [n] tokens at positions t + 1
         positions: torch.Tensor | None = None,  # [n] positions t + 1 (RoPE); default 0 .. n - 1
+        attn_mask: torch.Tensor | None = None,  # [n, n] bool, True where a row may attend; default causal
     ) -> torch.Tensor:  # next_hidden [n, hidden]: the predicted target hidden states at t + 1
         c = self.config
         n = hidden.shape[0]
@@ -170,8 +171,8 @@ class EagleHead(nn.Module):
         v = self.v_proj(h).view(n, c.num_kv_heads, c.head_dim)
         q, k = apply_rope(q, k, self._cos_sin(positions, x.dtype))
         attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            is_causal=True, scale=c.head_dim**-0.5, enable_gqa=True,
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=attn_mask,
+            is_causal=attn_mask is None, scale=c.head_dim**-0.5, enable_gqa=True,
         )  # fmt: skip
         x = x + self.o_proj(attn.transpose(0, 1).reshape(n, -1))
 

@@ -2,7 +2,11 @@
 
 Short, varied chat requests (explanations, lists, code, rewriting, stories),
 none of them the benchmark's questions, so acceptance measured there is on
-prompts the head never saw.
+prompts the head never saw: 64 written out, then every request template crossed
+with every subject (`TEMPLATES` x `SUBJECTS`, about 1,500). 64 prompts were too
+few: a head trained on them reached 1.36 tokens per step on the held-out
+questions, against 2.0 wanted; what the head must learn is how this model
+phrases answers, and that takes many different answers.
 """
 
 from __future__ import annotations
@@ -37,6 +41,37 @@ TRAIN_PROMPTS: tuple[str, ...] = (
     "Describe your ideal weekend.", "What is friendship?", "How do birds know where to migrate?",
     "What do pandas eat?", "Why is the sun hot?",
 )
+
+TEMPLATES: tuple[str, ...] = (
+    "Explain {} to a ten-year-old.", "What are three interesting facts about {}?",
+    "Write a short paragraph about {}.", "Write a short poem about {}.", "What are the pros and cons of {}?",
+    "Describe {} in a few sentences.", "Tell me a short story that involves {}.",
+    "List five things people should know about {}.", "Summarize the history of {} briefly.",
+    "Why is {} important?", "Write a friendly email to a colleague about {}.",
+    "Give me a quiz question about {} and its answer.", "What are common misconceptions about {}?",
+    "How would you teach a beginner about {}?", "Compare {} with something similar.",
+    "Write a product description inspired by {}.", "What questions do children ask about {}?",
+    "Give me a step-by-step guide related to {}.", "Write a dialogue between two friends about {}.",
+    "What is the future of {}?",
+)
+SUBJECTS: tuple[str, ...] = (
+    "volcanoes", "honeybees", "the harvest moon", "coffee", "electric cars", "the Roman Empire", "recycling", "dinosaurs",
+    "the piano", "rain forests", "the human eye", "glaciers", "chocolate", "the printing press", "solar panels",
+    "sharks", "the Olympic Games", "libraries", "bread baking", "sleep", "the stock market", "penguins",
+    "the Great Wall of China", "gardening", "bicycles", "the water cycle", "spiders", "jazz music", "assembly lines",
+    "the Eiffel Tower", "friendship", "time management", "tea", "ancient Egypt", "wind turbines", "owls", "soccer",
+    "the immune system", "deserts", "trains", "origami", "photography", "the metric system", "whales",
+    "public transport", "cheese", "the solar system", "castles", "video games", "mushrooms", "lightning",
+    "the alphabet", "bridges", "kindness", "museums", "rivers", "the violin", "elephants", "space travel",
+    "coral reefs", "mathematics", "pirates", "the Internet of Things", "yoga", "the desert tortoise",
+    "cloud computing", "fire safety", "maps", "the French Revolution", "tomatoes", "hiking", "the ocean tides",
+    "chess openings", "snow", "the printing of money", "ants", "wolves", "the Arctic", "classical music",
+    "budgeting", "public speaking", "the telescope",
+)
+TEMPLATED_PROMPTS: tuple[str, ...] = tuple(t.format(s) for s in SUBJECTS for t in TEMPLATES)
+
+# what `baton train-draft` generates from by default: the written prompts first, then the templated ones
+ALL_TRAIN_PROMPTS: tuple[str, ...] = TRAIN_PROMPTS + TEMPLATED_PROMPTS
 
 # held out from training: `baton train-draft` reports the acceptance length it reaches on these
 EVAL_PROMPTS: tuple[str, ...] = (
