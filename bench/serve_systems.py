@@ -15,7 +15,6 @@ service is launched under `taskset`; router and kv_transfer float.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -28,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from shared.cli.main import build_parser
 from shared.cli.up_cmd import plan_stack
-from shared.models.loader import DEFAULT_CACHE_DIR
 
 HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m"
 SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm")
-# kv_transfer's default 30 s lease starts when prefill reserves, before the prompt has run: behind a
-# prefill queue longer than that (32 concurrent 256-token prompts on one core) handoffs expire and
-# requests fail with 499. A longer lease keeps the benchmark measuring speed, not that bug.
+# Set when kv_transfer's 30 s lease could expire behind a long prefill queue (32 concurrent 256-token
+# prompts on one core: 499s). Prefill now renews the lease while its prompt waits; the published runs
+# kept this setting, so it stays until a run without it is compared.
 BATON_ENV = {"BATON_KV_TRANSFER_LEASE_TIMEOUT_S": "300"}
 # vLLM's CPU build binds its OpenMP threads to all cores but one and leaves that one to the API
 # server (VLLM_CPU_OMP_THREADS_BIND=auto). Binding both cores (0-1) measured 3x slower at 1 request
@@ -110,12 +109,12 @@ class Server:
         self._spawn(argv, BATON_ENV, log_dir / "up.log")
 
     def _start_pinned(self, log_dir: Path, disagg: bool) -> None:
-        args = argparse.Namespace(
-            model=MODEL_NAME, prefill=1, decode=1, mode="disagg" if disagg else "colocated", spec="none",
-            redis_url="", registry_namespace="bench", port=self.config.port,
-            api_key=[], max_model_len=self.config.max_model_len, kv_cache_bytes=512 << 20,
-            kv_transfer_capacity_bytes=2 << 30, torch_threads=1 if disagg else 2, cache_dir=DEFAULT_CACHE_DIR,
-        )
+        # through `baton up`'s own parser, so every option it grows has its default here too
+        args = build_parser().parse_args([
+            "up", "--model", MODEL_NAME, "--mode", "disagg" if disagg else "colocated",
+            "--registry-namespace", "bench", "--port", str(self.config.port),
+            "--max-model-len", str(self.config.max_model_len), "--torch-threads", "1" if disagg else "2",
+        ])  # fmt: skip
         cores = {"prefill": "0", "decode": "1", "colocated": "0,1"}
         for child in plan_stack(args).children:
             command = {"kv_transfer": "kv-transfer", "colocated": "decode"}.get(child.service, child.service)

@@ -156,25 +156,39 @@ class EagleHead(nn.Module):
         positions: torch.Tensor | None = None,  # [n] positions t + 1 (RoPE); default 0 .. n - 1
         attn_mask: torch.Tensor | None = None,  # [n, n] bool, True where a row may attend; default causal
     ) -> torch.Tensor:  # next_hidden [n, hidden]: the predicted target hidden states at t + 1
-        c = self.config
         n = hidden.shape[0]
         if positions is None:
             positions = torch.arange(n, device=hidden.device)
+        mask = None if attn_mask is None else attn_mask[None]
+        return self.forward_hidden_batch(hidden[None], token_ids[None], positions[None], mask)[0]
+
+    def forward_hidden_batch(
+        self,
+        hidden: torch.Tensor,  # [b, n, hidden] target hidden states at positions t
+        token_ids: torch.Tensor,  # [b, n] tokens at positions t + 1
+        positions: torch.Tensor,  # [b, n] positions t + 1 (RoPE)
+        attn_mask: torch.Tensor | None = None,  # [b, n, n] bool, True where a row may attend; default causal
+    ) -> torch.Tensor:  # [b, n, hidden]
+        """`forward_hidden` over b windows at once (padded windows say so in `attn_mask`)."""
+        c = self.config
+        b, n = token_ids.shape
         emb = F.embedding(token_ids, self.embed).to(hidden.dtype)
         if c.embed_scale is not None:
             emb = emb * c.embed_scale
-        x = self.fc(torch.cat([hidden, emb], dim=-1))  # [n, hidden]
+        x = self.fc(torch.cat([hidden, emb], dim=-1))  # [b, n, hidden]
 
         h = rms_norm(x, self.input_norm, c.rms_eps)
-        q = self.q_proj(h).view(n, c.num_heads, c.head_dim)
-        k = self.k_proj(h).view(n, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(h).view(n, c.num_kv_heads, c.head_dim)
-        q, k = apply_rope(q, k, self._cos_sin(positions, x.dtype))
+        q = self.q_proj(h).view(b, n, c.num_heads, c.head_dim)
+        k = self.k_proj(h).view(b, n, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(h).view(b, n, c.num_kv_heads, c.head_dim)
+        cos, sin = self._cos_sin(positions.reshape(-1), x.dtype)  # [b * n, 1, head_dim]
+        q, k = apply_rope(q, k, (cos.view(b, n, 1, -1), sin.view(b, n, 1, -1)))
         attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=attn_mask,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=None if attn_mask is None else attn_mask[:, None],
             is_causal=attn_mask is None, scale=c.head_dim**-0.5, enable_gqa=True,
         )  # fmt: skip
-        x = x + self.o_proj(attn.transpose(0, 1).reshape(n, -1))
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
 
         h = rms_norm(x, self.post_attention_norm, c.rms_eps)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from shared.errors import ConfigError
 from shared.models.decoder import DecoderSpec
+from shared.spec.eagle import EagleProposer
 from shared.spec.eagle_head import EagleHead, EagleHeadConfig
 
 CONFIG = EagleHeadConfig(
@@ -117,3 +118,19 @@ def test_config_from_target_spec() -> None:
     with torch.no_grad():
         _, logits = head(torch.randn(3, spec.hidden_size), torch.tensor([1, 2, 3]))
     assert logits.shape == (3, spec.vocab_size)
+
+
+def test_padded_windows_draft_as_each_window_alone() -> None:
+    """The proposer drafts every request's window in one padded forward: the last row of each must be what
+    that window gives alone (lengths 1 to 9, positions offset per window)."""
+    head = make_head().eval()
+    proposer = EagleProposer(head)
+    gen = torch.Generator().manual_seed(3)
+    windows = []
+    for n, start in ((5, 10), (1, 3), (9, 0), (2, 40)):
+        hidden = torch.randn(n, CONFIG.hidden_size, generator=gen)
+        windows.append((hidden, torch.randint(0, CONFIG.vocab_size, (n,), generator=gen), torch.arange(start, start + n)))
+    with torch.no_grad():
+        batched = proposer._last_rows(windows)
+        alone = torch.cat([head.forward_hidden(*w)[-1:] for w in windows])
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
