@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("train-draft", help="train an EAGLE draft head for a model (CPU) and save it")
+    p = sub.add_parser("train-draft", help="train an EAGLE draft head for a model (CPU or CUDA) and save it")
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument("--out", type=Path, required=True, help="safetensors file to write")
     p.add_argument("--num-prompts", type=int, default=len(ALL_TRAIN_PROMPTS), help="bundled prompts to use")

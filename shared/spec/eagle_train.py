@@ -8,10 +8,10 @@
                 the real rows <= r and to row r's own earlier steps, as a chained draft does when serving
         target  h_{r+k+1} (smooth L1)  and  argmax lm_head(h_{r+k+1}) (cross-entropy over the draft vocabulary)
 
-Training only step 0 (teacher forcing) leaves the head blind to its own
-errors: the second and third drafts, fed its predictions instead of the
-target's states, were accepted far less often. Later steps weigh
-`STEP_DECAY ** k` (EAGLE-3's training-time test does the same).
+Training only step 0 (teacher forcing) never shows the head its own errors,
+yet its second and third drafts are fed its own predictions, not the target's
+states. Later steps weigh `STEP_DECAY ** k` (EAGLE-3's training-time test does
+the same).
 
 The label is the target's own greedy choice at each position (what greedy
 verification compares a draft with), not the token the text happens to hold,

@@ -16,7 +16,7 @@
 #include <vector>
 
 // exp(x) for x <= 0 (scores minus their row's max), written so that `omp simd` vectorises it: libm's
-// expf stays one scalar call per score, which was a third of the kernel's time at 320-token contexts.
+// expf stays one scalar call per score (glibc's vector expf needs -ffast-math for the whole file).
 // Cephes' expf: x = k ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^k through the
 // exponent bits. Relative error about 1e-7, as libm's.
 static inline float exp_nonpositive(float x) {
@@ -36,10 +36,9 @@ static inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Lane counts the compiler maps onto vector registers (8 floats: one AVX2 register; SSE and NEON builds
-// split it in two). Written as plain loops over fixed-size arrays, not intrinsics, so any target builds.
+// Partial sums the compiler maps onto a vector register (8 floats: one AVX2 register; SSE and NEON builds
+// split it in two). Written as plain loops over a fixed-size array, not intrinsics, so any target builds.
 constexpr int kLanes = 8;
-constexpr int kChunk = 64;  // output lanes one pass over the values accumulates: 8 AVX2 registers
 // Keys (and values) are prefetched this many positions ahead, through the block table. Measured at batch
 // 32, 260-token contexts, 30 layers' caches, blocks scattered over the pool, two threads: 1.43 ms per
 // layer with the hardware prefetcher alone, 0.85 ms with this.

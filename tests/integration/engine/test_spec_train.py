@@ -30,7 +30,7 @@ def test_trained_head_drafts_what_the_target_says(make_tiny, engines, tmp_path: 
     model = loaded.model
     head = EagleHead(EagleHeadConfig.from_decoder_spec(model.spec), model.embed, target_lm_head(model),
                      generator=torch.Generator().manual_seed(0), draft_token_ids=draft_vocabulary(data, 128))
-    accuracy = train_head(head, data, steps=150, window=32, batch_windows=4, lr=3e-3)
+    accuracy = train_head(head, data, steps=150, window=32, batch_windows=4, lr=3e-3, depth=3)
     assert accuracy > 0.5
     path = tmp_path / "head.safetensors"
     head.save(path)
