@@ -55,6 +55,7 @@ class EngineServiceSettings(BaseSettings):
                                          "unset = the target's first spec_draft_num_layers layers")
     spec_draft_num_layers: int = Field(default=4, ge=1, description="layers of a truncated-target draft")
     spec_eagle_head: Path | None = Field(default=None, description="eagle: head from `baton train-draft`")
+    spec_eagle_window: int = Field(default=16, ge=1, description="eagle: hidden-state rows the head drafts over")
     async_scheduling: bool | None = Field(default=None, description="zero-bubble loop: plan step N+1 while "
                                           "step N runs (decode / colocated; draft and eagle keep the synchronous "
                                           "loop); unset = on with CUDA, off on the CPU")
@@ -69,7 +70,8 @@ class EngineServiceSettings(BaseSettings):
             device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
             spec_method=self.spec, num_speculative_tokens=self.num_speculative_tokens,
             spec_draft_model=self.spec_draft_model, spec_draft_num_layers=self.spec_draft_num_layers,
-            spec_eagle_head=self.spec_eagle_head, aux_hidden_layers=self.aux_hidden_layers,
+            spec_eagle_head=self.spec_eagle_head, spec_eagle_window=self.spec_eagle_window,
+            aux_hidden_layers=self.aux_hidden_layers,
             async_scheduling=self.async_scheduling, cuda_graphs=self.cuda_graphs,
         )
 

@@ -36,4 +36,5 @@ def build_speculator(
 
         proposer = build_eagle_proposer(config, loaded)
     logger.info("speculative decoding: %s, %d tokens per step", config.spec_method, config.num_speculative_tokens)
-    return Speculator(proposer, config.num_speculative_tokens, max_model_len, loaded.spec.vocab_size)
+    return Speculator(proposer, config.num_speculative_tokens, max_model_len, loaded.spec.vocab_size,
+                      hidden_window=config.spec_eagle_window)
