@@ -55,7 +55,7 @@ def run_point(server: Server, specs: list[RequestSpec], label: str, *, rate: flo
               concurrency: int | None = None, seed: int = 0, timeout_s: float = 300.0,
               slo: SLO | None = None) -> dict[str, Any]:
     """One bounded load run against a started server; its summary plus the compact per-request list."""
-    records, duration_s = asyncio.run(run_load(server.base_url, MODEL_NAME, specs, rate=rate,
+    records, duration_s = asyncio.run(run_load(server.base_url, MODEL_NAME, server.adapt(specs), rate=rate,
                                                concurrency=concurrency, seed=seed, timeout_s=timeout_s))
     point: dict[str, Any] = {"label": label, "rate": rate, "concurrency": concurrency,
                              **summarize(records, duration_s, slo), "loadavg_1m_after": os.getloadavg()[0],
@@ -82,7 +82,7 @@ def plan(quick: bool) -> dict[str, Any]:
 
 
 def bench_system(server: Server, ids: list[int], p: dict[str, Any], slo: SLO, seed: int) -> dict[str, Any]:
-    asyncio.run(warm_up(server.base_url, MODEL_NAME, ids))
+    asyncio.run(warm_up(server.base_url, MODEL_NAME, ids, adapt=server.adapt))
     shape = (p["input_len"], p["output_len"])
     out: dict[str, Any] = {"system": server.system, "ready_after_s": round(server.ready_after_s, 1),
                            "concurrency": [], "rates": []}
@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=18100)
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/baton/bench-serve")
     parser.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache/baton/peers/vllm-venv")
+    parser.add_argument("--llamacpp-venv", type=Path, default=Path.home() / ".cache/baton/peers/llamacpp-venv")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite bench/README.md's table")
     args = parser.parse_args(argv)
@@ -122,13 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(work_dir=args.work_dir, hf_dir=export_hf(args.work_dir), vllm_venv=args.vllm_venv,
-                          port=args.port)
+                          llamacpp_venv=args.llamacpp_venv, port=args.port)
     ids = vocab_ids(config.hf_dir)
     p = plan(args.quick)
     slo = SLO(ttft_s=args.ttft_slo_ms / 1e3, tpot_s=args.tpot_slo_ms / 1e3)
     logger.info("measuring the machine ...")
     result: dict[str, Any] = {"bench": "serve", "model": MODEL_NAME, "dtype": "float32", "quick": args.quick,
-                              "machine": machine_info(args.vllm_venv), "plan": p,
+                              "machine": machine_info(args.vllm_venv, args.llamacpp_venv), "plan": p,
                               "env": {"baton": BATON_ENV, "vllm": VLLM_ENV},
                               "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms,
                                       "attainment": 0.9}, "systems": []}

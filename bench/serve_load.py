@@ -18,7 +18,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,9 +178,10 @@ async def run_load(
     return records, end - start
 
 
-async def warm_up(base_url: str, model: str, vocab_ids: Sequence[int], timeout_s: float = 120.0) -> None:
+async def warm_up(base_url: str, model: str, vocab_ids: Sequence[int], timeout_s: float = 120.0,
+                  adapt: Callable[[list[RequestSpec]], list[RequestSpec]] = list) -> None:
     """A few short requests so first-call costs (allocation, JIT, oneDNN packing) stay out of the numbers."""
-    specs = random_token_set(4, 64, 8, vocab_ids, seed=12345) + chat_set(2, 8, seed=12345)
+    specs = adapt(random_token_set(4, 64, 8, vocab_ids, seed=12345) + chat_set(2, 8, seed=12345))
     records, _ = await run_load(base_url, model, specs, concurrency=2, timeout_s=timeout_s)
     failed = [r.error for r in records if not r.ok]
     if failed:

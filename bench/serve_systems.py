@@ -15,6 +15,7 @@ service is launched under `taskset`; router and kv_transfer float.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -26,13 +27,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+from bench.serve_load import RequestSpec
 from shared.cli.main import build_parser
 from shared.cli.up_cmd import plan_stack
 
 HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m"
-SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm")
+SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "llamacpp")
 # Set when kv_transfer's 30 s lease could expire behind a long prefill queue (32 concurrent 256-token
 # prompts on one core: 499s). Prefill now renews the lease while its prompt waits; the published runs
 # kept this setting, so it stays until a run without it is compared.
@@ -52,6 +55,7 @@ class ServerConfig:
     hf_dir: Path  # the HF export both systems load (vLLM reads it; baton loads its alias)
     vllm_venv: Path
     port: int
+    llamacpp_venv: Path = Path.home() / ".cache/baton/peers/llamacpp-venv"
     max_model_len: int = 2048
     ready_timeout_s: float = 600.0
 
@@ -79,6 +83,8 @@ class Server:
         try:
             if self.system == "vllm":
                 self._start_vllm(log_dir)
+            elif self.system == "llamacpp":
+                self._start_llamacpp(log_dir)
             elif self.system.startswith("baton-pinned"):
                 self._start_pinned(log_dir, disagg=self.system.endswith("disagg"))
             else:
@@ -135,13 +141,45 @@ class Server:
                 "--host", HOST, "--port", str(self.config.port)]
         self._spawn(argv, env, log_dir / "vllm.log")
 
+    def adapt(self, specs: list[RequestSpec]) -> list[RequestSpec]:
+        """Bodies this system takes. llama-cpp-python's server reads prompts only as text and has no
+        ignore_eos or min_tokens: token-id prompts go as their decoded text (which re-encodes to about the
+        same length) and EOS is banned with a logit bias, so every reply still runs to max_tokens."""
+        if self.system != "llamacpp":
+            return specs
+        tok = _tokenizer(self.config.hf_dir)
+        adapted = []
+        for spec in specs:
+            body = {k: v for k, v in spec.body.items() if k not in ("min_tokens", "ignore_eos")}
+            if isinstance(body.get("prompt"), list):
+                body["prompt"] = tok.decode(body["prompt"])
+            if spec.body.get("ignore_eos"):
+                body["logit_bias"] = {str(tok.eos_token_id): -100.0}
+            adapted.append(RequestSpec(spec.path, body))
+        return adapted
+
+    def _start_llamacpp(self, log_dir: Path) -> None:
+        python = self.config.llamacpp_venv / "bin" / "python"
+        if not python.exists():
+            raise FileNotFoundError(f"{python} missing: run bench/peers/setup_llama_cpp.sh first")
+        from shared.models.loader import ALIASES
+
+        # the packaged GGUF itself (Q4_1): llama.cpp computes on the quantized weights
+        argv = [str(python), "-m", "llama_cpp.server", "--model", str(ALIASES[MODEL_NAME]()),
+                "--model_alias", MODEL_NAME, "--n_ctx", str(self.config.max_model_len),
+                "--n_threads", str(os.cpu_count() or 1), "--host", HOST, "--port", str(self.config.port),
+                # by default a new request interrupts the one running: queue them instead
+                "--interrupt_requests", "False"]
+        self._spawn(argv, {}, log_dir / "llamacpp.log")
+
     def _wait_healthy(self, log_dir: Path) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         while time.monotonic() < deadline:
             for proc in self.procs:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{self.system}: {proc.args!r} exited with {proc.returncode}; logs in {log_dir}")
-            if _http_ok(f"{self.base_url}/health") and _http_ok(f"{self.base_url}/v1/models"):
+            health = self.system == "llamacpp" or _http_ok(f"{self.base_url}/health")  # it has no /health
+            if health and _http_ok(f"{self.base_url}/v1/models"):
                 return
             time.sleep(2.0)
         raise TimeoutError(f"{self.system} not healthy after {self.config.ready_timeout_s:.0f} s; logs in {log_dir}")
@@ -173,6 +211,13 @@ class Server:
                 pass
         stack_json.unlink(missing_ok=True)
         self.procs.clear()
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(hf_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf_dir))
 
 
 def _stack_pids(stack_json: Path) -> list[int]:
