@@ -32,6 +32,7 @@ from typing import Any
 from bench.serve_load import RequestSpec
 from shared.cli.main import build_parser
 from shared.cli.up_cmd import plan_stack
+from shared.models.loader import ALIASES
 
 HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m"
@@ -144,7 +145,9 @@ class Server:
     def adapt(self, specs: list[RequestSpec]) -> list[RequestSpec]:
         """Bodies this system takes. llama-cpp-python's server reads prompts only as text and has no
         ignore_eos or min_tokens: token-id prompts go as their decoded text (which re-encodes to about the
-        same length) and EOS is banned with a logit bias, so every reply still runs to max_tokens."""
+        same length) and EOS is banned with a logit bias. Some replies still end early (86-97 of 128 tokens in
+        the published run: llama.cpp also stops on the GGUF's other end-of-generation token); the figures count
+        the tokens each reply produced."""
         if self.system != "llamacpp":
             return specs
         tok = _tokenizer(self.config.hf_dir)
@@ -162,8 +165,6 @@ class Server:
         python = self.config.llamacpp_venv / "bin" / "python"
         if not python.exists():
             raise FileNotFoundError(f"{python} missing: run bench/peers/setup_llama_cpp.sh first")
-        from shared.models.loader import ALIASES
-
         # the packaged GGUF itself (Q4_1): llama.cpp computes on the quantized weights
         argv = [str(python), "-m", "llama_cpp.server", "--model", str(ALIASES[MODEL_NAME]()),
                 "--model_alias", MODEL_NAME, "--n_ctx", str(self.config.max_model_len),
