@@ -145,9 +145,9 @@ class Server:
     def adapt(self, specs: list[RequestSpec]) -> list[RequestSpec]:
         """Bodies this system takes. llama-cpp-python's server reads prompts only as text and has no
         ignore_eos or min_tokens: token-id prompts go as their decoded text (which re-encodes to about the
-        same length) and EOS is banned with a logit bias. Some replies still end early (86-97 of 128 tokens in
-        the published run: llama.cpp also stops on the GGUF's other end-of-generation token); the figures count
-        the tokens each reply produced."""
+        same length) and every special token (the GGUF has two that end a reply) is banned with a logit bias.
+        Its stream reports no usage, so the client counts text chunks as tokens: a few replies of 128 tokens
+        count 86-97 where tokens of a multi-byte character arrive as one chunk."""
         if self.system != "llamacpp":
             return specs
         tok = _tokenizer(self.config.hf_dir)
@@ -157,7 +157,7 @@ class Server:
             if isinstance(body.get("prompt"), list):
                 body["prompt"] = tok.decode(body["prompt"])
             if spec.body.get("ignore_eos"):
-                body["logit_bias"] = {str(tok.eos_token_id): -100.0}
+                body["logit_bias"] = {str(i): -100.0 for i in tok.all_special_ids}
             adapted.append(RequestSpec(spec.path, body))
         return adapted
 
