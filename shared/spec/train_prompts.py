@@ -3,7 +3,7 @@
 Short, varied chat requests (explanations, lists, code, rewriting, stories),
 none of them the benchmark's questions, so acceptance measured there is on
 prompts the head never saw: 64 written out, then every request template crossed
-with every subject (`TEMPLATES` x `SUBJECTS`, about 1,500). 64 prompts were too
+with every subject (`TEMPLATES` x `SUBJECTS`, 1,640). 64 prompts were too
 few: a head trained on them reached 1.36 tokens per step on the held-out
 questions, against 2.0 wanted; what the head must learn is how this model
 phrases answers, and that takes many different answers.
