@@ -3,67 +3,31 @@
 The reference gathers every decoding sequence's context out of the paged cache
 into a contiguous copy before SDPA, once per layer: a quarter of a batch-32
 decode step on two cores (bench/decode_profile.py). `csrc/paged_decode_cpu.cpp`
-reads the blocks in place instead. It is built once per machine with the C++
-compiler torch uses (about 30 s, cached under the baton cache dir) on first
-use; where it does not build, or for dtypes other than float32, the reference
-runs and says so once. Prefill chunks keep the reference's SDPA path.
+reads the blocks in place instead (built by `cpu_kernels.py`). Where it does not
+build, or for dtypes other than float32, the reference runs. Prefill chunks
+keep the reference's SDPA path.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-from pathlib import Path
 
 import torch
 
-from shared.models.loader import DEFAULT_CACHE_DIR
 from shared.ops.attention import (
     AttentionMetadata,
     paged_attention_ref,
     paged_attention_split,
     query_positions,
 )
+from shared.ops.cpu_kernels import cpu_kernels_available
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-_lock = threading.Lock()
-_built: bool | None = None
-
-
-def _build_dir() -> Path:
-    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}"
+_ENABLED = os.environ.get("BATON_CPU_ATTENTION_KERNEL", "1") != "0"
 
 
 def cpu_kernel_available() -> bool:
-    """Build (once per process; the compiled library is cached on disk) and load the kernel."""
-    global _built
-    if _built is not None:  # every layer of every step asks: no lock once settled
-        return _built
-    with _lock:
-        if _built is None:
-            _built = _build()
-        return _built
-
-
-def _build() -> bool:
-    if os.environ.get("BATON_CPU_ATTENTION_KERNEL", "1") == "0":
-        return False
-    try:
-        from torch.utils.cpp_extension import load
-
-        build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("building the CPU attention kernel (cached in %s)", build_dir)
-        # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
-        load(name="baton_paged_decode_cpu", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native",
-             "-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
-        return True
-    except Exception as exc:  # no compiler, headers, ...: serve with the reference
-        logger.warning("CPU attention kernel unavailable (%s): using the torch reference", exc)
-        return False
+    """The attention kernel runs unless BATON_CPU_ATTENTION_KERNEL=0 (or the CPU kernels did not build)."""
+    return _ENABLED and cpu_kernels_available()
 
 
 def _short_rows(meta: AttentionMetadata, seq_ids: list[int], starts: list[int],

@@ -6,17 +6,34 @@ GB/s at batch 1 against 32 GB/s of DRAM bandwidth). oneDNN with the weight
 reordered once into its blocked layout reaches ~1.7x that at every decode batch
 size. Elsewhere (CUDA, or a torch without oneDNN) the plain weight is used.
 
+At one or two rows (batch-1 and batch-2 decode) oneDNN still streams the
+weights at only 15-19 GB/s. `csrc/gemv_cpu.cpp` reads them at 22-26 GB/s from a
+second copy in its own layout, and sums every output in oneDNN's order, so a
+row gives the same bits through either path and a request the same tokens
+alone or in a batch. That order is checked on every weight when it is packed;
+a weight where it does not hold keeps oneDNN alone (and the copy is dropped).
+The copy doubles the projections' memory: `BATON_CPU_GEMV=0` turns it off.
+
 The reference is `F.linear` on the original weight; results agree to fp32
 accumulation-order noise (tested).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
 
+from shared.ops.cpu_kernels import cpu_kernels_available
+
+logger = logging.getLogger(__name__)
+
 # oneDNN picks its blocking for this many rows; decode batches and prefill chunks both run well
 _ONEDNN_BATCH_HINT = 128
+# Up to this many rows the GEMV kernel runs; at 4 rows oneDNN is as fast (bench/README.md)
+GEMV_MAX_ROWS = 2
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -26,6 +43,10 @@ def onednn_available(device: torch.device) -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+def gemv_enabled() -> bool:
+    return os.environ.get("BATON_CPU_GEMV", "1") != "0" and cpu_kernels_available()
 
 
 class LinearWeight:
@@ -44,11 +65,29 @@ class LinearWeight:
             if use_onednn
             else weight.contiguous()
         )
+        # the GEMV copy for one or two rows, only beside oneDNN (whose sums it reproduces)
+        self.gemv: torch.Tensor | None = None
+        if use_onednn and backend == "auto" and gemv_enabled():
+            self.gemv = self._pack_gemv(weight)
+
+    def _pack_gemv(self, weight: torch.Tensor) -> torch.Tensor | None:
+        packed = torch.ops.baton_cpu.gemv_pack(weight.contiguous())
+        probe = torch.randn(GEMV_MAX_ROWS, self.in_features, generator=torch.Generator().manual_seed(0))
+        if torch.equal(torch.ops.baton_cpu.gemv(probe, packed, self.out_features), self._onednn(probe)):
+            return packed
+        logger.warning("GEMV kernel sums a [%d, %d] weight in another order than oneDNN: oneDNN only",
+                       self.out_features, self.in_features)
+        return None
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features]
         assert x.dim() == 2 and x.shape[1] == self.in_features, f"got {tuple(x.shape)}"
         if self.backend == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none", [], "")
+            if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32:
+                return torch.ops.baton_cpu.gemv(x.contiguous(), self.gemv, self.out_features)
+            return self._onednn(x.contiguous())
         return F.linear(x, self.weight)
 
     @property

@@ -171,7 +171,7 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
   });
 }
 
-TORCH_LIBRARY(baton_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor rows, Tensor row_seq, Tensor row_pos, float scale, int window) -> ()");
 }

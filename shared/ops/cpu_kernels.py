@@ -1,0 +1,53 @@
+"""The C++ CPU kernels (`csrc/*.cpp`, ops under `torch.ops.baton_cpu`), built once per machine.
+
+They are compiled with the C++ compiler torch uses on first use (about 40 s,
+cached under the baton cache dir; `.ci/run` installs g++). Where they do not
+build, every caller falls back to its torch path and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "gemv_cpu.cpp")]
+_lock = threading.Lock()
+_built: bool | None = None
+
+
+def _build_dir() -> Path:
+    from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
+
+    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}"
+
+
+def cpu_kernels_available() -> bool:
+    """Build (once per process; the compiled library is cached on disk) and load the kernels."""
+    global _built
+    if _built is not None:  # every layer of every step asks: no lock once settled
+        return _built
+    with _lock:
+        if _built is None:
+            _built = _build()
+        return _built
+
+
+def _build() -> bool:
+    try:
+        from torch.utils.cpp_extension import load
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("building the CPU kernels (cached in %s)", build_dir)
+        # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
+        load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", "-march=native",
+             "-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+        return True
+    except Exception as exc:  # no compiler, headers, ...: serve with the torch paths
+        logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
+        return False

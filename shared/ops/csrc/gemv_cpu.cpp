@@ -1,0 +1,88 @@
+// y = x @ W.T for a few rows of x (batch-1 and batch-2 decode), fp32, reading W once at memory speed.
+//
+// oneDNN's packed GEMM streams a decode step's weights at 15-19 GB/s on two cores; this reaches 22-26 GB/s
+// on the same matrices (bench/README.md). It is only worth having if it changes no result: a request
+// must give the same tokens alone (1 row, here) and in a batch (oneDNN). So every output is summed in
+// oneDNN's order, found by experiment and checked per weight when it is packed (shared/ops/linear.py):
+//   y[m, n] = sequential FMA chain over k in blocks of kKBlock, each block's chain starting from 0,
+//             the blocks' partial sums added in order.
+// Rows are independent (vector lanes span outputs, never k), so the result is also the same for any
+// number of rows and threads.
+//
+// Weight layout: [N / kLanes, K, kLanes], N padded to kLanes with zeros: a panel of kLanes outputs is one
+// contiguous stream in k, which the hardware prefetcher follows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+// Outputs per panel: four AVX2 registers of partial sums per row, enough independent FMA chains to cover
+// the FMA latency at one row.
+constexpr int64_t kLanes = 32;
+// oneDNN's K blocking for fp32 brgemm (measured: chains restart every 1024 inputs)
+constexpr int64_t kKBlock = 1024;
+
+torch::Tensor gemv_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "gemv_pack: 2-D float32 weight");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kLanes - 1) / kLanes;
+  auto padded = torch::zeros({panels * kLanes, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, kLanes, K}).transpose(1, 2).contiguous();
+}
+
+// MR rows of x against one panel: out[m][l] for l < ncols
+template <int MR>
+static inline void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
+                              float* __restrict y, int64_t ldy, int64_t ncols) {
+  float total[MR][kLanes];
+  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+    const int64_t k1 = std::min(K, k0 + kKBlock);
+    float acc[MR][kLanes] = {};
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* __restrict w = panel + k * kLanes;
+      for (int m = 0; m < MR; ++m) {
+        const float xv = x[m * ldx + k];
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) acc[m][l] = std::fma(xv, w[l], acc[m][l]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int l = 0; l < kLanes; ++l) total[m][l] = k0 == 0 ? acc[m][l] : total[m][l] + acc[m][l];
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t l = 0; l < ncols; ++l) y[m * ldy + l] = total[m][l];
+}
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gemv: contiguous float32 x");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == x.size(1) &&
+              packed.is_contiguous(), "gemv: weight not packed by gemv_pack for this input width");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = out_features;
+  TORCH_CHECK(N > (panels - 1) * kLanes && N <= panels * kLanes, "gemv: out_features does not match the weight");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // panels split across threads, never k: each output's sum is the same whatever the thread count
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = wp + p * K * kLanes;
+      const int64_t ncols = std::min(kLanes, N - p * kLanes);
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) panel_rows<2>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols);
+      for (; m < M; ++m) panel_rows<1>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols);
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+  m.def("gemv_pack(Tensor weight) -> Tensor");
+  m.def("gemv(Tensor x, Tensor packed, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
+  m.impl("gemv_pack", &gemv_pack);
+  m.impl("gemv", &gemv);
+}

@@ -1,0 +1,91 @@
+"""The CPU GEMV kernel gives oneDNN's bits, so one or two rows through it equal the same rows in a batch.
+
+`LinearWeight` sends one or two rows through `csrc/gemv_cpu.cpp` and more through
+oneDNN. Batch invariance (a request's tokens alone and in a batch) needs the two
+to agree exactly, not to a tolerance: these tests compare with `torch.equal` on
+the projection shapes of both packaged models. The kernel must build wherever
+the tests run, as the attention kernel must.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.ops import linear
+from shared.ops.cpu_kernels import cpu_kernels_available
+from shared.ops.linear import GEMV_MAX_ROWS, LinearWeight, onednn_available
+
+pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="torch built without oneDNN")
+
+# [out, in] of every projection: SmolLM2-135M (qkv, o, gate_up, down, a slice of the LM head) and
+# Gemma 3 270M (qkv, o, gate_up, down); in > 1024 sums in two blocks, as oneDNN does
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576),
+          (1536, 640), (640, 1024), (4096, 640), (640, 2048), (70, 33)]
+
+
+def test_kernels_build() -> None:
+    assert cpu_kernels_available(), "the C++ CPU kernels did not build (see the log)"
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+def test_few_rows_equal_the_same_rows_in_a_batch(out_features: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(out_features * in_features)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    x = torch.randn(16, in_features, generator=g)
+    lin = LinearWeight(w)
+    assert lin.gemv is not None, "the GEMV order check failed for a packaged model's shape"
+    batched = lin(x)  # 16 rows: oneDNN
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        assert torch.equal(lin(x[:rows]), batched[:rows])
+    torch.testing.assert_close(batched, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bits_do_not_depend_on_threads(threads: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    lin = LinearWeight(torch.randn(3072, 576, generator=g))
+    x = torch.randn(2, 576, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(threads)
+        assert torch.equal(lin(x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_long_inputs_agree_whichever_path_is_kept() -> None:
+    """Past 2048 inputs (three sums) the order check decides; either way a row equals its batched self."""
+    g = torch.Generator().manual_seed(3)
+    lin = LinearWeight(torch.randn(48, 3000, generator=g))
+    x = torch.randn(8, 3000, generator=g)
+    assert torch.equal(lin(x[:1]), lin(x)[:1])
+
+
+def test_non_contiguous_rows() -> None:
+    w = torch.randn(64, 96)
+    x = torch.randn(96, 2).t()  # [2, 96], not contiguous
+    lin = LinearWeight(w)
+    assert torch.equal(lin(x), lin(torch.cat([x.contiguous(), torch.zeros(6, 96)]))[:2])
+
+
+def test_turned_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_CPU_GEMV", "0")
+    assert LinearWeight(torch.randn(64, 96)).gemv is None
+    assert linear.gemv_enabled() is False
+
+
+def test_explicit_backend_keeps_one_path() -> None:
+    assert LinearWeight(torch.randn(64, 96), "onednn").gemv is None
+    assert LinearWeight(torch.randn(64, 96), "torch").gemv is None
+
+
+def test_kernel_rejects_a_mismatched_weight() -> None:
+    packed = torch.ops.baton_cpu.gemv_pack(torch.randn(64, 96))
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.baton_cpu.gemv(torch.randn(1, 80), packed, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.baton_cpu.gemv(torch.randn(1, 96), packed, 100)
