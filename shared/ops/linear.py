@@ -6,11 +6,11 @@ GB/s at batch 1 against 32 GB/s of DRAM bandwidth). oneDNN with the weight
 reordered once into its blocked layout reaches ~1.7x that at every decode batch
 size. Elsewhere (CUDA, or a torch without oneDNN) the plain weight is used.
 
-At one or two rows (batch-1 and batch-2 decode) oneDNN still streams the
-weights at only 15-19 GB/s. `csrc/gemv_cpu.cpp` reads them at 22-26 GB/s from a
-second copy in its own layout, and sums every output in oneDNN's order, so a
-row gives the same bits through either path and a request the same tokens
-alone or in a batch. That order is checked on every weight when it is packed;
+At decode batch sizes oneDNN is still slow: at one row it streams the weights
+at 15-19 GB/s. `csrc/gemv_cpu.cpp` reads them at 22-26 GB/s from a second copy
+in its own layout, and at 4-16 rows it is 10-50% faster than oneDNN (at 32 they
+are even). It sums every output in oneDNN's order, so a row gives the same bits
+through either path and a request the same tokens alone or in a batch. That order is checked on every weight when it is packed;
 a weight where it does not hold keeps oneDNN alone (and the copy is dropped).
 The copy doubles the projections' memory: `BATON_CPU_GEMV=0` turns it off.
 
@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 # oneDNN picks its blocking for this many rows; decode batches and prefill chunks both run well
 _ONEDNN_BATCH_HINT = 128
-# Up to this many rows the GEMV kernel runs; at 4 rows oneDNN is as fast (bench/README.md)
-GEMV_MAX_ROWS = 2
+# Up to this many rows the GEMV kernel runs; at 32 rows oneDNN is as fast (bench/README.md)
+GEMV_MAX_ROWS = 16
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -65,14 +65,15 @@ class LinearWeight:
             if use_onednn
             else weight.contiguous()
         )
-        # the GEMV copy for one or two rows, only beside oneDNN (whose sums it reproduces)
+        # the GEMV copy for small batches, only beside oneDNN (whose sums it reproduces)
         self.gemv: torch.Tensor | None = None
         if use_onednn and backend == "auto" and gemv_enabled():
             self.gemv = self._pack_gemv(weight)
 
     def _pack_gemv(self, weight: torch.Tensor) -> torch.Tensor | None:
         packed = torch.ops.baton_cpu.gemv_pack(weight.contiguous())
-        probe = torch.randn(GEMV_MAX_ROWS, self.in_features, generator=torch.Generator().manual_seed(0))
+        # three rows: the kernel's two-row and one-row loops
+        probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
         if torch.equal(torch.ops.baton_cpu.gemv(probe, packed, self.out_features), self._onednn(probe)):
             return packed
         logger.warning("GEMV kernel sums a [%d, %d] weight in another order than oneDNN: oneDNN only",

@@ -1,8 +1,9 @@
-// y = x @ W.T for a few rows of x (batch-1 and batch-2 decode), fp32, reading W once at memory speed.
+// y = x @ W.T for a decode batch's rows of x (up to 16), fp32, reading W once at memory speed.
 //
-// oneDNN's packed GEMM streams a decode step's weights at 15-19 GB/s on two cores; this reaches 22-26 GB/s
-// on the same matrices (bench/README.md). It is only worth having if it changes no result: a request
-// must give the same tokens alone (1 row, here) and in a batch (oneDNN). So every output is summed in
+// oneDNN's packed GEMM streams a decode step's weights at 15-19 GB/s on two cores at one row; this reaches
+// 22-26 GB/s on the same matrices, and at 4-16 rows runs 10-50% faster (two rows at a time per pass over
+// a panel, the later passes from L2). It is only worth having if it changes no result: a request must
+// give the same tokens alone (here) and in a big batch (oneDNN). So every output is summed in
 // oneDNN's order, found by experiment and checked per weight when it is packed (shared/ops/linear.py):
 //   y[m, n] = sequential FMA chain over k in blocks of kKBlock, each block's chain starting from 0,
 //             the blocks' partial sums added in order.

@@ -1,7 +1,7 @@
-"""The CPU GEMV kernel gives oneDNN's bits, so one or two rows through it equal the same rows in a batch.
+"""The CPU GEMV kernel gives oneDNN's bits, so a few rows through it equal the same rows in a big batch.
 
-`LinearWeight` sends one or two rows through `csrc/gemv_cpu.cpp` and more through
-oneDNN. Batch invariance (a request's tokens alone and in a batch) needs the two
+`LinearWeight` sends up to GEMV_MAX_ROWS rows through `csrc/gemv_cpu.cpp` and
+more through oneDNN. Batch invariance (a request's tokens alone and in a batch) needs the two
 to agree exactly, not to a tolerance: these tests compare with `torch.equal` on
 the projection shapes of both packaged models. The kernel must build wherever
 the tests run, as the attention kernel must.
@@ -33,11 +33,11 @@ def test_kernels_build() -> None:
 def test_few_rows_equal_the_same_rows_in_a_batch(out_features: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(out_features * in_features)
     w = torch.randn(out_features, in_features, generator=g) * 0.05
-    x = torch.randn(16, in_features, generator=g)
+    x = torch.randn(GEMV_MAX_ROWS + 8, in_features, generator=g)
     lin = LinearWeight(w)
     assert lin.gemv is not None, "the GEMV order check failed for a packaged model's shape"
-    batched = lin(x)  # 16 rows: oneDNN
-    for rows in range(1, GEMV_MAX_ROWS + 1):
+    batched = lin(x)  # more rows than the kernel takes: oneDNN
+    for rows in (1, 2, 3, 8, GEMV_MAX_ROWS):
         assert torch.equal(lin(x[:rows]), batched[:rows])
     torch.testing.assert_close(batched, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
@@ -46,7 +46,7 @@ def test_few_rows_equal_the_same_rows_in_a_batch(out_features: int, in_features:
 def test_bits_do_not_depend_on_threads(threads: int) -> None:
     g = torch.Generator().manual_seed(7)
     lin = LinearWeight(torch.randn(3072, 576, generator=g))
-    x = torch.randn(2, 576, generator=g)
+    x = torch.randn(5, 576, generator=g)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -61,7 +61,7 @@ def test_long_inputs_agree_whichever_path_is_kept() -> None:
     """Past 2048 inputs (three sums) the order check decides; either way a row equals its batched self."""
     g = torch.Generator().manual_seed(3)
     lin = LinearWeight(torch.randn(48, 3000, generator=g))
-    x = torch.randn(8, 3000, generator=g)
+    x = torch.randn(GEMV_MAX_ROWS + 1, 3000, generator=g)
     assert torch.equal(lin(x[:1]), lin(x)[:1])
 
 
@@ -69,7 +69,7 @@ def test_non_contiguous_rows() -> None:
     w = torch.randn(64, 96)
     x = torch.randn(96, 2).t()  # [2, 96], not contiguous
     lin = LinearWeight(w)
-    assert torch.equal(lin(x), lin(torch.cat([x.contiguous(), torch.zeros(6, 96)]))[:2])
+    assert torch.equal(lin(x), lin(torch.cat([x.contiguous(), torch.zeros(GEMV_MAX_ROWS, 96)]))[:2])
 
 
 def test_turned_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
