@@ -6,12 +6,14 @@ GB/s at batch 1 against 32 GB/s of DRAM bandwidth). oneDNN with the weight
 reordered once into its blocked layout reaches ~1.7x that at every decode batch
 size. Elsewhere (CUDA, or a torch without oneDNN) the plain weight is used.
 
-At decode batch sizes oneDNN is still slow: at one row it streams the weights
-at 15-19 GB/s. `csrc/gemv_cpu.cpp` reads them at 22-26 GB/s from a second copy
-in its own layout, and at 4-16 rows it is 10-50% faster than oneDNN (at 32 they
-are even). It sums every output in oneDNN's order, so a row gives the same bits
-through either path and a request the same tokens alone or in a batch. That order is checked on every weight when it is packed;
-a weight where it does not hold keeps oneDNN alone (and the copy is dropped).
+At decode batch sizes oneDNN is still slow: at one row it streams SmolLM2's
+weights at 18-27 GB/s. `csrc/gemv_cpu.cpp` reads them at 32-35 GB/s (DRAM speed)
+from a second copy in its own layout: all projections of a decode step take
+1.36x less time at 1 row, 1.14x at 16, the same at 32 (`bench/linear.py`). It
+sums every output in oneDNN's order, so a row gives the same bits through
+either path and a request the same tokens alone or in a batch. That order is
+checked on every weight when it is packed; a weight where it does not hold
+keeps oneDNN alone (and the copy is dropped).
 The copy doubles the projections' memory: `BATON_CPU_GEMV=0` turns it off.
 
 The reference is `F.linear` on the original weight; results agree to fp32
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # oneDNN picks its blocking for this many rows; decode batches and prefill chunks both run well
 _ONEDNN_BATCH_HINT = 128
-# Up to this many rows the GEMV kernel runs; at 32 rows oneDNN is as fast (bench/README.md)
+# Up to this many rows the GEMV kernel runs; at 32 rows oneDNN is as fast (bench/linear.py)
 GEMV_MAX_ROWS = 16
 
 

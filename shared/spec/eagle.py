@@ -46,6 +46,7 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead) -> None:
         self.head = head.eval()
+        head.pack_for_inference()
         ids = head.draft_token_ids
         weight = head.lm_head if ids is None else head.lm_head.index_select(0, ids)
         self._scores = LinearWeight(weight.contiguous())  # [draft_vocab, hidden]

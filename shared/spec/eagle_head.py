@@ -16,6 +16,11 @@ predicts the hidden state (and so the token) at t + 2. Drafting k tokens feeds
 each prediction back in as the next row's hidden state. This first version keeps
 no KV cache: every call attends causally over exactly the rows it is given.
 
+Serving packs the projections once (`pack_for_inference`): q/k/v and gate/up
+fused, each a `LinearWeight` (oneDNN or the GEMV kernel on the CPU, where
+nn.Linear's MKL path is several times slower at a few rows). Training mode drops
+the packs, so they never go stale.
+
 Weights live in one safetensors file: the head's parameters plus its config as
 JSON metadata (`save` / `EagleHead.load`); the target's tensors are not in it.
 
@@ -40,11 +45,25 @@ from torch import nn
 from shared.errors import ConfigError
 from shared.models.common import RotaryEmbedding, apply_rope, rms_norm
 from shared.models.decoder import DecoderSpec
+from shared.ops.linear import LinearWeight
 
 __all__ = ["EagleHead", "EagleHeadConfig"]
 
 _CONFIG_KEY = "baton_eagle_config"
 _INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class _PackedProjections:
+    fc: LinearWeight
+    qkv: LinearWeight
+    o: LinearWeight
+    gate_up: LinearWeight
+    down: LinearWeight
+
+
+def _apply(lin: LinearWeight, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+    return lin(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], lin.out_features)
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,22 @@ class EagleHead(nn.Module):
             self.draft_token_ids = None
         self.reset_parameters(generator)
         self._rope: RotaryEmbedding | None = None
+        self._packed: _PackedProjections | None = None
+
+    @torch.no_grad()
+    def pack_for_inference(self) -> None:
+        """Serve the projections from packed copies of the current weights (see the module docstring)."""
+        def lin(*modules: nn.Linear) -> LinearWeight:
+            return LinearWeight(torch.cat([m.weight.detach() for m in modules]))
+
+        self._packed = _PackedProjections(fc=lin(self.fc), qkv=lin(self.q_proj, self.k_proj, self.v_proj),
+                                          o=lin(self.o_proj), gate_up=lin(self.gate_proj, self.up_proj),
+                                          down=lin(self.down_proj))
+
+    def train(self, mode: bool = True) -> EagleHead:
+        if mode:
+            self._packed = None  # the weights are about to change
+        return super().train(mode)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -175,12 +210,19 @@ class EagleHead(nn.Module):
         emb = F.embedding(token_ids, self.embed).to(hidden.dtype)
         if c.embed_scale is not None:
             emb = emb * c.embed_scale
-        x = self.fc(torch.cat([hidden, emb], dim=-1))  # [b, n, hidden]
+        p = self._packed
+        features = torch.cat([hidden, emb], dim=-1)
+        x = _apply(p.fc, features) if p is not None else self.fc(features)  # [b, n, hidden]
 
         h = rms_norm(x, self.input_norm, c.rms_eps)
-        q = self.q_proj(h).view(b, n, c.num_heads, c.head_dim)
-        k = self.k_proj(h).view(b, n, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(h).view(b, n, c.num_kv_heads, c.head_dim)
+        if p is not None:
+            q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q, k, v = _apply(p.qkv, h).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.reshape(b, n, c.num_heads, c.head_dim)
+        k = k.reshape(b, n, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, n, c.num_kv_heads, c.head_dim)
         cos, sin = self._cos_sin(positions.reshape(-1), x.dtype)  # [b * n, 1, head_dim]
         q, k = apply_rope(q, k, (cos.view(b, n, 1, -1), sin.view(b, n, 1, -1)))
         attn = F.scaled_dot_product_attention(
@@ -188,9 +230,13 @@ class EagleHead(nn.Module):
             attn_mask=None if attn_mask is None else attn_mask[:, None],
             is_causal=attn_mask is None, scale=c.head_dim**-0.5, enable_gqa=True,
         )  # fmt: skip
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
+        attn = attn.transpose(1, 2).reshape(b, n, -1)
+        x = x + (_apply(p.o, attn) if p is not None else self.o_proj(attn))
 
         h = rms_norm(x, self.post_attention_norm, c.rms_eps)
+        if p is not None:
+            gate, up = _apply(p.gate_up, h).chunk(2, dim=-1)
+            return x + _apply(p.down, F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def save(self, path: str | Path) -> None:

@@ -1,8 +1,8 @@
 // y = x @ W.T for a decode batch's rows of x (up to 16), fp32, reading W once at memory speed.
 //
-// oneDNN's packed GEMM streams a decode step's weights at 15-19 GB/s on two cores at one row; this reaches
-// 22-26 GB/s on the same matrices, and at 4-16 rows runs 10-50% faster (two rows at a time per pass over
-// a panel, the later passes from L2). It is only worth having if it changes no result: a request must
+// oneDNN's packed GEMM streams SmolLM2's weights at 18-27 GB/s on two cores at one row; this reads them at
+// 32-35 GB/s, DRAM speed, and at 4-16 rows is 1.1-1.6x faster (two rows at a time per pass over a panel, the
+// later passes from L2; bench/linear.py). It is only worth having if it changes no result: a request must
 // give the same tokens alone (here) and in a big batch (oneDNN). So every output is summed in
 // oneDNN's order, found by experiment and checked per weight when it is packed (shared/ops/linear.py):
 //   y[m, n] = sequential FMA chain over k in blocks of kKBlock, each block's chain starting from 0,

@@ -134,3 +134,24 @@ def test_padded_windows_draft_as_each_window_alone() -> None:
         batched = proposer._last_rows(windows)
         alone = torch.cat([head.forward_hidden(*w)[-1:] for w in windows])
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_projections_match_the_modules_and_training_drops_them() -> None:
+    """Serving packs q/k/v and gate/up into LinearWeights; the result must be the modules' up to fp32
+    rounding, and going back to training must never leave stale packs behind."""
+    head = make_head().eval()
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 6, CONFIG.hidden_size, generator=gen)
+    ids = torch.randint(0, CONFIG.vocab_size, (3, 6), generator=gen)
+    positions = torch.arange(6).repeat(3, 1)
+    with torch.no_grad():
+        plain = head.forward_hidden_batch(hidden, ids, positions)
+        EagleProposer(head)  # packs
+        assert head._packed is not None
+        packed = head.forward_hidden_batch(hidden, ids, positions)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+    head.train()
+    assert head._packed is None
+    with torch.no_grad():
+        head.fc.weight.mul_(2.0)
+        assert not torch.allclose(head.forward_hidden_batch(hidden, ids, positions), plain)
