@@ -17,7 +17,7 @@ UP_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run demo test lint bench clean
+.PHONY: setup kernels run demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -34,14 +34,19 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet ucxx-cu12==0.52.0
 	touch $@
 
-run: setup
+# the C++ CPU kernels (shared/ops/csrc): compiled once per machine (about a minute) and cached, so
+# no service or test waits on the compiler while it starts; without a compiler the torch paths serve
+kernels: setup
+	$(BIN)/python -m shared.ops.cpu_kernels
+
+run: kernels
 	$(BIN)/baton up --model $(MODEL) --port $(PORT) $(UP_ARGS)
 
 demo: setup
 	$(BIN)/baton generate --model $(MODEL) --chat --max-tokens 96 \
 		--prompt "In two sentences, why split LLM serving into prefill and decode?"
 
-test: setup
+test: kernels
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup

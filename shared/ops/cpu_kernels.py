@@ -1,8 +1,10 @@
 """The C++ CPU kernels (`csrc/*.cpp`, ops under `torch.ops.baton_cpu`), built once per machine.
 
-They are compiled with the C++ compiler torch uses on first use (about 40 s,
-cached under the baton cache dir; `.ci/run` installs g++). Where they do not
-build, every caller falls back to its torch path and the reason is logged once.
+They are compiled with the C++ compiler torch uses (about 40 s, cached under
+the baton cache dir; `.ci/run` installs g++): `make run` and `make test` build
+them up front (`python -m shared.ops.cpu_kernels`), and otherwise the first
+use does. Where they do not build, every caller falls back to its torch path
+and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -51,3 +53,14 @@ def _build() -> bool:
     except Exception as exc:  # no compiler, headers, ...: serve with the torch paths
         logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
         return False
+
+
+if __name__ == "__main__":  # `make run` / `make test` build them up front, not inside a service's start-up
+    import sys
+    import time
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.monotonic()
+    ok = cpu_kernels_available()
+    print(f"CPU kernels {'ready' if ok else 'unavailable: serving uses the torch paths'} "
+          f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
