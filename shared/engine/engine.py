@@ -96,7 +96,8 @@ class LLMEngine:
         self.config = config
         attention = pick_attention(config.attention_backend, config.device)
         self.loaded = loaded or load_model(
-            config.model, attention, config.device, config.torch_dtype, config.cache_dir, config.max_model_len
+            config.model, attention, config.device, config.torch_dtype, config.cache_dir, config.max_model_len,
+            decodes=config.role != "prefill",
         )
         spec = self.loaded.spec
         self.max_model_len = min(spec.max_positions, config.max_model_len or spec.max_positions)

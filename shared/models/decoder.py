@@ -84,8 +84,10 @@ class DecoderLM:
         attention: AttentionFn,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        decodes: bool = True,  # False (a prefill engine): projections only ever see prompt chunks
     ) -> None:
         self.spec = spec
+        self._decodes = decodes
         self.attention = attention
         self.device = torch.device(device)
         self.dtype = dtype
@@ -119,10 +121,10 @@ class DecoderLM:
         w_qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         return _LayerWeights(
-            w_qkv=LinearWeight(w_qkv),
-            w_o=LinearWeight(get(p + "self_attn.o_proj.weight")),
-            w_gate_up=LinearWeight(w_gate_up),
-            w_down=LinearWeight(get(p + "mlp.down_proj.weight")),
+            w_qkv=LinearWeight(w_qkv, small_batches=self._decodes),
+            w_o=LinearWeight(get(p + "self_attn.o_proj.weight"), small_batches=self._decodes),
+            w_gate_up=LinearWeight(w_gate_up, small_batches=self._decodes),
+            w_down=LinearWeight(get(p + "mlp.down_proj.weight"), small_batches=self._decodes),
             norm_in=get_norm(p + "input_layernorm.weight"),
             # Llama names its pre-MLP norm "post_attention_layernorm"; Gemma's is a true post-norm
             norm_ffn_in=get_norm(p + ("pre_feedforward_layernorm" if s.sandwich_norm

@@ -153,6 +153,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: Path = DEFAULT_CACHE_DIR,
     max_model_len: int | None = None,
+    decodes: bool = True,  # False for a prefill engine (see DecoderLM)
 ) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -173,7 +174,7 @@ def load_model(
     for f in files:
         logger.info("loading weights %s", f.name)
         weights.update(load_file(f))
-    model = DecoderLM(decoder_spec, weights, attention, device=device, dtype=dtype)
+    model = DecoderLM(decoder_spec, weights, attention, device=device, dtype=dtype, decodes=decodes)
     logger.info("loaded %s (%s, %d layers) in %.2f s", spec, decoder_spec.model_type,
                 decoder_spec.num_layers, time.monotonic() - t0)
     return LoadedModel(

@@ -14,7 +14,8 @@ sums every output in oneDNN's order, so a row gives the same bits through
 either path and a request the same tokens alone or in a batch. That order is
 checked on every weight when it is packed; a weight where it does not hold
 keeps oneDNN alone (and the copy is dropped).
-The copy doubles the projections' memory: `BATON_CPU_GEMV=0` turns it off.
+The copy doubles the projections' memory (prefill engines keep it for the LM
+head only); `BATON_CPU_GEMV=0` turns it off.
 
 The reference is `F.linear` on the original weight; results agree to fp32
 accumulation-order noise (tested).
@@ -54,7 +55,9 @@ def gemv_enabled() -> bool:
 class LinearWeight:
     """`y = x @ W.T` for a fixed weight W [out_features, in_features]."""
 
-    def __init__(self, weight: torch.Tensor, backend: str = "auto") -> None:
+    def __init__(self, weight: torch.Tensor, backend: str = "auto", small_batches: bool = True) -> None:
+        """`small_batches`: keep the GEMV copy (where the kernel runs); False where the weight only ever
+        sees large batches (prefill engines' projections), which saves the memory at no change in result."""
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
@@ -69,7 +72,7 @@ class LinearWeight:
         )
         # the GEMV copy for small batches, only beside oneDNN (whose sums it reproduces)
         self.gemv: torch.Tensor | None = None
-        if use_onednn and backend == "auto" and gemv_enabled():
+        if use_onednn and backend == "auto" and small_batches and gemv_enabled():
             self.gemv = self._pack_gemv(weight)
 
     def _pack_gemv(self, weight: torch.Tensor) -> torch.Tensor | None:

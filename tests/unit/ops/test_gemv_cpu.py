@@ -89,3 +89,25 @@ def test_kernel_rejects_a_mismatched_weight() -> None:
         torch.ops.baton_cpu.gemv(torch.randn(1, 80), packed, 64)
     with pytest.raises(RuntimeError, match="out_features"):
         torch.ops.baton_cpu.gemv(torch.randn(1, 96), packed, 100)
+
+
+def test_large_batch_only_weights_keep_no_copy() -> None:
+    lin = LinearWeight(torch.randn(64, 96), small_batches=False)
+    assert lin.gemv is None and lin.backend == "onednn"
+
+
+def test_a_prefill_model_packs_only_its_lm_head() -> None:
+    """A prefill engine's projections only see prompt chunks; its LM head still scores one row per
+    sequence, so only that weight keeps the GEMV copy (the bits are oneDNN's either way)."""
+    from shared.models.decoder import DecoderLM
+    from shared.models.families import spec_from_config
+    from shared.ops.attention import paged_attention_ref
+    from tests.helpers.models import random_hf_model, tiny_llama_config
+
+    config = tiny_llama_config()
+    weights = random_hf_model(config).state_dict()
+    spec = spec_from_config(config)
+    prefill = DecoderLM(spec, weights, paged_attention_ref, decodes=False)
+    decode = DecoderLM(spec, weights, paged_attention_ref)
+    assert prefill.lm_head.gemv is not None and all(layer.w_qkv.gemv is None for layer in prefill.layers)
+    assert all(layer.w_down.gemv is not None for layer in decode.layers)
