@@ -34,6 +34,7 @@ from shared.models.common import (
 )
 from shared.ops.attention import AttentionMetadata, write_kv
 from shared.ops.linear import LinearWeight
+from shared.ops.norm_rope_cpu import apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,10 @@ class DecoderLM:
             theta: RotaryEmbedding(spec.head_dim, theta, spec.max_positions, self.device)
             for theta in set(spec.layer_rope_theta)
         }
-        self._norm = rms_norm_offset if spec.norm_offset else rms_norm
+        # on the CPU in fp32 one C++ op each (the torch forms are mostly dispatch overhead at small batches)
+        fused = norm_rope_cpu_available(self.device, dtype)
+        self._norm = rms_norm_cpu if fused else rms_norm_offset if spec.norm_offset else rms_norm
+        self._rope = apply_rope_cpu_ if fused else apply_rope
 
     def _load_layer(self, get, get_norm, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
         p = f"model.layers.{i}."
@@ -178,7 +182,7 @@ class DecoderLM:
         if w.q_norm is not None and w.k_norm is not None:
             q = self._norm(q, w.q_norm, s.rms_eps)
             k = self._norm(k, w.k_norm, s.rms_eps)
-        q, k = apply_rope(q, k, cos_sin)
+        q, k = self._rope(q, k, cos_sin)
         k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         a = self.attention(q, k, v, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])

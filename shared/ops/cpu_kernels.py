@@ -17,7 +17,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "gemv_cpu.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "gemv_cpu.cpp", "norm_rope_cpu.cpp")]
 _lock = threading.Lock()
 _built: bool | None = None
 
