@@ -88,7 +88,6 @@ class DecoderLM:
         decodes: bool = True,  # False (a prefill engine): projections only ever see prompt chunks
     ) -> None:
         self.spec = spec
-        self._decodes = decodes
         self.attention = attention
         self.device = torch.device(device)
         self.dtype = dtype
@@ -106,10 +105,13 @@ class DecoderLM:
             w = take(weights, name).to(device=self.device, dtype=torch.float32)
             return ((1.0 + w) if spec.norm_offset else w).to(dtype).contiguous()
 
+        def lin(weight: torch.Tensor) -> LinearWeight:  # a prefill engine keeps no small-batch copy
+            return LinearWeight(weight, small_batches=decodes)
+
         self.embed = get("model.embed_tokens.weight")
         self.lm_head = LinearWeight(self.embed if spec.tie_word_embeddings else get("lm_head.weight"))
         self.norm_final = get_norm("model.norm.weight")
-        self.layers = [self._load_layer(get, get_norm, i) for i in range(spec.num_layers)]
+        self.layers = [self._load_layer(get, get_norm, lin, i) for i in range(spec.num_layers)]
         self.ropes = {
             theta: RotaryEmbedding(spec.head_dim, theta, spec.max_positions, self.device)
             for theta in set(spec.layer_rope_theta)
@@ -119,16 +121,16 @@ class DecoderLM:
         self._norm = rms_norm_cpu if fused else rms_norm_offset if spec.norm_offset else rms_norm
         self._rope = apply_rope_cpu_ if fused else apply_rope
 
-    def _load_layer(self, get, get_norm, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
+    def _load_layer(self, get, get_norm, lin, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
         p = f"model.layers.{i}."
         s = self.spec
         w_qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         return _LayerWeights(
-            w_qkv=LinearWeight(w_qkv, small_batches=self._decodes),
-            w_o=LinearWeight(get(p + "self_attn.o_proj.weight"), small_batches=self._decodes),
-            w_gate_up=LinearWeight(w_gate_up, small_batches=self._decodes),
-            w_down=LinearWeight(get(p + "mlp.down_proj.weight"), small_batches=self._decodes),
+            w_qkv=lin(w_qkv),
+            w_o=lin(get(p + "self_attn.o_proj.weight")),
+            w_gate_up=lin(w_gate_up),
+            w_down=lin(get(p + "mlp.down_proj.weight")),
             norm_in=get_norm(p + "input_layernorm.weight"),
             # Llama names its pre-MLP norm "post_attention_layernorm"; Gemma's is a true post-norm
             norm_ffn_in=get_norm(p + ("pre_feedforward_layernorm" if s.sandwich_norm
