@@ -43,7 +43,7 @@ def onednn(lin: LinearWeight, x: torch.Tensor) -> torch.Tensor:
 
 def gemv(lin: LinearWeight, x: torch.Tensor) -> torch.Tensor:
     assert lin.gemv is not None
-    return torch.ops.baton_cpu.gemv(x, lin.gemv, lin.out_features)
+    return torch.ops.baton_cpu.gemv(x, lin.gemv, lin.out_features, lin.gemv_k_block)
 
 
 def bench_group(name: str, weights: list[LinearWeight], rows: list[int], repeats: int) -> list[dict[str, Any]]:

@@ -11,9 +11,11 @@ weights at 18-27 GB/s. `csrc/gemv_cpu.cpp` reads them at 32-35 GB/s (DRAM speed)
 from a second copy in its own layout: all projections of a decode step take
 1.36x less time at 1 row, 1.14x at 16, the same at 32 (`bench/linear.py`). It
 sums every output in oneDNN's order, so a row gives the same bits through
-either path and a request the same tokens alone or in a batch. That order is
-checked on every weight when it is packed; a weight where it does not hold
-keeps oneDNN alone (and the copy is dropped).
+either path and a request the same tokens alone or in a batch. oneDNN's K
+blocking (where its sums restart) depends on the CPU and the weight, so each
+weight is probed when it is packed with the blockings seen so far
+(`_ONEDNN_K_BLOCKS`) and keeps the one that gives oneDNN's bits; a weight
+where none does keeps oneDNN alone (and the copy is dropped).
 The copy doubles the projections' memory (prefill engines keep it for the LM
 head only); `BATON_CPU_GEMV=0` turns it off.
 
@@ -37,6 +39,10 @@ logger = logging.getLogger(__name__)
 _ONEDNN_BATCH_HINT = 128
 # Up to this many rows the GEMV kernel runs; at 32 rows oneDNN is as fast (bench/linear.py)
 GEMV_MAX_ROWS = 16
+# Where oneDNN's fp32 sums restart (in inputs), measured at 2..256 rows: 1024 on AVX2 (Zen 2/3); on
+# AVX-512 (Zen 4) 512 for in_features <= 1024 and 1024 above. (At one row AVX-512 oneDNN sums K > 1024
+# in yet another order, so without the kernel a lone row there differs from its batched self.)
+_ONEDNN_K_BLOCKS = (1024, 512)
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -72,27 +78,33 @@ class LinearWeight:
         )
         # the GEMV copy for small batches, only beside oneDNN (whose sums it reproduces)
         self.gemv: torch.Tensor | None = None
+        self.gemv_k_block = 0
         if use_onednn and backend == "auto" and small_batches and gemv_enabled():
-            self.gemv = self._pack_gemv(weight)
+            self._pack_gemv(weight)
 
-    def _pack_gemv(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def _pack_gemv(self, weight: torch.Tensor) -> None:
         packed = torch.ops.baton_cpu.gemv_pack(weight.contiguous())
-        # three rows: the kernel's two-row and one-row loops
-        probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
-        if torch.equal(torch.ops.baton_cpu.gemv(probe, packed, self.out_features), self._onednn(probe)):
-            return packed
+        # oneDNN's bits where it serves (more rows than the kernel takes); three rows through the kernel
+        # cover its two-row and one-row loops
+        probe = torch.randn(GEMV_MAX_ROWS + 1, self.in_features, generator=torch.Generator().manual_seed(0))
+        expected = self._onednn(probe)[:3]
+        for k_block in _ONEDNN_K_BLOCKS:
+            if torch.equal(torch.ops.baton_cpu.gemv(probe[:3], packed, self.out_features, k_block), expected):
+                self.gemv, self.gemv_k_block = packed, k_block
+                return
         logger.warning("GEMV kernel sums a [%d, %d] weight in another order than oneDNN: oneDNN only",
                        self.out_features, self.in_features)
-        return None
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:  # its one-row kernel may sum in another order than 2+ rows (AVX-512): two rows
+            return torch.ops.mkldnn._linear_pointwise(x.repeat(2, 1), self.weight, None, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features]
         assert x.dim() == 2 and x.shape[1] == self.in_features, f"got {tuple(x.shape)}"
         if self.backend == "onednn":
             if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32:
-                return torch.ops.baton_cpu.gemv(x.contiguous(), self.gemv, self.out_features)
+                return torch.ops.baton_cpu.gemv(x.contiguous(), self.gemv, self.out_features, self.gemv_k_block)
             return self._onednn(x.contiguous())
         return F.linear(x, self.weight)
 

@@ -5,8 +5,10 @@
 // later passes from L2; bench/linear.py). It is only worth having if it changes no result: a request must
 // give the same tokens alone (here) and in a big batch (oneDNN). So every output is summed in
 // oneDNN's order, found by experiment and checked per weight when it is packed (shared/ops/linear.py):
-//   y[m, n] = sequential FMA chain over k in blocks of kKBlock, each block's chain starting from 0,
+//   y[m, n] = sequential FMA chain over k in blocks of k_block, each block's chain starting from 0,
 //             the blocks' partial sums added in order.
+// k_block is oneDNN's K blocking, which depends on the CPU and the weight: 1024 on the AVX2 machines we
+// measured; on AVX-512 (Zen 4) 512 for K <= 1024 and 1024 above. The caller finds it per weight.
 // Rows are independent (vector lanes span outputs, never k), so the result is also the same for any
 // number of rows and threads.
 //
@@ -22,8 +24,6 @@
 // Outputs per panel: four AVX2 registers of partial sums per row, enough independent FMA chains to cover
 // the FMA latency at one row.
 constexpr int64_t kLanes = 32;
-// oneDNN's K blocking for fp32 brgemm (measured: chains restart every 1024 inputs)
-constexpr int64_t kKBlock = 1024;
 
 torch::Tensor gemv_pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "gemv_pack: 2-D float32 weight");
@@ -36,10 +36,10 @@ torch::Tensor gemv_pack(torch::Tensor weight) {
 // MR rows of x against one panel: out[m][l] for l < ncols
 template <int MR>
 static inline void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
-                              float* __restrict y, int64_t ldy, int64_t ncols) {
+                              float* __restrict y, int64_t ldy, int64_t ncols, int64_t k_block) {
   float total[MR][kLanes];
-  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
-    const int64_t k1 = std::min(K, k0 + kKBlock);
+  for (int64_t k0 = 0; k0 < K; k0 += k_block) {
+    const int64_t k1 = std::min(K, k0 + k_block);
     float acc[MR][kLanes] = {};
     for (int64_t k = k0; k < k1; ++k) {
       const float* __restrict w = panel + k * kLanes;
@@ -56,12 +56,13 @@ static inline void panel_rows(const float* __restrict x, int64_t ldx, const floa
     for (int64_t l = 0; l < ncols; ++l) y[m * ldy + l] = total[m][l];
 }
 
-torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t k_block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gemv: contiguous float32 x");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == x.size(1) &&
               packed.is_contiguous(), "gemv: weight not packed by gemv_pack for this input width");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = out_features;
   TORCH_CHECK(N > (panels - 1) * kLanes && N <= panels * kLanes, "gemv: out_features does not match the weight");
+  TORCH_CHECK(k_block > 0, "gemv: k_block must be positive");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
@@ -72,8 +73,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features) 
       const float* panel = wp + p * K * kLanes;
       const int64_t ncols = std::min(kLanes, N - p * kLanes);
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) panel_rows<2>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols);
-      for (; m < M; ++m) panel_rows<1>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols);
+      for (; m + 2 <= M; m += 2) panel_rows<2>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
+      for (; m < M; ++m) panel_rows<1>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
     }
   });
   return y;
@@ -81,7 +82,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features) 
 
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("gemv_pack(Tensor weight) -> Tensor");
-  m.def("gemv(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("gemv(Tensor x, Tensor packed, int out_features, int k_block) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("gemv_pack", &gemv_pack);

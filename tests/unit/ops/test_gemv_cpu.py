@@ -86,9 +86,11 @@ def test_explicit_backend_keeps_one_path() -> None:
 def test_kernel_rejects_a_mismatched_weight() -> None:
     packed = torch.ops.baton_cpu.gemv_pack(torch.randn(64, 96))
     with pytest.raises(RuntimeError, match="packed"):
-        torch.ops.baton_cpu.gemv(torch.randn(1, 80), packed, 64)
+        torch.ops.baton_cpu.gemv(torch.randn(1, 80), packed, 64, 1024)
     with pytest.raises(RuntimeError, match="out_features"):
-        torch.ops.baton_cpu.gemv(torch.randn(1, 96), packed, 100)
+        torch.ops.baton_cpu.gemv(torch.randn(1, 96), packed, 100, 1024)
+    with pytest.raises(RuntimeError, match="k_block"):
+        torch.ops.baton_cpu.gemv(torch.randn(1, 96), packed, 64, 0)
 
 
 def test_large_batch_only_weights_keep_no_copy() -> None:
@@ -111,3 +113,13 @@ def test_a_prefill_model_packs_only_its_lm_head() -> None:
     decode = DecoderLM(spec, weights, paged_attention_ref)
     assert prefill.lm_head.gemv is not None and all(layer.w_qkv.gemv is None for layer in prefill.layers)
     assert all(layer.w_down.gemv is not None for layer in decode.layers)
+
+
+@pytest.mark.parametrize("in_features", [576, 1536, 2048])
+def test_onednn_alone_gives_a_row_its_batched_bits(in_features: int) -> None:
+    """Without the kernel too: on AVX-512 oneDNN's one-row path sums K > 1024 in another order than its
+    2+ row path, so LinearWeight never runs it on one row."""
+    g = torch.Generator().manual_seed(in_features)
+    lin = LinearWeight(torch.randn(64, in_features, generator=g) * 0.05, "onednn")
+    x = torch.randn(GEMV_MAX_ROWS + 8, in_features, generator=g)
+    assert torch.equal(lin(x[:1]), lin(x)[:1])
