@@ -89,8 +89,16 @@ def apply_rope(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin: tuple[torch.Tensor, torch.Tensor],  # from RotaryEmbedding.cos_sin
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotate(q, cos_sin), rotate(k, cos_sin)
+
+
+def rotate(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos_sin: tuple[torch.Tensor, torch.Tensor],  # from RotaryEmbedding.cos_sin
+) -> torch.Tensor:
+    """RoPE on one of q or k."""
     cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,21 @@ the LM head are the target's own tensors, passed in and never copied or saved::
 
 Row r pairs the target's hidden state at position t with the token at t + 1 and
 predicts the hidden state (and so the token) at t + 2. Drafting k tokens feeds
-each prediction back in as the next row's hidden state. This first version keeps
-no KV cache: every call attends causally over exactly the rows it is given.
+each prediction back in as the next row's hidden state. No KV cache is kept
+between calls: every call attends over exactly the rows it is given.
 
-Serving packs the projections once (`pack_for_inference`): q/k/v and gate/up
+Serving packs the projections once (`pack_for_inference`): k/v and gate/up
 fused, each a `LinearWeight` (oneDNN or the GEMV kernel on the CPU, where
 nn.Linear's MKL path is several times slower at a few rows). Training mode drops
 the packs, so they never go stale.
+
+Drafting needs the layer's output for one row per window only, the last: the
+rows before it contribute keys and values and nothing else. So serving splits
+the layer (`draft_rows`: fc, norm and k/v for every row; `attend_last`: q,
+attention, o and the MLP for the one query row), and each draft adds one row's
+keys and values instead of re-running the window: per draft position, a few
+hundred thousand multiply-adds a row of window instead of the whole layer's 4.2M
+(SmolLM2), the MLP being 60% of it.
 
 Weights live in one safetensors file: the head's parameters plus its config as
 JSON metadata (`save` / `EagleHead.load`); the target's tensors are not in it.
@@ -43,7 +51,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shared.errors import ConfigError
-from shared.models.common import RotaryEmbedding, apply_rope, rms_norm
+from shared.models.common import RotaryEmbedding, apply_rope, rms_norm, rotate
 from shared.models.decoder import DecoderSpec
 from shared.ops.linear import LinearWeight
 
@@ -56,7 +64,8 @@ _INIT_STD = 0.02
 @dataclass(frozen=True)
 class _PackedProjections:
     fc: LinearWeight
-    qkv: LinearWeight
+    q: LinearWeight
+    kv: LinearWeight
     o: LinearWeight
     gate_up: LinearWeight
     down: LinearWeight
@@ -146,7 +155,7 @@ class EagleHead(nn.Module):
         def lin(*modules: nn.Linear) -> LinearWeight:
             return LinearWeight(torch.cat([m.weight.detach() for m in modules]))
 
-        self._packed = _PackedProjections(fc=lin(self.fc), qkv=lin(self.q_proj, self.k_proj, self.v_proj),
+        self._packed = _PackedProjections(fc=lin(self.fc), q=lin(self.q_proj), kv=lin(self.k_proj, self.v_proj),
                                           o=lin(self.o_proj), gate_up=lin(self.gate_proj, self.up_proj),
                                           down=lin(self.down_proj))
 
@@ -207,17 +216,13 @@ class EagleHead(nn.Module):
         """`forward_hidden` over b windows at once (padded windows say so in `attn_mask`)."""
         c = self.config
         b, n = token_ids.shape
-        emb = F.embedding(token_ids, self.embed).to(hidden.dtype)
-        if c.embed_scale is not None:
-            emb = emb * c.embed_scale
         p = self._packed
-        features = torch.cat([hidden, emb], dim=-1)
+        features = torch.cat([hidden, self._embed_tokens(token_ids, hidden.dtype)], dim=-1)
         x = _apply(p.fc, features) if p is not None else self.fc(features)  # [b, n, hidden]
 
         h = rms_norm(x, self.input_norm, c.rms_eps)
         if p is not None:
-            q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            q, k, v = _apply(p.qkv, h).split([q_size, kv_size, kv_size], dim=-1)
+            q, (k, v) = _apply(p.q, h), _apply(p.kv, h).chunk(2, dim=-1)
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         q = q.reshape(b, n, c.num_heads, c.head_dim)
@@ -238,6 +243,54 @@ class EagleHead(nn.Module):
             gate, up = _apply(p.gate_up, h).chunk(2, dim=-1)
             return x + _apply(p.down, F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    @torch.no_grad()
+    def draft_rows(
+        self,
+        hidden: torch.Tensor,  # [b, n, hidden] target (or drafted) hidden states at positions t
+        token_ids: torch.Tensor,  # [b, n] tokens at positions t + 1
+        positions: torch.Tensor,  # [b, n] positions t + 1 (RoPE)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # x [b, n, hidden], k and v [b, n, kv_heads, head_dim]
+        """Each row's residual stream after fc and its attention key and value (RoPE applied): all that a later
+        row's query needs from it (serving only: needs `pack_for_inference`)."""
+        c, p = self.config, self._require_packed()
+        b, n = token_ids.shape
+        x = _apply(p.fc, torch.cat([hidden, self._embed_tokens(token_ids, hidden.dtype)], dim=-1))
+        k, v = _apply(p.kv, rms_norm(x, self.input_norm, c.rms_eps)).chunk(2, dim=-1)
+        k = rotate(k.reshape(b * n, c.num_kv_heads, c.head_dim), self._cos_sin(positions.reshape(-1), x.dtype))
+        return x, k.view(b, n, c.num_kv_heads, c.head_dim), v.reshape(b, n, c.num_kv_heads, c.head_dim)
+
+    @torch.no_grad()
+    def attend_last(
+        self,
+        x: torch.Tensor,  # [b, hidden] the query row's residual stream (from draft_rows)
+        positions: torch.Tensor,  # [b] its positions
+        k: torch.Tensor,  # [b, L, kv_heads, head_dim] keys of the rows it may see, itself included
+        v: torch.Tensor,  # [b, L, kv_heads, head_dim]
+        key_mask: torch.Tensor,  # [b, L] bool, True where the query may attend
+    ) -> torch.Tensor:  # [b, hidden]: the layer's output for the query row, the predicted next hidden state
+        """The rest of the layer for one query row per window: equals the last row of `forward_hidden_batch`
+        over the same rows (to fp32 rounding)."""
+        c, p = self.config, self._require_packed()
+        q = _apply(p.q, rms_norm(x, self.input_norm, c.rms_eps)).view(-1, c.num_heads, c.head_dim)
+        q = rotate(q, self._cos_sin(positions, x.dtype))
+        attn = F.scaled_dot_product_attention(
+            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask[:, None, None],
+            scale=c.head_dim**-0.5, enable_gqa=True,
+        )  # fmt: skip  # [b, heads, 1, head_dim]
+        x = x + _apply(p.o, attn.reshape(x.shape[0], -1))
+        gate, up = _apply(p.gate_up, rms_norm(x, self.post_attention_norm, c.rms_eps)).chunk(2, dim=-1)
+        return x + _apply(p.down, F.silu(gate) * up)
+
+    def _require_packed(self) -> _PackedProjections:
+        if self._packed is None:
+            raise RuntimeError("EAGLE head drafting needs pack_for_inference() first (and eval mode)")
+        return self._packed
+
+    def _embed_tokens(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        emb = F.embedding(token_ids, self.embed).to(dtype)
+        scale = self.config.embed_scale
+        return emb if scale is None else emb * scale
 
     def save(self, path: str | Path) -> None:
         """The head's own weights and config to one safetensors file (the shared tensors stay out)."""

@@ -7,11 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from torch.nn.utils.rnn import pad_sequence
 
 from shared.errors import ConfigError
 from shared.models.decoder import DecoderSpec
 from shared.spec.eagle import EagleProposer
 from shared.spec.eagle_head import EagleHead, EagleHeadConfig
+from shared.spec.proposer import ProposalInput
 
 CONFIG = EagleHeadConfig(
     hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, vocab_size=50
@@ -120,20 +122,79 @@ def test_config_from_target_spec() -> None:
     assert logits.shape == (3, spec.vocab_size)
 
 
-def test_padded_windows_draft_as_each_window_alone() -> None:
-    """The proposer drafts every request's window in one padded forward: the last row of each must be what
-    that window gives alone (lengths 1 to 9, positions offset per window)."""
+def make_sharp_head() -> EagleHead:
+    """A random head whose attention matters: at the init scale (std 0.02) the residual stream swamps it, and
+    a head attending to the wrong rows would draft the same tokens."""
     head = make_head().eval()
-    proposer = EagleProposer(head)
-    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in head.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(15.0)
+        head.q_proj.weight.mul_(3.0)  # sharp attention: a key's position shows in the drafts
+        head.k_proj.weight.mul_(3.0)
+    return head
+
+
+def _random_windows(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     windows = []
     for n, start in ((5, 10), (1, 3), (9, 0), (2, 40)):
         hidden = torch.randn(n, CONFIG.hidden_size, generator=gen)
         windows.append((hidden, torch.randint(0, CONFIG.vocab_size, (n,), generator=gen), torch.arange(start, start + n)))
+    return windows
+
+
+def test_last_row_alone_equals_the_whole_window() -> None:
+    """Drafting runs the layer for each window's last row only, over the keys and values of its rows
+    (padded windows of lengths 1 to 9, positions offset per window): the window's full forward's last row."""
+    head = make_sharp_head()
+    head.pack_for_inference()
+    windows = _random_windows(torch.Generator().manual_seed(3))
+    lengths = torch.tensor([w[0].shape[0] for w in windows])
+    hidden, ids, positions = (pad_sequence([w[k] for w in windows], batch_first=True) for k in range(3))
+    x, k, v = head.draft_rows(hidden, ids, positions)
+    last = torch.arange(len(windows)), lengths - 1
+    key_mask = torch.arange(hidden.shape[1])[None, :] < lengths[:, None]
+    out = head.attend_last(x[last], positions[last], k, v, key_mask)
     with torch.no_grad():
-        batched = proposer._last_rows(windows)
         alone = torch.cat([head.forward_hidden(*w)[-1:] for w in windows])
-    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_drafts_equal_rerunning_the_window_for_every_draft() -> None:
+    """The proposer's drafts (one row added per draft) are what re-running the head over the grown window
+    gives, per request; requests wanting fewer drafts, none, or with no hidden states are served alongside."""
+    head = make_sharp_head()
+    proposer = EagleProposer(head)
+    gen = torch.Generator().manual_seed(4)
+    wants = (6, 1, 0, 4)
+    requests = []
+    for (hidden, _, _), want in zip(_random_windows(gen), wants, strict=True):
+        tokens = torch.randint(0, CONFIG.vocab_size, (hidden.shape[0] + 7,), generator=gen).tolist()
+        requests.append(ProposalInput(f"r{len(requests)}", tokens, want, hidden))
+    requests.append(ProposalInput("no-hidden", [1, 2, 3], 3, None))
+    drafts = proposer.propose(requests)
+    assert [len(d) for d in drafts] == [*wants, 0]
+    with torch.no_grad():
+        for r, got in zip(requests[:-1], drafts, strict=False):
+            assert r.hidden_states is not None
+            m, length = r.hidden_states.shape[0], len(r.token_ids)
+            hidden, ids = r.hidden_states, torch.tensor(r.token_ids[length - m :])
+            positions = torch.arange(length - m, length)
+            expected = []
+            for _ in range(r.num_speculative_tokens):
+                new = head.forward_hidden(hidden, ids, positions)[-1:]
+                token = int((new @ head.lm_head.T).argmax())
+                expected.append(token)
+                hidden, ids = torch.cat([hidden, new]), torch.cat([ids, torch.tensor([token])])
+                positions = torch.cat([positions, positions[-1:] + 1])
+            assert got == expected
+
+
+def test_drafting_needs_packed_projections() -> None:
+    head = make_head().eval()
+    with pytest.raises(RuntimeError, match="pack_for_inference"):
+        head.draft_rows(torch.zeros(1, 1, CONFIG.hidden_size), torch.zeros(1, 1, dtype=torch.int64),
+                        torch.zeros(1, 1, dtype=torch.int64))
 
 
 def test_packed_projections_match_the_modules_and_training_drops_them() -> None:
