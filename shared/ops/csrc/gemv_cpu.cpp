@@ -24,6 +24,13 @@
 // Outputs per panel: four AVX2 registers of partial sums per row, enough independent FMA chains to cover
 // the FMA latency at one row.
 constexpr int64_t kLanes = 32;
+// Rows per pass over a panel (the later passes read it from L2): two fill AVX2's 16 registers with partial
+// sums; AVX-512's 32 registers hold four rows' (two registers each), which halves the passes.
+#if defined(__AVX512F__)
+constexpr int kRowsPerPass = 4;
+#else
+constexpr int kRowsPerPass = 2;
+#endif
 
 torch::Tensor gemv_pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "gemv_pack: 2-D float32 weight");
@@ -73,6 +80,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, 
       const float* panel = wp + p * K * kLanes;
       const int64_t ncols = std::min(kLanes, N - p * kLanes);
       int64_t m = 0;
+      for (; m + kRowsPerPass <= M; m += kRowsPerPass)
+        panel_rows<kRowsPerPass>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
       for (; m + 2 <= M; m += 2) panel_rows<2>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
       for (; m < M; ++m) panel_rows<1>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
     }
