@@ -9,7 +9,9 @@ and the reason is logged once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import platform
 import threading
 from pathlib import Path
 
@@ -25,7 +27,18 @@ _built: bool | None = None
 def _build_dir() -> Path:
     from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
 
-    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}"
+    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}"
+
+
+def _cpu_tag() -> str:
+    """Which instruction sets the build may use: it is compiled with -march=native, so a home directory
+    shared between an AVX-512 and an AVX2 machine must not hand one's library to the other."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return "isa-" + hashlib.sha1((flags or platform.processor()).encode()).hexdigest()[:10]
 
 
 def cpu_kernels_available() -> bool:
