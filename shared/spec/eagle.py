@@ -15,7 +15,7 @@ their keys and values (`EagleHead.draft_rows`, one batched call over every
 window padded to the longest) and each draft position runs the rest of the
 layer for one query row per request (`EagleHead.attend_last`), then adds that
 draft's own keys and values. Re-running the whole layer over the window for
-every draft cost ~7x the multiply-adds (m = 16 rows, 3 drafts). Nothing is kept
+every draft cost ~8x the multiply-adds (m = 16 rows, 3 drafts). Nothing is kept
 between calls: the window's keys are recomputed from the target's hidden
 states each step (its last rows change as drafts are rejected). Scoring is one
 matrix product per draft position over the head's draft vocabulary when it has
