@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 _ONEDNN_BATCH_HINT = 128
 # Up to this many rows the GEMV kernel runs; at 32 rows oneDNN is as fast (bench/linear.py)
 GEMV_MAX_ROWS = 16
-# Where oneDNN's fp32 sums restart (in inputs), measured at 2..256 rows: 1024 on AVX2 (Zen 2/3); on
+# Where oneDNN's fp32 sums restart (in inputs), measured at 2..256 rows: 1024 on AVX2-only EPYCs; on
 # AVX-512 (Zen 4) 512 for in_features <= 1024 and 1024 above. (At one row AVX-512 oneDNN sums K > 1024
 # in yet another order, so without the kernel a lone row there differs from its batched self.)
 _ONEDNN_K_BLOCKS = (1024, 512)
