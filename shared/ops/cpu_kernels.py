@@ -19,7 +19,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "gemv_cpu.cpp", "norm_rope_cpu.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_decode_cpu.cpp", "gemv_cpu.cpp", "norm_rope_cpu.cpp")]
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _lock = threading.Lock()
 _built: bool | None = None
 
@@ -60,8 +62,11 @@ def _build() -> bool:
         build_dir.mkdir(parents=True, exist_ok=True)
         logger.info("building the CPU kernels (cached in %s)", build_dir)
         # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
+        # torch rebuilds when a source or a flag changes, never for a header: the headers' hash is a flag
+        headers = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
         load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", "-march=native",
-             "-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+             "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"], build_directory=str(build_dir), is_python_module=False,
+             verbose=False)
         return True
     except Exception as exc:  # no compiler, headers, ...: serve with the torch paths
         logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)

@@ -12,7 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
-constexpr int kLanes = 8;
+#include "simd_dot.h"
 
 // [rows, d] (unit inner stride, any row stride) -> contiguous [rows, d]
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
@@ -30,13 +30,7 @@ torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* __restrict xr = xp + r * ld;
       float* __restrict o = op + r * d;
-      float lanes[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= d; i += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] += xr[i + l] * xr[i + l];
-      float ss = 0.f;
-      for (; i < d; ++i) ss += xr[i] * xr[i];
-      for (int l = 0; l < kLanes; ++l) ss += lanes[l];
+      const float ss = dot(xr, xr, d);
       const float rstd = 1.f / std::sqrt(ss / static_cast<float>(d) + feps);
 #pragma omp simd
       for (int64_t j = 0; j < d; ++j) o[j] = (xr[j] * rstd) * w[j];

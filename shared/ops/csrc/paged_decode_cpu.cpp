@@ -15,6 +15,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd_dot.h"
+
 // exp(x) for x <= 0 (scores minus their row's max), written so that `omp simd` vectorises it: libm's
 // expf stays one scalar call per score (glibc's vector expf needs -ffast-math for the whole file).
 // Cephes' expf: x = k ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^k through the
@@ -36,25 +38,10 @@ static inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Partial sums the compiler maps onto a vector register (8 floats: one AVX2 register; SSE and NEON builds
-// split it in two). Written as plain loops over a fixed-size array, not intrinsics, so any target builds.
-constexpr int kLanes = 8;
 // Keys (and values) are prefetched this many positions ahead, through the block table. Measured at batch
 // 32, 260-token contexts, 30 layers' caches, blocks scattered over the pool, two threads: 1.22 ms per
 // layer prefetching only within a block (past its end lies another sequence's block), 0.85 ms with this.
 constexpr int kPrefetchAhead = 8;
-
-// q . k with kLanes partial sums (a single running float sum cannot be vectorised: its order is fixed)
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
-  float lanes[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[d + l] * b[d + l];
-  float s = 0.f;
-  for (; d < D; ++d) s += a[d] * b[d];
-  for (int l = 0; l < kLanes; ++l) s += lanes[l];
-  return s;
-}
 
 // fn(t, block, slot, ahead_block, ahead_slot) for the keys at positions lo + t, t < n, walking the block
 // table a block at a time; (ahead_block, ahead_slot) is where the key kPrefetchAhead positions on lives
