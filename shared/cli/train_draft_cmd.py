@@ -33,6 +33,7 @@ from shared.spec.eagle_train import (
     generate_sequences,
     train_head,
 )
+from shared.spec.synth_prompts import synthesize_requests
 from shared.spec.train_prompts import ALL_TRAIN_PROMPTS, EVAL_PROMPTS
 from shared.tokenizer import encode_prompt
 
@@ -44,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF directory")
     p.add_argument("--out", type=Path, required=True, help="safetensors file to write")
     p.add_argument("--num-prompts", type=int, default=len(ALL_TRAIN_PROMPTS), help="bundled prompts to use")
+    p.add_argument("--synth-prompts", type=int, default=0,
+                   help="also sample this many user requests from the model itself (chat models; ~60%% kept)")
     p.add_argument("--max-tokens", type=int, default=128, help="reply length the target generates per prompt")
     p.add_argument("--samples-per-prompt", type=int, default=2, help="one greedy reply, the rest sampled")
     p.add_argument("--steps", type=int, default=1300)
@@ -79,7 +82,10 @@ def _training_data(args: argparse.Namespace, loaded: LoadedModel) -> list[Traini
     generator_engine = _engine(args, loaded, kv_cache_bytes=(4 << 30) if on_gpu else (768 << 20),
                                max_num_seqs=256 if on_gpu else 64)
     chat = loaded.chat_template is not None
-    prompts = [encode_prompt(loaded.tokenizer, p, chat=chat) for p in ALL_TRAIN_PROMPTS[: args.num_prompts]]
+    texts = list(ALL_TRAIN_PROMPTS[: args.num_prompts])
+    if args.synth_prompts > 0:
+        texts += synthesize_requests(generator_engine, args.synth_prompts, seed=args.seed, exclude=EVAL_PROMPTS)
+    prompts = [encode_prompt(loaded.tokenizer, p, chat=chat) for p in texts]
     logger.info("generating %d x %d replies of up to %d tokens with %s", len(prompts), args.samples_per_prompt,
                 args.max_tokens, args.model)
     sequences = generate_sequences(generator_engine, prompts, args.max_tokens, args.samples_per_prompt)

@@ -120,48 +120,90 @@ def _chain_mask(width: int, depth: int, device: torch.device) -> torch.Tensor:
     return torch.cat([torch.cat(row, dim=1) for row in blocks], dim=0)
 
 
-def chain_predictions(head: EagleHead, seq: TrainingSequence, rows: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """The head's predicted hidden states [len(rows), hidden] for each draft step k < depth: step k's row r
-    predicts the state at position r + k + 1 (rows past the sequence's end hold padding; mask them)."""
-    n, w = seq.token_ids.shape[0], rows.shape[0]
-    hidden_in, token_in, pos_in = [seq.hidden_states[rows]], [seq.token_ids[rows + 1]], [rows + 1]
-    preds: list[torch.Tensor] = []
+def _chain_batch(
+    head: EagleHead,
+    hidden: torch.Tensor,  # [b, w, hidden] the target's states at rows r
+    tokens: torch.Tensor,  # [b, w, depth] the token after the one each step k predicts: t_{r + k + 1}
+    positions: torch.Tensor,  # [b, w] r + 1
+    depth: int,
+) -> list[torch.Tensor]:  # per step k: [b, w, hidden], row r's prediction of the state at r + k + 1
+    """Every draft step of b windows at once: step k's input is step k - 1's prediction (see the module
+    docstring), all steps in one masked forward per k. Rows past a window's end only ever see themselves and
+    real rows before them, so padding changes no real row's prediction."""
+    b, w = positions.shape
+    hidden_in, preds = [hidden], []
     for k in range(depth):
-        mask = _chain_mask(w, k + 1, rows.device) if k else None
-        pred = head.forward_hidden(torch.cat(hidden_in), torch.cat(token_in), torch.cat(pos_in), mask)[k * w :]
+        mask = _chain_mask(w, k + 1, hidden.device).expand(b, -1, -1) if k else None
+        token_in = tokens[:, :, : k + 1].transpose(1, 2).reshape(b, -1)  # steps 0 .. k, each w rows
+        pos_in = torch.cat([positions + j for j in range(k + 1)], dim=1)
+        pred = head.forward_hidden_batch(torch.cat(hidden_in, dim=1), token_in, pos_in, mask)[:, k * w :]
         preds.append(pred)
-        # the next step's input: this prediction, paired with the token after the one it predicts
-        target_row = rows + k + 1
         hidden_in.append(pred)
-        token_in.append(seq.token_ids[(target_row + 1).clamp(max=n - 1)])
-        pos_in.append(target_row + 1)
     return preds
 
 
-def _window_loss(
-    head: EagleHead, lm_rows: torch.Tensor, to_draft: torch.Tensor, seq: TrainingSequence, start: int, width: int,
-    ce_weight: float = 0.1, depth: int = 1,
-) -> tuple[torch.Tensor, int, int]:
-    """Loss over rows start .. start + width - 1 of `seq`, drafted `depth` steps deep; also (correct top-1
-    first drafts, labelled rows)."""
+def chain_predictions(head: EagleHead, seq: TrainingSequence, rows: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """The head's predicted hidden states [len(rows), hidden] for each draft step k < depth: step k's row r
+    predicts the state at position r + k + 1 (rows past the sequence's end hold padding; mask them)."""
     n = seq.token_ids.shape[0]
-    rows = torch.arange(start, min(start + width, n - 1), device=seq.token_ids.device)
-    depth = min(depth, n - 1 - start)  # a step whose every target lies past the end teaches nothing
-    total = seq.hidden_states.new_zeros(())
-    correct = labelled = 0
-    for k, pred in enumerate(chain_predictions(head, seq, rows, depth)):
-        target_row = rows + k + 1  # the position whose hidden state step k predicts
-        inside = target_row < n
-        safe = target_row.clamp(max=n - 1)
-        reg = F.smooth_l1_loss(pred[inside], seq.hidden_states[safe][inside])
-        labels = torch.where(inside, to_draft[seq.greedy_next[safe]], _IGNORE)
-        logits = pred @ lm_rows.T  # [w, draft_vocab]
-        valid = labels != _IGNORE
-        ce = F.cross_entropy(logits, labels, ignore_index=_IGNORE) if valid.any() else logits.sum() * 0.0
-        total = total + STEP_DECAY**k * (reg + ce_weight * ce)
+    steps = torch.arange(depth, device=rows.device)
+    tokens = seq.token_ids[(rows[:, None] + steps + 1).clamp(max=n - 1)]
+    preds = _chain_batch(head, seq.hidden_states[rows][None], tokens[None], (rows + 1)[None], depth)
+    return [p[0] for p in preds]
+
+
+class _Corpus:
+    """Every usable training sequence's rows in flat tensors on the training device, so that a batch of
+    windows is gathered with one index per tensor instead of a Python loop over sequences."""
+
+    def __init__(self, sequences: Sequence[TrainingSequence], device: torch.device) -> None:
+        usable = [s for s in sequences if s.token_ids.shape[0] >= 3]
+        lengths = [s.token_ids.shape[0] for s in usable]
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+        self.offsets = torch.tensor([0, *lengths[:-1]], dtype=torch.int64, device=device).cumsum(0)
+        self.hidden = torch.cat([s.hidden_states for s in usable]).to(device)
+        self.tokens = torch.cat([s.token_ids for s in usable]).to(device)
+        self.greedy_next = torch.cat([s.greedy_next for s in usable]).to(device)
+
+    def __len__(self) -> int:
+        return self.lengths.shape[0]
+
+
+def _batch_loss(
+    head: EagleHead, lm_rows: torch.Tensor, to_draft: torch.Tensor, corpus: _Corpus, seq: torch.Tensor,
+    start: torch.Tensor, width: int, ce_weight: float, depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean over b windows (sequence `seq[i]`, rows start[i] .. start[i] + width - 1, as far as the sequence
+    goes) of each window's loss: per draft step k, smooth L1 on the predicted state plus `ce_weight` x
+    cross-entropy on the target's greedy token, each averaged over the window's rows whose target exists,
+    weighed STEP_DECAY ** k. Also (correct top-1 first drafts, labelled rows), as device scalars."""
+    device = start.device
+    n = corpus.lengths[seq][:, None]  # [b, 1]
+    base = corpus.offsets[seq][:, None]
+    rows = start[:, None] + torch.arange(width, device=device)  # [b, w]
+    steps = torch.arange(depth, device=device)
+    # t_{r + k + 1} for each step k, clamped to the sequence's last token (past it only padding rows read it)
+    tokens = corpus.tokens[base[..., None] + torch.minimum(rows[..., None] + steps + 1, n[..., None] - 1)]
+    hidden = corpus.hidden[base + torch.minimum(rows, n - 1)]
+    preds = _chain_batch(head, hidden, tokens, rows + 1, depth)
+    total = hidden.new_zeros(())
+    correct = labelled = hidden.new_zeros((), dtype=torch.int64)
+    for k, pred in enumerate(preds):
+        target = rows + k + 1  # the position whose state step k predicts
+        inside = (target < n).float()  # [b, w]
+        count = inside.sum(dim=1).clamp(min=1)
+        target_flat = base + torch.minimum(target, n - 1)
+        reg = F.smooth_l1_loss(pred, corpus.hidden[target_flat], reduction="none").mean(dim=-1)
+        labels = to_draft[corpus.greedy_next[target_flat]]  # _IGNORE outside the draft vocabulary
+        labelled_rows = inside * (labels != _IGNORE)
+        logits = pred @ lm_rows.T  # [b, w, draft_vocab]
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none").view_as(reg)
+        per_window = (reg * inside).sum(dim=1) / count
+        per_window = per_window + ce_weight * (ce * labelled_rows).sum(dim=1) / labelled_rows.sum(dim=1).clamp(min=1)
+        total = total + STEP_DECAY**k * per_window.mean()
         if k == 0:
-            correct = int((logits.argmax(dim=-1)[valid] == labels[valid]).sum())
-            labelled = int(valid.sum())
+            hit = (logits.argmax(dim=-1) == labels) & (labelled_rows > 0)
+            correct, labelled = hit.sum(), (labelled_rows > 0).sum()
     return total, correct, labelled
 
 
@@ -177,16 +219,16 @@ def train_head(
     ce_weight: float = 0.1,
     depth: int = 1,
 ) -> float:
-    """AdamW with cosine decay over random windows, each drafted `depth` steps deep (on the head's device);
-    returns the first draft's teacher-forced top-1 accuracy over the last 10% of steps."""
+    """AdamW with one-cycle decay over random windows, a batch of them per step, each drafted `depth` steps deep
+    (on the head's device); returns the first draft's teacher-forced top-1 accuracy over the last 10% of steps."""
     assert head.draft_token_ids is not None, "give the head a draft vocabulary (draft_vocabulary())"
     device = head.fc.weight.device
     gen = torch.Generator().manual_seed(seed)
     lm_rows = head.lm_head.index_select(0, head.draft_token_ids).detach()  # [draft_vocab, hidden]
     to_draft = torch.full((head.config.vocab_size,), _IGNORE, dtype=torch.int64, device=device)
     to_draft[head.draft_token_ids] = torch.arange(head.draft_token_ids.shape[0], device=device)
-    usable = [TrainingSequence(s.token_ids.to(device), s.hidden_states.to(device), s.greedy_next.to(device))
-              for s in sequences if s.token_ids.shape[0] >= 3]
+    corpus = _Corpus(sequences, device)
+    lengths = corpus.lengths.cpu()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
@@ -194,22 +236,21 @@ def train_head(
     correct_tail = labelled_tail = 0
     for step in range(steps):
         opt.zero_grad()
-        total = torch.zeros((), device=device)
-        correct = labelled = 0
-        for _ in range(batch_windows):
-            seq = usable[int(torch.randint(len(usable), (1,), generator=gen))]
-            n = seq.token_ids.shape[0]
-            start = int(torch.randint(max(n - 1 - window, 0) + 1, (1,), generator=gen))
-            loss, c, m = _window_loss(head, lm_rows, to_draft, seq, start, window, ce_weight, depth)
-            total = total + loss / batch_windows
-            correct, labelled = correct + c, labelled + m
-        total.backward()
+        seq = torch.randint(len(corpus), (batch_windows,), generator=gen)
+        # a start where the whole window fits when the sequence is long enough, else 0
+        room = (lengths[seq] - 1 - window).clamp(min=0) + 1
+        start = (torch.rand(batch_windows, generator=gen) * room).long()
+        loss, correct, labelled = _batch_loss(head, lm_rows, to_draft, corpus, seq.to(device), start.to(device),
+                                              window, ce_weight, depth)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        if step >= steps * 9 // 10:
-            correct_tail, labelled_tail = correct_tail + correct, labelled_tail + labelled
-        if progress is not None:
-            progress(step, total.item(), correct / max(labelled, 1))
+        if progress is not None or step >= steps * 9 // 10:
+            c, m = int(correct), int(labelled)  # one host sync per step: the progress bar shows them
+            if step >= steps * 9 // 10:
+                correct_tail, labelled_tail = correct_tail + c, labelled_tail + m
+            if progress is not None:
+                progress(step, loss.item(), c / max(m, 1))
     head.eval()
     return correct_tail / max(labelled_tail, 1)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from shared.spec.eagle_head import EagleHead, EagleHeadConfig
-from shared.spec.eagle_train import TrainingSequence, _chain_mask, chain_predictions
+from shared.spec.eagle_train import (
+    STEP_DECAY,
+    TrainingSequence,
+    _batch_loss,
+    _chain_mask,
+    _Corpus,
+    chain_predictions,
+)
 
 CONFIG = EagleHeadConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                          vocab_size=50, max_positions=64)
@@ -59,3 +66,47 @@ def test_training_steps_equal_chained_drafting() -> None:
             hidden = torch.cat([hidden, out])
             tokens = torch.cat([tokens, seq.token_ids[nxt : nxt + 1]])
             positions = torch.cat([positions, positions[-1:] + 1])
+
+
+def _window_loss_reference(head: EagleHead, lm_rows: torch.Tensor, to_draft: torch.Tensor, seq: TrainingSequence,
+                           start: int, width: int, ce_weight: float, depth: int) -> tuple[torch.Tensor, int, int]:
+    """One window's loss written out row by row from chain_predictions: the window ends where the sequence
+    does, a step whose targets all lie past the end is left out."""
+    n = seq.token_ids.shape[0]
+    rows = torch.arange(start, min(start + width, n - 1))
+    total, correct, labelled = torch.zeros(()), 0, 0
+    for k, pred in enumerate(chain_predictions(head, seq, rows, min(depth, n - 1 - start))):
+        inside = rows + k + 1 < n
+        target = (rows + k + 1)[inside]
+        reg = torch.nn.functional.smooth_l1_loss(pred[inside], seq.hidden_states[target])
+        labels = to_draft[seq.greedy_next[target]]
+        logits = pred[inside] @ lm_rows.T
+        valid = labels >= 0
+        ce = torch.nn.functional.cross_entropy(logits[valid], labels[valid]) if valid.any() else torch.zeros(())
+        total = total + STEP_DECAY**k * (reg + ce_weight * ce)
+        if k == 0:
+            correct, labelled = int((logits.argmax(-1)[valid] == labels[valid]).sum()), int(valid.sum())
+    return total, correct, labelled
+
+
+@torch.no_grad()
+def test_a_batch_of_windows_is_the_mean_of_each_window_alone() -> None:
+    """Windows of different sequences, cut short by their sequence's end (padding rows, draft steps with no
+    target left), in one batched forward: the loss is the mean of each window's own, the counts their sums."""
+    head = make_head()
+    sequences = [make_sequence(n, seed=n) for n in (12, 5, 9, 3)]
+    draft_ids = head.draft_token_ids
+    assert draft_ids is not None
+    lm_rows = head.lm_head.index_select(0, draft_ids)
+    to_draft = torch.full((CONFIG.vocab_size,), -100, dtype=torch.int64)
+    to_draft[draft_ids] = torch.arange(draft_ids.shape[0])
+    corpus = _Corpus(sequences, torch.device("cpu"))
+    windows = [(0, 2), (1, 0), (2, 3), (0, 9), (3, 0), (2, 6), (0, 10)]  # (sequence, start)
+    width, depth, ce_weight = 6, 3, 0.3
+    seq = torch.tensor([s for s, _ in windows])
+    start = torch.tensor([r for _, r in windows])
+    loss, correct, labelled = _batch_loss(head, lm_rows, to_draft, corpus, seq, start, width, ce_weight, depth)
+    expected = [_window_loss_reference(head, lm_rows, to_draft, sequences[s], r, width, ce_weight, depth)
+                for s, r in windows]
+    torch.testing.assert_close(loss, torch.stack([e[0] for e in expected]).mean(), atol=1e-5, rtol=1e-5)
+    assert (int(correct), int(labelled)) == (sum(e[1] for e in expected), sum(e[2] for e in expected))
