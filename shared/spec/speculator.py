@@ -209,8 +209,9 @@ class Speculator:
             return
         old = self._hidden.get(request_id)
         if old is not None and old.start_pos <= start_pos <= old.end_pos:
-            # contiguous (or a recompute of a suffix): keep what precedes start_pos
-            rows = torch.cat([old.rows[: start_pos - old.start_pos], rows])
+            # contiguous (or a recompute of a suffix): keep what precedes start_pos. A handoff's rows live on
+            # the host, a verification's on the engine's device: the newest rows say where they all go
+            rows = torch.cat([old.rows[: start_pos - old.start_pos].to(rows.device), rows])
             start_pos = old.start_pos
         keep = min(rows.shape[0], self.hidden_window)
         self._hidden[request_id] = _Hidden(start_pos + rows.shape[0] - keep, rows[-keep:])
