@@ -17,6 +17,7 @@ last line.
                                 [--loops sync async] [--methods none ngram draft eagle]
                                 [--eagle-head PATH]   (default: ~/.cache/baton/eagle/<model>.safetensors,
                                                        made by `baton train-draft`; eagle is skipped without it)
+                                [--spec-disable-batch-size N]   (steps with more than N decoding run plainly)
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def make_engine(loaded: LoadedModel, method: str, loop: str, args: argparse.Name
     kw: dict[str, Any] = dict(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20,
                               async_scheduling=loop == "async")
     if method != "none":
-        kw.update(spec_method=method, num_speculative_tokens=NUM_SPEC_TOKENS[method])
+        kw.update(spec_method=method, num_speculative_tokens=NUM_SPEC_TOKENS[method],
+                  spec_disable_batch_size=args.spec_disable_batch_size)
     if method == "eagle":
         kw["spec_eagle_head"] = args.eagle_head
     if method == "draft":
@@ -172,6 +174,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft", "eagle"])
     parser.add_argument("--loops", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     parser.add_argument("--eagle-head", type=Path)
+    parser.add_argument("--spec-disable-batch-size", type=int, help="steps with more requests decoding run plainly")
     parser.add_argument("--draft-layers", type=int, default=4, help="draft = the target's first N layers")
     parser.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one by one at batch 1")
     parser.add_argument("--quick", action="store_true", help="48 new tokens, 2 prompts at batch 1")
@@ -202,7 +205,7 @@ def main() -> None:
             r["speedup_vs_sync_loop"] = r["tok_s"] / sync[0]["tok_s"]
     result = {
         "bench": "spec_decode", "model": args.model, "max_tokens": args.max_tokens, "greedy": True,
-        "draft_layers": args.draft_layers, "eagle_head": str(args.eagle_head) if "eagle" in methods else None,
+        "draft_layers": args.draft_layers, "spec_disable_batch_size": args.spec_disable_batch_size, "eagle_head": str(args.eagle_head) if "eagle" in methods else None,
         "machine": machine(), "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--out", type=Path, required=True, help="safetensors file to write")
     p.add_argument("--num-prompts", type=int, default=len(ALL_TRAIN_PROMPTS), help="bundled prompts to use")
     p.add_argument("--synth-prompts", type=int, default=0,
-                   help="also sample this many user requests from the model itself (chat models; ~60%% kept)")
+                   help="also sample this many user requests from the model itself (chat models; ~78%% kept)")
     p.add_argument("--max-tokens", type=int, default=128, help="reply length the target generates per prompt")
     p.add_argument("--samples-per-prompt", type=int, default=2, help="one greedy reply, the rest sampled")
     p.add_argument("--steps", type=int, default=1300)

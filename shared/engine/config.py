@@ -39,10 +39,12 @@ class EngineConfig:
     spec_draft_model: str | None = None  # draft: alias, GGUF or HF dir; None = the target truncated
     spec_draft_num_layers: int = 4  # draft with no spec_draft_model: the target's first N layers
     spec_eagle_head: Path | None = None  # eagle: safetensors from `baton train-draft`
-    # rows of the target's hidden states the EAGLE head attends over when drafting (it re-runs them per
-    # draft). On the held-out chat prompts 8, 16 and 64 accept alike (1.64-1.72 tokens per step); 16
-    # against 64 took batch-8 drafting from 33% of the loop's time to 21% (bench/spec_decode.py)
+    # rows of the target's hidden states the EAGLE head attends over when drafting (their keys and values
+    # are computed once per step). On the held-out chat prompts 8, 16 and 64 accept alike (1.84, 1.87 and
+    # 1.89 tokens per step, simulated drafting with the H100-trained head of 2026-11-23)
     spec_eagle_window: int = 16
+    # decode steps with more requests decoding than this run without drafts (None: never); see Speculator.propose
+    spec_disable_batch_size: int | None = None
     # prefill role: layers whose outputs travel after the final hidden states (EAGLE-3 style draft input)
     aux_hidden_layers: tuple[int, ...] = ()
     # zero-bubble loop: plan step N+1 while step N runs on an executor thread (colocated and decode roles;
@@ -69,6 +71,8 @@ class EngineConfig:
             raise ValueError("spec_method 'eagle' needs spec_eagle_head (a head saved by `baton train-draft`)")
         if self.spec_eagle_window < 1:
             raise ValueError(f"spec_eagle_window must be >= 1, got {self.spec_eagle_window}")
+        if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 1:
+            raise ValueError(f"spec_disable_batch_size must be >= 1, got {self.spec_disable_batch_size}")
         if self.spec_draft_num_layers < 1:
             raise ValueError(f"spec_draft_num_layers must be >= 1, got {self.spec_draft_num_layers}")
 

@@ -86,6 +86,8 @@ class EngineCollector(Collector):
              stats.num_accepted_tokens),
             ("baton_spec_decode_fallbacks", "Requests whose proposer failed; they decoded without speculation",
              stats.num_fallbacks),
+            ("baton_spec_decode_steps_over_batch_limit", "Steps run without drafts: more requests decoding than "
+             "spec_disable_batch_size", stats.num_steps_over_batch_limit),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.role], value)

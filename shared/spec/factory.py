@@ -37,4 +37,4 @@ def build_speculator(
         proposer = build_eagle_proposer(config, loaded)
     logger.info("speculative decoding: %s, %d tokens per step", config.spec_method, config.num_speculative_tokens)
     return Speculator(proposer, config.num_speculative_tokens, max_model_len, loaded.spec.vocab_size,
-                      hidden_window=config.spec_eagle_window)
+                      hidden_window=config.spec_eagle_window, disable_batch_size=config.spec_disable_batch_size)

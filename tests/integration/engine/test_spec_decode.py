@@ -170,3 +170,28 @@ def test_handoff_to_speculating_decode_equals_colocated(make_tiny, engines, fami
     got = [[handoffs[i].token_ids[0]] + results[f"d{i}"].token_ids for i in range(len(batch))]
     assert got == expected
     assert spec_stats(decode).num_accepted_tokens > 0
+
+
+def test_large_batches_decode_without_drafts_until_the_batch_shrinks(make_tiny) -> None:
+    """spec_disable_batch_size 2: with 6 requests decoding no step verifies drafts; as requests finish (short
+    max_tokens first) the rest speculate again. Output equals plain decoding either way."""
+    batch = prompts(6)
+    params = [greedy(n) for n in (4, 6, 8, 10, 40, 40)]
+    plain, _ = make_tiny("llama")
+    expected = [r.token_ids for r in plain.generate(batch, params)]
+    spec, _ = make_tiny("llama", spec_method="ngram", num_speculative_tokens=4, spec_disable_batch_size=2)
+    assert [r.token_ids for r in spec.generate(batch, params)] == expected
+    stats = spec_stats(spec)
+    assert stats.num_steps_over_batch_limit >= 8  # at least until the 10-token request is done
+    assert stats.num_verifications > 0 and stats.num_accepted_tokens > 0  # the last two speculated
+    # the limit counts requests decoding, not requests wanting drafts: a batch at the limit speculates
+    at_limit, _ = make_tiny("llama", spec_method="ngram", num_speculative_tokens=4, spec_disable_batch_size=6)
+    assert [r.token_ids for r in at_limit.generate(batch, params)] == expected
+    assert spec_stats(at_limit).num_steps_over_batch_limit == 0 and spec_stats(at_limit).num_verifications > 0
+
+
+def test_spec_disable_batch_size_must_be_positive() -> None:
+    from shared.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="spec_disable_batch_size"):
+        EngineConfig(model="x", spec_method="ngram", spec_disable_batch_size=0)

@@ -45,3 +45,15 @@ def test_zero_bubble_loop_is_the_engines_choice_unless_told() -> None:
     assert decode.env["BATON_DECODE_ASYNC_SCHEDULING"] == "true"
     (decode,) = [c for c in plan("--no-async-scheduling").children if c.service == "decode"]
     assert decode.env["BATON_DECODE_ASYNC_SCHEDULING"] == "false"
+
+
+def test_spec_disable_batch_size_reaches_the_decode_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.decode.settings import DecodeSettings
+
+    (decode,) = [c for c in plan("--spec", "ngram", "--spec-disable-batch-size", "4").children
+                 if c.service == "decode"]
+    for key, value in decode.env.items():
+        monkeypatch.setenv(key, value)
+    assert DecodeSettings().engine_config("decode").spec_disable_batch_size == 4
+    (decode,) = [c for c in plan("--spec", "ngram").children if c.service == "decode"]
+    assert "BATON_DECODE_SPEC_DISABLE_BATCH_SIZE" not in decode.env
