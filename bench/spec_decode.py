@@ -205,7 +205,8 @@ def main() -> None:
             r["speedup_vs_sync_loop"] = r["tok_s"] / sync[0]["tok_s"]
     result = {
         "bench": "spec_decode", "model": args.model, "max_tokens": args.max_tokens, "greedy": True,
-        "draft_layers": args.draft_layers, "spec_disable_batch_size": args.spec_disable_batch_size, "eagle_head": str(args.eagle_head) if "eagle" in methods else None,
+        "draft_layers": args.draft_layers, "spec_disable_batch_size": args.spec_disable_batch_size,
+        "eagle_head": str(args.eagle_head) if "eagle" in methods else None,
         "machine": machine(), "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ class EngineConfig:
     spec_eagle_head: Path | None = None  # eagle: safetensors from `baton train-draft`
     # rows of the target's hidden states the EAGLE head attends over when drafting (their keys and values
     # are computed once per step). On the held-out chat prompts 8, 16 and 64 accept alike (1.84, 1.87 and
-    # 1.89 tokens per step, simulated drafting with the H100-trained head of 2026-11-23)
+    # 1.89 tokens per step with the H100-trained head of 2026-11-23, bench/eagle_offline.py)
     spec_eagle_window: int = 16
     # decode steps with more requests decoding than this run without drafts (None: never); see Speculator.propose
     spec_disable_batch_size: int | None = None
