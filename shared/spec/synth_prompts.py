@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["synthesize_requests", "user_turn_prefix"]
 
 _SENTINEL = "\x00baton-user-message\x00"
-MIN_WORDS = 4  # shorter requests are mostly fragments ("Fiaefia:")
+MIN_WORDS = 4  # shorter samples are mostly fragments, not requests
 
 
 def user_turn_prefix(tokenizer: Any, chat_template: str | None = None) -> list[int]:
