@@ -38,7 +38,12 @@ from shared.engine.request import SamplingParams
 from shared.models.loader import DEFAULT_CACHE_DIR, LoadedModel, load_model
 from shared.spec.eagle import target_lm_head
 from shared.spec.eagle_head import EagleHead
-from shared.spec.eagle_train import TrainingSequence, chain_predictions, extract_hidden_states
+from shared.spec.eagle_train import (
+    TrainingSequence,
+    chain_predictions,
+    extract_hidden_states,
+    load_training_data,
+)
 from shared.spec.train_prompts import EVAL_PROMPTS
 from shared.tokenizer import encode_prompt
 
@@ -64,20 +69,19 @@ def score(head: EagleHead, sequences: list[TrainingSequence], starts: list[int],
     """Mean acceptance length and the share of positions accepting each draft, over every reply position
     from `starts[i]` on that has `drafts` tokens after it."""
     draft_ids = head.draft_token_ids
+    # the tokens a draft may be and their LM-head rows; vocab "context" widens them per position
+    candidates = None if vocab == "full" or draft_ids is None else draft_ids
+    rows = head.lm_head if candidates is None else head.lm_head[candidates]
     accepted_at = [0] * drafts
     positions = 0
     for seq, start in zip(sequences, starts, strict=True):
         n = seq.token_ids.shape[0]
         for r in range(start - 1, n - drafts - 1):  # drafting after position r + 1, the last known token
             preds = chain_predictions(head, seq, torch.arange(max(0, r - window + 1), r + 1), drafts)
-            if vocab == "full" or draft_ids is None:
-                candidates = None
-            elif vocab == "context":
+            if vocab == "context" and draft_ids is not None:
                 candidates = torch.unique(torch.cat([draft_ids, seq.token_ids[: r + 2]]))
-            else:
-                candidates = draft_ids
+                rows = head.lm_head[candidates]
             for k in range(drafts):
-                rows = head.lm_head if candidates is None else head.lm_head[candidates]
                 best = int((preds[k][-1] @ rows.T).argmax())
                 token = best if candidates is None else int(candidates[best])
                 # greedy verification keeps a draft while every one before it was kept and it is the target's
@@ -117,8 +121,7 @@ def main() -> None:
     }
     log(f"held-out: {result['held_out']}")
     if args.train_data is not None:
-        rows = torch.load(args.train_data)[: args.train_sequences]
-        train = [TrainingSequence(r["token_ids"], r["hidden_states"], r["greedy_next"]) for r in rows]
+        train = load_training_data(args.train_data, args.train_sequences)
         # score the replies: the last max_tokens positions of each (train-draft's replies are 128 tokens)
         train_starts = [max(1, s.token_ids.shape[0] - 128) for s in train]
         result["train"] = score(head, train, train_starts, args.window, args.drafts, args.vocab)

@@ -31,6 +31,8 @@ from shared.spec.eagle_train import (
     draft_vocabulary,
     extract_hidden_states,
     generate_sequences,
+    load_training_data,
+    save_training_data,
     train_head,
 )
 from shared.spec.synth_prompts import synthesize_requests
@@ -75,8 +77,7 @@ def _engine(args: argparse.Namespace, loaded: object = None, **config: object) -
 def _training_data(args: argparse.Namespace, loaded: LoadedModel) -> list[TrainingSequence]:
     if args.data_cache is not None and args.data_cache.is_file():
         logger.info("reusing training data from %s", args.data_cache)
-        rows = torch.load(args.data_cache)
-        return [TrainingSequence(r["token_ids"], r["hidden_states"], r["greedy_next"]) for r in rows]
+        return load_training_data(args.data_cache)
     # room for every running request's prompt and reply (~46 KiB per token on SmolLM2): no preemption
     on_gpu = args.device != "cpu"
     generator_engine = _engine(args, loaded, kv_cache_bytes=(4 << 30) if on_gpu else (768 << 20),
@@ -93,8 +94,7 @@ def _training_data(args: argparse.Namespace, loaded: LoadedModel) -> list[Traini
     logger.info("extracting hidden states through the prefill path")
     data = extract_hidden_states(_engine(args, loaded, role="prefill", enable_prefix_caching=False), sequences)
     if args.data_cache is not None:
-        torch.save([{"token_ids": d.token_ids, "hidden_states": d.hidden_states, "greedy_next": d.greedy_next}
-                    for d in data], args.data_cache)
+        save_training_data(data, args.data_cache)
     return data
 
 

@@ -30,6 +30,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from shared.spec.eagle_head import EagleHead
 logger = logging.getLogger(__name__)
 
 __all__ = ["TrainingSequence", "chain_predictions", "draft_vocabulary", "extract_hidden_states", "generate_sequences",
-           "train_head"]
+           "load_training_data", "save_training_data", "train_head"]
 
 _IGNORE = -100
 STEP_DECAY = 0.8  # weight of draft step k's loss: STEP_DECAY ** k
@@ -53,6 +54,18 @@ class TrainingSequence:
     token_ids: torch.Tensor  # [n] int64
     hidden_states: torch.Tensor  # [n, hidden]: the target's final-norm hidden state at each position
     greedy_next: torch.Tensor  # [n] int64: the target's argmax after each position
+
+
+def save_training_data(sequences: Sequence[TrainingSequence], path: str | Path) -> None:
+    """train-draft's `--data-cache`: the generated text, hidden states and labels, for a later run to reuse."""
+    torch.save([{"token_ids": s.token_ids, "hidden_states": s.hidden_states, "greedy_next": s.greedy_next}
+                for s in sequences], path)
+
+
+def load_training_data(path: str | Path, limit: int | None = None) -> list[TrainingSequence]:
+    """What `save_training_data` wrote (the first `limit` sequences, if given)."""
+    return [TrainingSequence(r["token_ids"], r["hidden_states"], r["greedy_next"])
+            for r in torch.load(path)[:limit]]
 
 
 def generate_sequences(

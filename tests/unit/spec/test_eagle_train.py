@@ -12,6 +12,8 @@ from shared.spec.eagle_train import (
     _chain_mask,
     _Corpus,
     chain_predictions,
+    load_training_data,
+    save_training_data,
 )
 
 CONFIG = EagleHeadConfig(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
@@ -110,3 +112,14 @@ def test_a_batch_of_windows_is_the_mean_of_each_window_alone() -> None:
                 for s, r in windows]
     torch.testing.assert_close(loss, torch.stack([e[0] for e in expected]).mean(), atol=1e-5, rtol=1e-5)
     assert (int(correct), int(labelled)) == (sum(e[1] for e in expected), sum(e[2] for e in expected))
+
+
+def test_training_data_round_trips_through_the_cache_file(tmp_path) -> None:
+    sequences = [make_sequence(n, seed=n) for n in (5, 9)]
+    save_training_data(sequences, tmp_path / "data.pt")
+    for limit, expected in ((None, sequences), (1, sequences[:1])):
+        loaded = load_training_data(tmp_path / "data.pt", limit)
+        assert len(loaded) == len(expected)
+        for got, want in zip(loaded, expected, strict=True):
+            assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.greedy_next, want.greedy_next)
+            assert torch.equal(got.hidden_states, want.hidden_states)
