@@ -45,6 +45,9 @@ class EngineConfig:
     spec_eagle_window: int = 16
     # decode steps with more requests decoding than this run without drafts (None: never); see Speculator.propose
     spec_disable_batch_size: int | None = None
+    # eagle: greedy requests draft this tree instead of a chain of num_speculative_tokens (shared/spec/tree.py),
+    # e.g. "0;1;2;0.0;0.1;1.0;0.0.0;0.0.0.0"; None = chains only. Sampled requests keep chains
+    spec_tree: str | None = None
     # prefill role: layers whose outputs travel after the final hidden states (EAGLE-3 style draft input)
     aux_hidden_layers: tuple[int, ...] = ()
     # zero-bubble loop: plan step N+1 while step N runs on an executor thread (colocated and decode roles;
@@ -73,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"spec_eagle_window must be >= 1, got {self.spec_eagle_window}")
         if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 1:
             raise ValueError(f"spec_disable_batch_size must be >= 1, got {self.spec_disable_batch_size}")
+        if self.spec_tree is not None and self.spec_method != "eagle":
+            raise ValueError(f"spec_tree drafts with an EAGLE head: spec_method is {self.spec_method!r}")
         if self.spec_draft_num_layers < 1:
             raise ValueError(f"spec_draft_num_layers must be >= 1, got {self.spec_draft_num_layers}")
 

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from shared.errors import InvalidRequestError
+from shared.spec.tree import DraftTree
 
 
 class RequestStatus(enum.Enum):
@@ -139,6 +140,7 @@ class Request:
     # speculation: draft tokens proposed for the next step (set by the engine, consumed by the
     # scheduler); a proposer failure turns speculation off for the rest of the request
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_tree: DraftTree | None = None  # the drafts are this tree's nodes 1..n; None: a chain
     spec_disabled: bool = False
     # proposed ahead of a step in flight (zero-bubble loop): what the drafts assume that step emits,
     # its drafts accepted and then its last token

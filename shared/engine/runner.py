@@ -8,6 +8,7 @@
                 ──► hidden of each sampling chunk's last token ──► logits ──► sampler
                 ──► hidden of each verification chunk's last k + 1 tokens ──► logits
                     ──► rejection sampler (shared/spec/verify.py) ──► accepted + 1 tokens
+                    (a draft tree's accepted branch: its KV moved to the slots a chain uses)
                 ──► StepOutput: emitted tokens left on the device, one row per sampling chunk
 
 `prepare` runs on the engine thread and `execute` on the executor (the same
@@ -34,6 +35,7 @@ from shared.models.decoder import DecoderLM
 from shared.ops.attention import AttentionMetadata
 from shared.ops.host_copy import tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
+from shared.spec.tree import DraftTree
 from shared.spec.verify import VerifyInput, VerifyOutput, verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,10 @@ class StepInputs:
     verify_rows: list[int] = field(default_factory=list)  # flat rows scoring each verified position
     verify_chunks: list[int] = field(default_factory=list)  # index into plan.chunks of each verification
     spec_hidden_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # draft-tree verification chunks: index into plan.chunks -> the tree's ancestor mask on the device
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # with trees: what to subtract from each token's planned (slot) position to get its RoPE position
+    rope_offsets: torch.Tensor | None = None
     # request id -> its row of the step's outputs: plain sampling chunks first, then verifications
     rows: dict[str, int] = field(default_factory=dict)
     # the four index lists above as device tensors (indexing with a list copies it to the device
@@ -212,6 +218,7 @@ class ModelRunner:
         spec_spans: dict[str, tuple[int, int]] = {}
         verify_rows: list[int] = []
         verify_chunks: list[int] = []
+        trees: dict[int, DraftTree] = {}
         max_blocks = max((len(c.block_ids) for c in plan.chunks), default=1)
         tables = torch.zeros((len(plan.chunks), max_blocks), dtype=torch.int32)
         for i, chunk in enumerate(plan.chunks):
@@ -223,6 +230,8 @@ class ModelRunner:
             seq_lens.append(chunk.start_pos + chunk.num_tokens)
             prev_row.append(prev_rows[chunk.request_id] if chunk.continues and prev_rows is not None else -1)
             assert not chunk.continues or prev_row[-1] >= 0, f"{chunk.request_id} continues no known step"
+            if chunk.draft_tree is not None:
+                trees[i] = chunk.draft_tree
             if chunk.num_draft_tokens:
                 verify_rows.extend(range(len(ids) - chunk.num_draft_tokens - 1, len(ids)))
                 verify_chunks.append(i)
@@ -255,6 +264,13 @@ class ModelRunner:
             verify_chunks=verify_chunks,
             spec_hidden_spans=spec_spans,
         )
+        if trees:  # node j of a tree sits at slot start + j and RoPE position start + depth(j)
+            inputs.tree_masks = {i: tree.ancestor_mask(dev) for i, tree in trees.items()}
+            offsets = [0] * len(ids)
+            for i, tree in trees.items():
+                lo = cu[i + 1] - tree.num_drafts - 1
+                offsets[lo : cu[i + 1]] = [j - d for j, d in enumerate(tree.depths)]
+            inputs.rope_offsets = to_device(offsets, dtype=torch.int64, device=dev)
         inputs.device_index = {
             name: to_device(values, dtype=torch.int64, device=dev)
             for name, values in (("sample_rows", sample_rows), ("sample_chunks", sample_chunks),
@@ -275,8 +291,9 @@ class ModelRunner:
             inputs.planned_ids, inputs.planned_positions, inputs.planned_seq_lens, inputs.query_start_loc,
             inputs.block_tables, inputs.prev_row, prev_out, self.layout.block_size,
         )
+        positions = out.positions if inputs.rope_offsets is None else out.positions - inputs.rope_offsets
         inputs.input_ids = out.input_ids
-        inputs.positions = out.positions
+        inputs.positions = positions
         inputs.meta = AttentionMetadata(
             slot_mapping=out.slot_mapping,
             query_start_loc=inputs.query_start_loc,
@@ -284,7 +301,8 @@ class ModelRunner:
             block_tables=inputs.block_tables,
             query_lens_host=inputs.query_lens_host,
             seq_lens_host=inputs.seq_lens_host,
-            positions=out.positions,
+            positions=positions,
+            tree_masks=inputs.tree_masks,
         )
 
     def execute(self, inputs: StepInputs, prev: StepOutput | None = None,
@@ -326,6 +344,8 @@ class ModelRunner:
         if inputs.verify_rows:
             num_suppressed = below_min[inputs.device_index["verify_chunks"]] if below_min is not None else None
             verified, num_drafts = self._verify(inputs, hidden, out, num_suppressed)
+            if inputs.tree_masks:
+                self._settle_trees(inputs, hidden, verified, out)
             rows.append(verified.token_ids)
             counts.append(verified.num_accepted + 1)
             drafts.append(num_drafts)
@@ -378,6 +398,7 @@ class ModelRunner:
                 generator=inputs.generators[i],
                 suppress_token_ids=c.suppress_token_ids,
                 num_suppressed_positions=c.num_suppressed_positions,
+                tree=c.draft_tree,
             )
             for i, c in zip(inputs.verify_chunks, chunks, strict=True)
         ]
@@ -387,6 +408,38 @@ class ModelRunner:
                 out.logprobs[chunk.request_id] = lps
         num_drafts = to_device([c.num_draft_tokens for c in chunks], dtype=torch.int64, device=self.device)
         return verified, num_drafts
+
+
+    def _settle_trees(self, inputs: StepInputs, hidden: torch.Tensor, verified: VerifyOutput,
+                      out: StepOutput) -> None:
+        """Each tree's accepted branch wrote its KV at its nodes' slots (start + node): move it to the slots a
+        chain of the same tokens would hold (start + depth), and keep the branch's hidden states, on the device.
+        """
+        assert verified.branch is not None
+        chunks = inputs.plan.chunks
+        at = [r for r, i in enumerate(inputs.verify_chunks) if i in inputs.tree_masks]  # rows of `verified`
+        tree_chunks = [inputs.verify_chunks[r] for r in at]
+        dev = self.device
+        index = to_device(at, dtype=torch.int64, device=dev)
+        branch = verified.branch[index]  # [T, width] node at each accepted depth, root first
+        depth = torch.arange(branch.shape[1], device=dev)
+        start = to_device([chunks[i].start_pos for i in tree_chunks], dtype=torch.int64, device=dev)[:, None]
+        dst = start + depth
+        src = torch.where(depth <= verified.num_accepted[index][:, None], start + branch, dst)
+        tables = inputs.block_tables[to_device(tree_chunks, dtype=torch.int64, device=dev)].long()
+        bs = self.layout.block_size
+
+        def blocks(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return tables.gather(1, slots // bs).flatten(), (slots % bs).flatten()
+
+        (src_block, src_off), (dst_block, dst_off) = blocks(src), blocks(dst)
+        # kv_cache [layers, blocks, 2, block_size, heads, dim]: the gather copies before the scatter writes
+        self.kv_cache[:, dst_block, :, dst_off] = self.kv_cache[:, src_block, :, src_off]
+        for n, i in enumerate(tree_chunks):
+            request_id = chunks[i].request_id
+            if request_id in inputs.spec_hidden_spans:
+                lo, _ = inputs.spec_hidden_spans[request_id]
+                out.spec_hidden_states[request_id] = hidden[lo + branch[n]]  # the first accepted + 1 rows count
 
 
 def _prepare_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,

@@ -34,6 +34,12 @@ only rejected drafts needed::
     before:  computed t_0 .. t_{L-2} | run t_{L-1} d_0 d_1 d_2     (L + 3 slots held)
     after 1 accepted:  t_0 .. t_{L-1} d_0 | r   computed = L + 1, slots held for L + 2
 
+A draft tree (`request.spec_tree`, shared/spec/tree.py) is planned the same
+way with its n nodes as the drafts: n + 1 slots reserved, and "every draft
+accepted" is the upper bound the accounting assumes. The runner moves the
+accepted branch's KV to the slots a chain would have used, so `update()` treats
+the emitted tokens exactly as a chain's.
+
 Roles: in the `prefill` role a request finishes as soon as its first token is
 sampled (FINISHED_HANDOFF) and keeps its blocks until the engine has handed its
 KV out and calls `release_handoff`.
@@ -55,6 +61,7 @@ from shared.engine.request import (
     SamplingParams,
     TokenLogprobs,
 )
+from shared.spec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +98,7 @@ class ScheduledChunk:
     return_hidden: bool = False  # prefill role: keep last-layer hidden states
     # speculation: the last num_draft_tokens of token_ids are drafts to verify
     num_draft_tokens: int = 0
+    draft_tree: DraftTree | None = None  # the drafts are this tree's nodes 1..n (never a continuing chunk)
     # suppress_token_ids applies to this many sampling positions, counted from the first (<= 0: none);
     # for a chunk that continues the previous step, plus the drafts that step rejects
     num_suppressed_positions: int = 0
@@ -189,12 +197,15 @@ class Scheduler:
                 continue
             if self._finishes_in_flight(request):
                 request.spec_token_ids = []
+                request.spec_tree = None
                 continue
             num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            tree = request.spec_tree
             drafts = self._fit_drafts(request, num_new, budget)
             if not self._reserve(request, num_new, plan, scheduled):
                 continue
-            plan.chunks.append(self._chunk(request, num_new, drafts))
+            tree = tree.prefix(len(drafts)) if tree is not None and drafts else None
+            plan.chunks.append(self._chunk(request, num_new, drafts, tree if tree and not tree.is_chain else None))
             scheduled.append(request)
             budget -= num_new + len(drafts)
         if not plan.preempted_ids:
@@ -211,8 +222,9 @@ class Scheduler:
 
     def _fit_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The request's drafts that fit the budget and the free blocks; [] unless it is decoding."""
-        drafts = request.spec_token_ids[: budget - num_new]
+        drafts = request.spec_token_ids[: budget - num_new]  # a tree's first nodes are a tree: cut anywhere
         request.spec_token_ids = []
+        request.spec_tree = None
         if not drafts or request.num_tokens_ahead - request.num_computed_tokens != 1:
             return []
         if not self.kv.allocate_slots(request, request.num_computed_tokens + num_new + len(drafts)):
@@ -256,6 +268,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_tree = None
         request.inflight = []  # what those steps emit is dropped: recomputed on resume
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -263,13 +276,18 @@ class Scheduler:
         self.waiting.appendleft(request)
         plan.preempted_ids.append(request.request_id)
 
-    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
-        """Plan `num_new` tokens (then `drafts`) of `request` and advance it past them."""
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None,
+               tree: DraftTree | None = None) -> ScheduledChunk:
+        """Plan `num_new` tokens (then `drafts`, the nodes of `tree` when given) of `request` and advance it
+        past them."""
         drafts = drafts or []
         start = request.num_computed_tokens
         end = start + num_new
         continues = start >= request.num_tokens  # its one token is the previous step's, not read yet
         assert not continues or num_new == 1, (request.request_id, start, num_new)
+        # a tree's positions follow its depths, which the device-side correction of a continuing chunk
+        # does not know: trees come from proposers that wait for each step's tokens (EAGLE)
+        assert tree is None or (not continues and tree.num_drafts == len(drafts)), (request.request_id, tree)
         params = request.params
         suppress: frozenset[int] = frozenset()
         # positions below min_tokens, as if every draft in flight is accepted (the runner corrects it)
@@ -289,6 +307,7 @@ class Scheduler:
             suppress_token_ids=suppress,
             return_hidden=self.config.role == "prefill" and start < request.num_prompt_tokens,
             num_draft_tokens=len(drafts),
+            draft_tree=tree,
             num_suppressed_positions=num_below_min,
             return_spec_hidden=self.config.spec_needs_hidden,
             continues=continues,

@@ -8,6 +8,10 @@ sequence `i` sits at position `seq_lens[i] - query_len + t` and attends to keys
 at positions `p` with `p <= pos` and, on sliding-window layers,
 `p > pos - sliding_window` (the transformers convention).
 
+A draft tree's verification chunk (shared/spec/tree.py) is the exception:
+`tree_masks` names its ancestor mask, its queries attend to the context before
+the chunk and to their own ancestors only, and it runs with the long chunks.
+
 The reference runs anywhere (the CPU serving path uses it); the Triton kernel in
 `triton_attention.py` computes the same thing on CUDA.
 """
@@ -38,6 +42,9 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     positions: torch.Tensor | None = None  # [num_tokens] int64: position of each query token
+    # draft-tree verification chunks: sequence index -> [query_len, query_len] bool, True where query i may
+    # see the chunk's key j (j is i or an ancestor); `positions` holds the tree depths, not consecutive ones
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # per-step values every layer shares (index tensors, masks), built once by the first layer
     step_cache: dict[object, object] = field(default_factory=dict, repr=False)
 
@@ -98,12 +105,18 @@ def _position_mask(
 def _chunk_mask(
     meta: AttentionMetadata, seq: int, q_len: int, s_len: int, sliding_window: int | None, device: torch.device
 ) -> torch.Tensor:
-    """Causal (and windowed) mask of one prefill chunk, [q_len, s_len], built once per step."""
+    """Causal (and windowed) mask of one prefill chunk, [q_len, s_len], built once per step; a draft tree's
+    chunk sees the context before it and its own ancestors."""
     key = ("chunk", seq, sliding_window)
     mask = meta.step_cache.get(key)
     if mask is None:
-        q_pos = torch.arange(s_len - q_len, s_len, device=device)
-        mask = meta.step_cache[key] = _position_mask(q_pos, torch.arange(s_len, device=device), sliding_window)
+        tree = meta.tree_masks.get(seq)
+        context = s_len - q_len
+        depth = tree.sum(dim=1) - 1 if tree is not None else torch.arange(q_len, device=device)
+        mask = _position_mask(context + depth, torch.arange(s_len, device=device), sliding_window)
+        if tree is not None:  # ancestors lie within the window: a tree is far shallower than any window
+            mask[:, context:] = tree
+        meta.step_cache[key] = mask
     return mask  # type: ignore[return-value]
 
 
@@ -171,7 +184,7 @@ def _split_sequences(meta: AttentionMetadata) -> tuple[list[int], list[int], lis
         short_seqs: list[int] = []
         long_seqs: list[int] = []
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-            short = q_len == 1 or (q_len <= _SHORT_MAX_QUERY and s_len > q_len)
+            short = (q_len == 1 or (q_len <= _SHORT_MAX_QUERY and s_len > q_len)) and i not in meta.tree_masks
             (short_seqs if short else long_seqs).append(i)
         starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
         cached = meta.step_cache["split"] = (short_seqs, long_seqs, starts)

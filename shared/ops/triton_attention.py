@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.ops.attention import AttentionMetadata
+from shared.ops.attention import AttentionMetadata, paged_attention_ref
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # tl.dot needs every dimension >= 16 on GPUs.
@@ -294,6 +294,8 @@ def paged_attention_triton(
     `key`/`value` are accepted only so this and `paged_attention_ref` are
     interchangeable: the kernel reads every key, this step's included, from the cache.
     """
+    if meta.tree_masks:  # draft-tree verification: the kernel knows causal masks only
+        return paged_attention_ref(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
     del key, value
     _check_inputs(query, k_cache, v_cache, meta)
     assert sliding_window is None or sliding_window > 0, sliding_window

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from shared.spec.ngram import NgramProposer
 from shared.spec.proposer import Proposer
 from shared.spec.speculator import Speculator
+from shared.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from shared.engine.config import EngineConfig
@@ -36,5 +37,9 @@ def build_speculator(
 
         proposer = build_eagle_proposer(config, loaded)
     logger.info("speculative decoding: %s, %d tokens per step", config.spec_method, config.num_speculative_tokens)
+    tree = DraftTree.parse(config.spec_tree) if config.spec_tree is not None else None
+    if tree is not None:
+        logger.info("greedy requests draft a tree of %d nodes, %d deep", tree.num_drafts, tree.max_depth)
     return Speculator(proposer, config.num_speculative_tokens, max_model_len, loaded.spec.vocab_size,
-                      hidden_window=config.spec_eagle_window, disable_batch_size=config.spec_disable_batch_size)
+                      hidden_window=config.spec_eagle_window, disable_batch_size=config.spec_disable_batch_size,
+                      tree=tree)

@@ -26,8 +26,15 @@ Contract of `Proposer.propose`:
 - Errors are raised, not encoded in the return value; the engine turns a
   failure into plain decoding for that request (and counts it).
 
+Draft trees: a proposer with `drafts_trees = True` may be given
+`ProposalInput.tree`; it then returns the tokens of the tree's nodes 1..n in
+node order (or of its first m < n nodes: any prefix of the nodes is a tree),
+node i being the `ranks[i]`-th best guess after its parent's branch, distinct
+among siblings. `num_speculative_tokens` is then the tree's n.
+
 Optional, looked up on the proposer object by the engine's `Speculator`:
 `uses_hidden_states = True` asks for `ProposalInput.hidden_states`;
+`drafts_trees = True` accepts `ProposalInput.tree`;
 `remove_request(request_id)` drops per-request state when a request ends;
 `check_no_leaks()` asserts that no per-request state is left.
 """
@@ -41,6 +48,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from shared.spec.tree import DraftTree
 
 __all__ = ["ProposalInput", "Proposer"]
 
@@ -57,6 +66,8 @@ class ProposalInput:
     # EAGLE only: the target's final-norm hidden states for the last m tokens it ran,
     # i.e. row r belongs to t_{L-1-m+r} (the last token t_{L-1} has none yet).
     hidden_states: torch.Tensor | None = None  # [m, hidden]
+    # proposers with drafts_trees: draft this tree's nodes instead of a chain (see the module docstring)
+    tree: DraftTree | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

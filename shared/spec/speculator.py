@@ -14,7 +14,12 @@ the tokens it may still emit (a step emits up to k + 1), by the context
 length, and by what its drafts have been worth: a running average of the drafts
 verification accepted per step, plus one, so a request whose drafts keep failing
 verifies one or two instead of paying for k (a batched step on a CPU is
-compute-bound: every rejected draft costs a full token of work). A proposer that raises (or returns ids outside the vocabulary) turns
+compute-bound: every rejected draft costs a full token of work).
+
+Draft trees (`tree`, EAGLE only): a greedy request with room for the whole tree
+drafts it instead of a chain (shared/spec/tree.py); sampled requests, those
+that name their own number of drafts, and those near their end keep chains. A tree is not cut by the running
+average: its breadth is what buys acceptance. A proposer that raises (or returns ids outside the vocabulary) turns
 speculation off for the request it failed on, which goes on decoding plainly;
 `stats.num_fallbacks` counts those requests.
 
@@ -36,7 +41,9 @@ import torch
 
 from shared.engine.request import Request, RequestStatus
 from shared.engine.scheduler import SchedulerPlan, StepResult
+from shared.errors import ConfigError
 from shared.spec.proposer import ProposalInput, Proposer
+from shared.spec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +90,14 @@ class Speculator:
         vocab_size: int,
         hidden_window: int = 64,
         disable_batch_size: int | None = None,
+        tree: DraftTree | None = None,
     ) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if tree is not None and not getattr(proposer, "drafts_trees", False):
+            raise ConfigError(f"{type(proposer).__name__} drafts chains only: a draft tree needs an EAGLE head")
         self.proposer = proposer
+        self.tree = tree
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -96,7 +107,8 @@ class Speculator:
         self.uses_hidden_states: bool = getattr(proposer, "uses_hidden_states", False)
         # reads only token ids, so it can propose past a token not read yet (the zero-bubble loop)
         self.proposes_ahead: bool = getattr(proposer, "proposes_ahead", False)
-        self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
+        depth = max(num_speculative_tokens, tree.max_depth if tree is not None else 0)
+        self.stats = SpecStats(accepted_per_position=[0] * depth)
         self._hidden: dict[str, _Hidden] = {}
         self._accepted_avg: dict[str, float] = {}  # per request: running average of drafts accepted per step
 
@@ -113,6 +125,16 @@ class Speculator:
         if avg is not None:  # worth: one more draft than it has been accepting (never below one)
             k = min(k, max(1, math.ceil(avg) + 1))
         return max(0, min(k, room))
+
+    def _tree_for(self, request: Request) -> DraftTree | None:
+        """The draft tree, for a greedy request with room for all of it (its KV slots and its deepest branch)."""
+        tree = self.tree
+        # a request that names its number of drafts gets a chain of that many
+        if tree is None or not request.params.is_greedy or request.params.num_speculative_tokens is not None:
+            return None
+        emit_room = request.params.max_tokens - request.num_output_tokens - request.num_inflight_tokens - 1
+        kv_room = self.max_model_len - request.num_tokens_ahead - 1
+        return tree if emit_room >= tree.max_depth and kv_room >= tree.num_drafts else None
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set `spec_token_ids` of every running request (drafts for decoding ones, [] otherwise).
@@ -147,14 +169,17 @@ class Speculator:
                 hidden = self._hidden_for(request)
                 if hidden is None:
                     continue
-            batch.append((request, ProposalInput(request.request_id, request.all_token_ids, k, hidden)))
+            tree = self._tree_for(request)
+            batch.append((request, ProposalInput(request.request_id, request.all_token_ids,
+                                                 k if tree is None else tree.num_drafts, hidden, tree)))
         if not batch:
             return
-        for (request, _), drafts in zip(batch, self._propose_with_fallback(batch), strict=True):
+        for (request, inp), drafts in zip(batch, self._propose_with_fallback(batch), strict=True):
             if request.inflight:  # proposed ahead: the first token stands for the one in flight
                 request.spec_guess = drafts[0] if len(drafts) > 1 else None
                 drafts = drafts[1:]
             request.spec_token_ids = drafts
+            request.spec_tree = inp.tree.prefix(len(drafts)) if inp.tree is not None and drafts else None
 
     @staticmethod
     def _plan_ahead(request: Request) -> list[int]:

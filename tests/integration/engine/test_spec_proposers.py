@@ -66,20 +66,24 @@ def _random_head(engine, path, draft_vocab: int | None = None):  # type: ignore[
     return path
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 64])
-def test_eagle_greedy_equals_plain_colocated_and_after_handoff(make_tiny, engines, tmp_path, draft_vocab) -> None:
-    """An untrained head proposes poorly, yet output is exact and hidden states line up in both roles."""
+@pytest.mark.parametrize(("draft_vocab", "tree"), [(None, None), (64, None), (None, "0;1;2;0.0;1.0;0.0.0"),
+                                                   (64, "0;1;0.0;0.1")])
+def test_eagle_greedy_equals_plain_colocated_and_after_handoff(make_tiny, engines, tmp_path, draft_vocab,
+                                                               tree) -> None:
+    """An untrained head proposes poorly, yet output is exact and hidden states line up in both roles, with
+    chains and with trees (a token budget of 16 cuts some trees short)."""
     batch = prompts(4)
     plain, _ = make_tiny("llama")
     expected = [r.token_ids for r in plain.generate(batch, greedy(24))]
     head_path = _random_head(plain, tmp_path / "head.safetensors", draft_vocab)
-    colocated, _ = make_tiny("llama", spec_method="eagle", spec_eagle_head=head_path, max_num_batched_tokens=16)
+    colocated, _ = make_tiny("llama", spec_method="eagle", spec_eagle_head=head_path, max_num_batched_tokens=16,
+                             spec_tree=tree)
     assert [r.token_ids for r in colocated.generate(batch, greedy(24))] == expected
     assert spec_stats(colocated).num_verifications > 0
 
     loaded, _ = tiny_loaded("llama")
     prefill = tiny_engine(loaded, role="prefill")
-    decode = tiny_engine(loaded, role="decode", spec_method="eagle", spec_eagle_head=head_path)
+    decode = tiny_engine(loaded, role="decode", spec_method="eagle", spec_eagle_head=head_path, spec_tree=tree)
     engines.extend([prefill, decode])
     handoffs = prefill.generate(batch, greedy(24))
     for i, res in enumerate(handoffs):

@@ -38,4 +38,10 @@ def test_trained_head_drafts_what_the_target_says(make_tiny, engines, tmp_path: 
     engine, _ = make_tiny("llama", spec_method="eagle", spec_eagle_head=path)
     expected = [r.token_ids for r in colocated.generate(train_prompts, greedy(30))]
     assert [r.token_ids for r in engine.generate(train_prompts, greedy(30))] == expected
-    assert spec_stats(engine).mean_acceptance_length > 1.5  # on its own training prompts
+    chain = spec_stats(engine).mean_acceptance_length
+    assert chain > 1.5  # on its own training prompts
+
+    # a tree holding the chain's branch, and the head's second and third guesses: it accepts more
+    tree, _ = make_tiny("llama", spec_method="eagle", spec_eagle_head=path, spec_tree="0;1;2;0.0;0.1;1.0;0.0.0")
+    assert [r.token_ids for r in tree.generate(train_prompts, greedy(30))] == expected
+    assert spec_stats(tree).mean_acceptance_length > chain, (chain, spec_stats(tree).mean_acceptance_length)
