@@ -32,15 +32,24 @@ def _build_dir() -> Path:
     return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}"
 
 
+def _cpu_flags() -> str:
+    """The CPU's flags line from /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cpu_has_avx512() -> bool:
+    """The kernels are built with -march=native: on AVX-512 they take wider paths (see gemv_cpu.cpp)."""
+    return "avx512f" in _cpu_flags().split()
+
+
 def _cpu_tag() -> str:
     """Which instruction sets the build may use: it is compiled with -march=native, so a home directory
     shared between an AVX-512 and an AVX2 machine must not hand one's library to the other."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return "isa-" + hashlib.sha1((flags or platform.processor()).encode()).hexdigest()[:10]
+    return "isa-" + hashlib.sha1((_cpu_flags() or platform.processor()).encode()).hexdigest()[:10]
 
 
 def cpu_kernels_available() -> bool:

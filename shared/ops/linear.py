@@ -8,8 +8,10 @@ size. Elsewhere (CUDA, or a torch without oneDNN) the plain weight is used.
 
 At decode batch sizes oneDNN is still slow: at one row it streams SmolLM2's
 weights at 18-27 GB/s. `csrc/gemv_cpu.cpp` reads them at 32-35 GB/s (DRAM speed)
-from a second copy in its own layout: all projections of a decode step take
-1.36x less time at 1 row, 1.14x at 16, the same at 32 (`bench/linear.py`). It
+from a second copy in its own layout. All projections of a decode step
+(`bench/linear.py`): on AVX2 1.36x less time at 1 row, 1.14x at 16, the same at
+32; on AVX-512 (Zen 4, 8-row passes) 2.7x at 1 row, 1.5x at 8, 1.2x at 16, 1.1x
+at 32 and 64. It
 sums every output in oneDNN's order, so a row gives the same bits through
 either path and a request the same tokens alone or in a batch. oneDNN's K
 blocking (where its sums restart) depends on the CPU and the weight, so each
@@ -31,14 +33,15 @@ import os
 import torch
 import torch.nn.functional as F
 
-from shared.ops.cpu_kernels import cpu_kernels_available
+from shared.ops.cpu_kernels import cpu_has_avx512, cpu_kernels_available
 
 logger = logging.getLogger(__name__)
 
 # oneDNN picks its blocking for this many rows; decode batches and prefill chunks both run well
 _ONEDNN_BATCH_HINT = 128
-# Up to this many rows the GEMV kernel runs; at 32 rows oneDNN is as fast (bench/linear.py)
-GEMV_MAX_ROWS = 16
+# Up to this many rows the GEMV kernel runs: on AVX2 oneDNN is as fast by 32 rows; on AVX-512 the kernel's
+# 8-row passes still beat it at 64 (bench/linear.py)
+GEMV_MAX_ROWS = 64 if cpu_has_avx512() else 16
 # Where oneDNN's fp32 sums restart (in inputs), measured at 2..256 rows: 1024 on AVX2-only EPYCs; on
 # AVX-512 (Zen 4) 512 for in_features <= 1024 and 1024 above. (At one row AVX-512 oneDNN sums K > 1024
 # in yet another order, so without the kernel a lone row there differs from its batched self.)
@@ -84,8 +87,8 @@ class LinearWeight:
 
     def _pack_gemv(self, weight: torch.Tensor) -> None:
         packed = torch.ops.baton_cpu.gemv_pack(weight.contiguous())
-        # oneDNN's bits where it serves (more rows than the kernel takes); three rows through the kernel
-        # cover its two-row and one-row loops
+        # oneDNN's bits where it serves (more rows than the kernel takes); the kernel sums each output the
+        # same way whatever the row count, so three rows check its order
         probe = torch.randn(GEMV_MAX_ROWS + 1, self.in_features, generator=torch.Generator().manual_seed(0))
         expected = self._onednn(probe)[:3]
         for k_block in _ONEDNN_K_BLOCKS:

@@ -1,8 +1,9 @@
 // y = x @ W.T for a decode batch's rows of x (up to 16), fp32, reading W once at memory speed.
 //
 // oneDNN's packed GEMM streams SmolLM2's weights at 18-27 GB/s on two cores at one row; this reads them at
-// 32-35 GB/s, DRAM speed, and at 4-16 rows is 1.1-1.6x faster (two rows at a time per pass over a panel, the
-// later passes from L2; bench/linear.py). It is only worth having if it changes no result: a request must
+// 32-35 GB/s, DRAM speed. Rows go through a panel in passes of up to kRowsPerPass (the later passes read it
+// from L2), the last pass taking whatever rows are left in one go: a pass's FMAs overlap the panel's stream
+// from DRAM, so the fewer passes, the closer a few rows cost what one row costs (bench/linear.py). It is only worth having if it changes no result: a request must
 // give the same tokens alone (here) and in a big batch (oneDNN). So every output is summed in
 // oneDNN's order, found by experiment and checked per weight when it is packed (shared/ops/linear.py):
 //   y[m, n] = sequential FMA chain over k in blocks of k_block, each block's chain starting from 0,
@@ -24,10 +25,11 @@
 // Outputs per panel: four AVX2 registers of partial sums per row, enough independent FMA chains to cover
 // the FMA latency at one row.
 constexpr int64_t kLanes = 32;
-// Rows per pass over a panel (the later passes read it from L2): two fill AVX2's 16 registers with partial
-// sums; AVX-512's 32 registers hold four rows' (two registers each), which halves the passes.
+// Rows per pass over a panel: two fill AVX2's 16 registers with partial sums; AVX-512's 32 registers hold
+// eight rows' (two registers each) with room for the panel's vectors. On Zen 4, passes of 8 rows instead of
+// 4 took a model's projections at 8 rows from 20.5 to 16.3 ms (one row: 15.5) and at 32 rows from 54 to 39.
 #if defined(__AVX512F__)
-constexpr int kRowsPerPass = 4;
+constexpr int kRowsPerPass = 8;
 #else
 constexpr int kRowsPerPass = 2;
 #endif
@@ -63,6 +65,16 @@ static inline void panel_rows(const float* __restrict x, int64_t ldx, const floa
     for (int64_t l = 0; l < ncols; ++l) y[m * ldy + l] = total[m][l];
 }
 
+// The rows left after the full passes, 0 < rest < R + 1, in one pass of exactly that many.
+template <int R>
+static inline void tail_rows(int64_t rest, const float* x, int64_t ldx, const float* panel, int64_t K, float* y,
+                             int64_t ldy, int64_t ncols, int64_t k_block) {
+  if constexpr (R > 0) {
+    if (rest == R) return panel_rows<R>(x, ldx, panel, K, y, ldy, ncols, k_block);
+    tail_rows<R - 1>(rest, x, ldx, panel, K, y, ldy, ncols, k_block);
+  }
+}
+
 torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t k_block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gemv: contiguous float32 x");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.size(1) == x.size(1) &&
@@ -82,8 +94,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, 
       int64_t m = 0;
       for (; m + kRowsPerPass <= M; m += kRowsPerPass)
         panel_rows<kRowsPerPass>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
-      for (; m + 2 <= M; m += 2) panel_rows<2>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
-      for (; m < M; ++m) panel_rows<1>(xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
+      tail_rows<kRowsPerPass - 1>(M - m, xp + m * K, K, panel, K, yp + m * N + p * kLanes, N, ncols, k_block);
     }
   });
   return y;
