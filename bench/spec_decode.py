@@ -1,7 +1,8 @@
 """Speculative decoding: output tok/s, TPOT and acceptance length per proposer.
 
 For each task (input-grounded: repeat or edit a given text; chat: open
-questions), batch size (1 and 8) and method (none / ngram / draft / eagle):
+questions), batch size (1 and 8) and method (none / ngram / draft / eagle /
+eagle-tree, the same head drafting `--spec-tree` for its greedy requests):
 greedy generation through the in-process engine, timed per request (TPOT =
 time between a request's first and last token over the tokens in between),
 output tokens/s over the whole batch, the mean acceptance length (tokens
@@ -18,6 +19,7 @@ last line.
                                 [--eagle-head PATH]   (default: ~/.cache/baton/eagle/<model>.safetensors,
                                                        made by `baton train-draft`; eagle is skipped without it)
                                 [--spec-disable-batch-size N]   (steps with more than N decoding run plainly)
+                                [--spec-tree CHOICES]   (eagle-tree's tree, shared/spec/tree.py)
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ CHAT = [
 ]
 TASKS = {"grounded": GROUNDED, "chat": CHAT}
 # drafts per step: ngram copies long runs cheaply; model drafts cost a forward per token
-NUM_SPEC_TOKENS = {"ngram": 5, "draft": 2, "eagle": 3}
+NUM_SPEC_TOKENS = {"ngram": 5, "draft": 2, "eagle": 3, "eagle-tree": 3}  # eagle-tree: its sampled requests' chains
+# eagle-tree's default: the first guess's branch to depth 4, the second and third guesses, and the second
+# guess after each of the first two (8 drafts)
+DEFAULT_TREE = "0;1;2;0.0;0.1;1.0;0.0.0;0.0.0.0"
 
 
 def log(msg: str) -> None:
@@ -113,10 +118,12 @@ def make_engine(loaded: LoadedModel, method: str, loop: str, args: argparse.Name
     kw: dict[str, Any] = dict(model=args.model, max_model_len=2048, kv_cache_bytes=256 << 20,
                               async_scheduling=loop == "async")
     if method != "none":
-        kw.update(spec_method=method, num_speculative_tokens=NUM_SPEC_TOKENS[method],
+        kw.update(spec_method=method.removesuffix("-tree"), num_speculative_tokens=NUM_SPEC_TOKENS[method],
                   spec_disable_batch_size=args.spec_disable_batch_size)
-    if method == "eagle":
+    if method.startswith("eagle"):
         kw["spec_eagle_head"] = args.eagle_head
+    if method == "eagle-tree":
+        kw["spec_tree"] = args.spec_tree
     if method == "draft":
         kw["spec_draft_num_layers"] = args.draft_layers
     return LLMEngine(EngineConfig(**kw), loaded=loaded)
@@ -171,10 +178,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft", "eagle"])
+    parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft", "eagle", "eagle-tree"])
     parser.add_argument("--loops", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     parser.add_argument("--eagle-head", type=Path)
     parser.add_argument("--spec-disable-batch-size", type=int, help="steps with more requests decoding run plainly")
+    parser.add_argument("--spec-tree", default=DEFAULT_TREE, help="eagle-tree's draft tree (rank paths)")
     parser.add_argument("--draft-layers", type=int, default=4, help="draft = the target's first N layers")
     parser.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one by one at batch 1")
     parser.add_argument("--quick", action="store_true", help="48 new tokens, 2 prompts at batch 1")
@@ -184,9 +192,10 @@ def main() -> None:
         args.max_tokens, args.batch1_prompts = 48, 2
     args.eagle_head = args.eagle_head or DEFAULT_CACHE_DIR / "eagle" / f"{args.model}.safetensors"
     methods = list(args.methods)
-    if "eagle" in methods and not args.eagle_head.is_file():
-        log(f"no EAGLE head at {args.eagle_head} (run `baton train-draft --out {args.eagle_head}`): skipping eagle")
-        methods.remove("eagle")
+    if not args.eagle_head.is_file():
+        for m in [m for m in methods if m.startswith("eagle")]:
+            log(f"no EAGLE head at {args.eagle_head} (run `baton train-draft --out {args.eagle_head}`): skipping {m}")
+            methods.remove(m)
 
     log(f"loading {args.model} ...")
     loaded = load_model(args.model, paged_attention_ref, max_model_len=2048)
@@ -206,7 +215,8 @@ def main() -> None:
     result = {
         "bench": "spec_decode", "model": args.model, "max_tokens": args.max_tokens, "greedy": True,
         "draft_layers": args.draft_layers, "spec_disable_batch_size": args.spec_disable_batch_size,
-        "eagle_head": str(args.eagle_head) if "eagle" in methods else None,
+        "eagle_head": str(args.eagle_head) if any(m.startswith("eagle") for m in methods) else None,
+        "spec_tree": args.spec_tree if "eagle-tree" in methods else None,
         "machine": machine(), "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

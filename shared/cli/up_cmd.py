@@ -68,6 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--spec-eagle-head", type=Path, default=None, help="head saved by `baton train-draft`")
     p.add_argument("--spec-disable-batch-size", type=int, default=None,
                    help="decode steps with more requests decoding than this run without drafts")
+    p.add_argument("--spec-tree", default=None,
+                   help="eagle: greedy requests draft this tree of rank paths, e.g. '0;1;0.0;0.0.0'")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="decode's zero-bubble loop (plan step N+1 while step N runs); default: on with CUDA")
     p.add_argument("--redis-url", default="", help="registry; default: an in-process registry in the router")
@@ -127,6 +129,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         spec["SPEC_EAGLE_HEAD"] = str(args.spec_eagle_head)
     if args.spec_disable_batch_size is not None:
         spec["SPEC_DISABLE_BATCH_SIZE"] = str(args.spec_disable_batch_size)
+    if args.spec_tree is not None:
+        spec["SPEC_TREE"] = args.spec_tree
     for i in range(args.decode):
         add(f"decode-{i}", role, "DECODE", {**engine_common, **spec, "ROLE": role, "INSTANCE_ID": f"decode-{i}"})
     static = ",".join(f"{c.service}={c.address}" for c in stack.children)

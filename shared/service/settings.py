@@ -58,6 +58,8 @@ class EngineServiceSettings(BaseSettings):
     spec_eagle_window: int = Field(default=16, ge=1, description="eagle: hidden-state rows the head drafts over")
     spec_disable_batch_size: int | None = Field(default=None, ge=1, description="steps with more requests "
                                                 "decoding than this run without drafts; unset = never")
+    spec_tree: str | None = Field(default=None, description="eagle: greedy requests draft this tree of rank "
+                                  "paths (e.g. '0;1;0.0;0.0.0') instead of a chain; unset = chains")
     async_scheduling: bool | None = Field(default=None, description="zero-bubble loop: plan step N+1 while "
                                           "step N runs (decode / colocated; draft and eagle keep the synchronous "
                                           "loop); unset = on with CUDA, off on the CPU")
@@ -73,7 +75,7 @@ class EngineServiceSettings(BaseSettings):
             spec_method=self.spec, num_speculative_tokens=self.num_speculative_tokens,
             spec_draft_model=self.spec_draft_model, spec_draft_num_layers=self.spec_draft_num_layers,
             spec_eagle_head=self.spec_eagle_head, spec_eagle_window=self.spec_eagle_window,
-            spec_disable_batch_size=self.spec_disable_batch_size,
+            spec_disable_batch_size=self.spec_disable_batch_size, spec_tree=self.spec_tree,
             aux_hidden_layers=self.aux_hidden_layers,
             async_scheduling=self.async_scheduling, cuda_graphs=self.cuda_graphs,
         )

@@ -57,3 +57,14 @@ def test_spec_disable_batch_size_reaches_the_decode_engine(monkeypatch: pytest.M
     assert DecodeSettings().engine_config("decode").spec_disable_batch_size == 4
     (decode,) = [c for c in plan("--spec", "ngram").children if c.service == "decode"]
     assert "BATON_DECODE_SPEC_DISABLE_BATCH_SIZE" not in decode.env
+
+
+def test_spec_tree_reaches_the_decode_engine(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.decode.settings import DecodeSettings
+
+    head = tmp_path / "head.safetensors"
+    (decode,) = [c for c in plan("--spec", "eagle", "--spec-eagle-head", str(head), "--spec-tree", "0;1;0.0").children
+                 if c.service == "decode"]
+    for key, value in decode.env.items():
+        monkeypatch.setenv(key, value)
+    assert DecodeSettings().engine_config("decode").spec_tree == "0;1;0.0"
