@@ -409,7 +409,6 @@ class ModelRunner:
         num_drafts = to_device([c.num_draft_tokens for c in chunks], dtype=torch.int64, device=self.device)
         return verified, num_drafts
 
-
     def _settle_trees(self, inputs: StepInputs, hidden: torch.Tensor, verified: VerifyOutput,
                       out: StepOutput) -> None:
         """Each tree's accepted branch wrote its KV at its nodes' slots (start + node): move it to the slots a
