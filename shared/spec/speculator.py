@@ -14,14 +14,15 @@ the tokens it may still emit (a step emits up to k + 1), by the context
 length, and by what its drafts have been worth: a running average of the drafts
 verification accepted per step, plus one, so a request whose drafts keep failing
 verifies one or two instead of paying for k (a batched step on a CPU is
-compute-bound: every rejected draft costs a full token of work).
+compute-bound: every rejected draft costs a full token of work). A proposer
+that raises (or returns ids outside the vocabulary) turns speculation off for
+the request it failed on, which goes on decoding plainly; `stats.num_fallbacks`
+counts those requests.
 
 Draft trees (`tree`, EAGLE only): a greedy request with room for the whole tree
 drafts it instead of a chain (shared/spec/tree.py); sampled requests, those
-that name their own number of drafts, and those near their end keep chains. A tree is not cut by the running
-average: its breadth is what buys acceptance. A proposer that raises (or returns ids outside the vocabulary) turns
-speculation off for the request it failed on, which goes on decoding plainly;
-`stats.num_fallbacks` counts those requests.
+that name their own number of drafts, and those near their end keep chains. A
+tree is not cut by the running average: its breadth is what buys acceptance.
 
 Hidden states (proposers with `uses_hidden_states`): the target's last-layer
 hidden state of each computed position, at most `hidden_window` per request,

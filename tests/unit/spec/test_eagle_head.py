@@ -216,3 +216,37 @@ def test_packed_projections_match_the_modules_and_training_drops_them() -> None:
     with torch.no_grad():
         head.fc.weight.mul_(2.0)
         assert not torch.allclose(head.forward_hidden_batch(hidden, ids, positions), plain)
+
+
+def test_tree_drafts_equal_rerunning_each_branch() -> None:
+    """A tree's node i is the ranks[i]-th best guess of the head re-run over the window plus node i's
+    branch (each node's predicted state and token), for requests drafting trees and chains side by side."""
+    from shared.spec.tree import DraftTree
+
+    head = make_sharp_head()
+    proposer = EagleProposer(head)
+    tree = DraftTree.parse("0;1;2;0.0;0.1;1.0;0.0.0;0.0.0.0")
+    gen = torch.Generator().manual_seed(5)
+    requests = []
+    for i, (hidden, _, _) in enumerate(_random_windows(gen)):
+        tokens = torch.randint(0, CONFIG.vocab_size, (hidden.shape[0] + 7,), generator=gen).tolist()
+        requests.append(ProposalInput(f"r{i}", tokens, tree.num_drafts if i != 1 else 2, hidden,
+                                      tree if i != 1 else None))
+    drafts = proposer.propose(requests)
+    assert [len(d) for d in drafts] == [tree.num_drafts, 2, tree.num_drafts, tree.num_drafts]
+    with torch.no_grad():
+        for r, got in zip(requests, drafts, strict=True):
+            if r.tree is None:
+                continue
+            assert r.hidden_states is not None
+            m, length = r.hidden_states.shape[0], len(r.token_ids)
+            # per node: (hidden rows, token ids, positions) of the sequence its children are drafted from
+            seqs = {0: (r.hidden_states, torch.tensor(r.token_ids[length - m :]), torch.arange(length - m, length))}
+            for node in range(1, tree.num_drafts + 1):
+                hidden, ids, positions = seqs[tree.parents[node]]
+                new = head.forward_hidden(hidden, ids, positions)[-1:]
+                ranked = (new @ head.lm_head.T)[0].argsort(descending=True)
+                token = int(ranked[tree.ranks[node]])
+                assert got[node - 1] == token, (r.request_id, node)
+                seqs[node] = (torch.cat([hidden, new]), torch.cat([ids, torch.tensor([token])]),
+                              torch.cat([positions, positions[-1:] + 1]))
