@@ -69,7 +69,7 @@ class VerifyOutput:
     num_accepted: torch.Tensor  # [num_chunks] int64
     logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # per chunk; [] when not asked
     # trees in the batch: [num_chunks, width] the chunk row (tree node) of each accepted position, root
-    # first, 0 past the accepted ones; None: every chunk's accepted rows are its first num_accepted + 1
+    # first (past the accepted ones: any row); None: every chunk's accepted rows are its first num_accepted + 1
     branch: torch.Tensor | None = None
 
     def emitted(self) -> list[list[int]]:
@@ -103,8 +103,7 @@ def verify_drafts(
     depth_host = [d for v in inputs for d in v.shape.depths]
     row_suppress = [
         v.suppress_token_ids if num_suppressed is not None or d < v.num_suppressed_positions else frozenset()
-        for v, d in zip((v for v, size in zip(inputs, sizes, strict=True) for _ in range(size)), depth_host,
-                        strict=True)
+        for v in inputs for d in v.shape.depths
     ]
     depth_of_row = to_device(depth_host, device=device) if has_trees else pos_of_row
     active = depth_of_row < num_suppressed[seq_of_row] if num_suppressed is not None else None
