@@ -1,11 +1,13 @@
-// y = x @ W.T for a decode batch's rows of x (up to 16), fp32, reading W once at memory speed.
+// y = x @ W.T for a decode batch's rows of x (up to GEMV_MAX_ROWS in shared/ops/linear.py), fp32, reading W
+// once at memory speed.
 //
 // oneDNN's packed GEMM streams SmolLM2's weights at 18-27 GB/s on two cores at one row; this reads them at
 // 32-35 GB/s, DRAM speed. Rows go through a panel in passes of up to kRowsPerPass (the later passes read it
 // from L2), the last pass taking whatever rows are left in one go: a pass's FMAs overlap the panel's stream
-// from DRAM, so the fewer passes, the closer a few rows cost what one row costs (bench/linear.py). It is only worth having if it changes no result: a request must
-// give the same tokens alone (here) and in a big batch (oneDNN). So every output is summed in
-// oneDNN's order, found by experiment and checked per weight when it is packed (shared/ops/linear.py):
+// from DRAM, so the fewer passes, the closer a few rows cost what one row costs (bench/linear.py).
+// It is only worth having if it changes no result: a request must give the same tokens alone (here) and in a
+// big batch (oneDNN). So every output is summed in oneDNN's order, found by experiment and checked per weight
+// when it is packed (shared/ops/linear.py):
 //   y[m, n] = sequential FMA chain over k in blocks of k_block, each block's chain starting from 0,
 //             the blocks' partial sums added in order.
 // k_block is oneDNN's K blocking, which depends on the CPU and the weight: 1024 on the AVX2 machines we
