@@ -118,14 +118,19 @@ class Speculator:
         """How many drafts `request` may verify in its next step."""
         wanted = request.params.num_speculative_tokens
         k = self.num_speculative_tokens if wanted is None else min(wanted, self.num_speculative_tokens)
-        # one step emits up to k + 1 tokens and writes KV at positions up to L - 1 + k (counting
-        # what is in flight as if all of it were accepted)
-        room = min(request.params.max_tokens - request.num_output_tokens - request.num_inflight_tokens - 1,
-                   self.max_model_len - request.num_tokens_ahead - 1)
+        # one step emits up to k + 1 tokens and writes KV at positions up to L - 1 + k
+        room = min(self._room(request))
         avg = self._accepted_avg.get(request.request_id)
         if avg is not None:  # worth: one more draft than it has been accepting (never below one)
             k = min(k, max(1, math.ceil(avg) + 1))
         return max(0, min(k, room))
+
+    def _room(self, request: Request) -> tuple[int, int]:
+        """(tokens it may still emit past the next one, KV positions left past its next token), counting
+        what is in flight as if all of it were accepted: a step with n drafts needs n of each for a chain;
+        a tree needs its depth of the first and its number of drafts of the second."""
+        emit = request.params.max_tokens - request.num_output_tokens - request.num_inflight_tokens - 1
+        return emit, self.max_model_len - request.num_tokens_ahead - 1
 
     def _tree_for(self, request: Request) -> DraftTree | None:
         """The draft tree, for a greedy request with room for all of it (its KV slots and its deepest branch)."""
@@ -133,8 +138,7 @@ class Speculator:
         # a request that names its number of drafts gets a chain of that many
         if tree is None or not request.params.is_greedy or request.params.num_speculative_tokens is not None:
             return None
-        emit_room = request.params.max_tokens - request.num_output_tokens - request.num_inflight_tokens - 1
-        kv_room = self.max_model_len - request.num_tokens_ahead - 1
+        emit_room, kv_room = self._room(request)
         return tree if emit_room >= tree.max_depth and kv_room >= tree.num_drafts else None
 
     def propose(self, running: Sequence[Request]) -> None:

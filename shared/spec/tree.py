@@ -100,7 +100,10 @@ class DraftTree:
         return all(p == i - 1 for i, p in enumerate(self.parents) if i)
 
     def prefix(self, num_drafts: int) -> DraftTree:
-        """The tree of the first `num_drafts` drafts (parents precede children, so it is one)."""
+        """The tree of the first `num_drafts` drafts (parents precede children, so it is one). The whole tree
+        is itself, so its masks and tables, built once, serve every step that drafts all of it."""
+        if num_drafts == self.num_drafts:
+            return self
         return DraftTree(self.parents[: num_drafts + 1], self.ranks[: num_drafts + 1])
 
     def children(self, node: int) -> list[int]:
