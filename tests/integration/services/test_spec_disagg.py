@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["Repeat exactly: the cat sat on the mat, the cat sat on the mat.", "What is the capital of France?",
            "Count from one to ten in words."]
+TREE = "0;1;2;0.0;0.1;1.0;0.0.0;0.0.0.0"  # bench/spec_decode.py's default
 
 
 def random_head(path: Path) -> Path:
@@ -44,19 +45,23 @@ def random_head(path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("method", "async_scheduling"),
-                         [("ngram", False), ("draft", False), ("eagle", False), ("ngram", True), ("none", True)])
+                         [("ngram", False), ("draft", False), ("eagle", False), ("eagle-tree", False), ("ngram", True),
+                          ("none", True)])
 def test_speculating_decode_service_equals_plain_greedy(method: str, async_scheduling: bool, tmp_path: Path) -> None:
-    """Each proposer; and decode's zero-bubble loop, plain and with ngram drafts proposed ahead."""
+    """Each proposer (EAGLE also with a draft tree); and decode's zero-bubble loop, plain and with ngram drafts
+    proposed ahead."""
     tok = packaged(MODEL).tokenizer
     prompts = [encode_prompt(tok, p, chat=True) for p in PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0.0)
     expected = [r.token_ids for r in packaged_engine(MODEL, max_model_len=1024).generate(prompts, params)]
-    spec: dict[str, object] = dict(spec=method, num_speculative_tokens=3, spec_draft_num_layers=2,
-                                   async_scheduling=async_scheduling)
-    if method == "eagle":
+    spec: dict[str, object] = dict(spec=method.removesuffix("-tree"), num_speculative_tokens=3,
+                                   spec_draft_num_layers=2, async_scheduling=async_scheduling)
+    if method.startswith("eagle"):
         spec["spec_eagle_head"] = random_head(tmp_path / "head.safetensors")
+    if method == "eagle-tree":
+        spec["spec_tree"] = TREE
 
-    async def main() -> tuple[list[list[int]], int]:
+    async def main() -> tuple[list[list[int]], int, int]:
         kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, max_claim_wait_s=1.0))
         prefill = await start_prefill(PrefillSettings(**ENGINE))
         decode = await start_decode(DecodeSettings(**ENGINE, **spec))  # type: ignore[arg-type]
@@ -71,14 +76,17 @@ def test_speculating_decode_service_equals_plain_greedy(method: str, async_sched
             assert stack.engines_idle()
             assert engine.async_scheduling is async_scheduling
             if engine.speculator is None:
-                return [tokens for tokens, _ in got], -1
+                return [tokens for tokens, _ in got], -1, 0
             engine.speculator.check_no_leaks()
-            return [tokens for tokens, _ in got], engine.speculator.stats.num_verifications
+            stats = engine.speculator.stats
+            return [tokens for tokens, _ in got], stats.num_verifications, stats.num_draft_tokens
         finally:
             for s in (decode, prefill, kv):
                 await s.stop()
 
-    got, num_verifications = asyncio.run(main())
+    got, num_verifications, num_drafts = asyncio.run(main())
     for ours, theirs, prompt in zip(got, expected, prompts, strict=True):
         assert_same_greedy(ours, theirs, prompt)
     assert num_verifications > 0 or method == "none"
+    if method == "eagle-tree":  # trees were verified: a chain holds at most 3 drafts, this tree 8
+        assert num_drafts > 3 * num_verifications
