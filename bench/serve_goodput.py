@@ -35,7 +35,7 @@ MIN_REQUESTS = 10
 
 
 def rates_plan(quick: bool) -> list[float]:
-    return [0.3] if quick else [0.1, 0.15, 0.2, 0.3, 0.45]
+    return [0.3] if quick else [0.1, 0.15, 0.2, 0.3, 0.45, 0.6, 0.8]
 
 
 def records_from_compact(rows: list[list[float]]) -> list[RequestRecord]:
