@@ -3,10 +3,13 @@
 For each batch size: output tokens/s of baton's engine and of transformers
 (greedy, exactly N new tokens each, prompts of the chat set), their ratio, and
 for batch 1 the DRAM roofline: weight bytes a decode step must read divided by
-the read bandwidth measured in this run. Writes JSON to bench/results/ and
-prints it as the last line.
+the read bandwidth measured in this run. The two are timed in turn `--repeats`
+times and each reported figure is the median of its runs: on this shared
+machine one timing of transformers moved ~20% between runs, which a ratio of
+single timings inherits. Writes JSON to bench/results/ and prints it as the
+last line.
 
-    python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--quick]
+    python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -103,10 +107,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="32 new tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="timings of each system per batch, alternating")
+    parser.add_argument("--quick", action="store_true", help="32 new tokens, one timing each")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     new_tokens = 32 if args.quick else args.new_tokens
+    repeats = 1 if args.quick else max(1, args.repeats)
 
     from transformers import AutoModelForCausalLM
 
@@ -123,13 +129,17 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         prompts = (all_prompts * (batch // len(all_prompts) + 1))[:batch]
-        log(f"batch {batch}: baton ...")
-        t_baton = time_baton(engine, prompts, new_tokens)
-        log(f"batch {batch}: transformers ...")
-        t_hf = time_transformers(hf, tokenizer, prompts, new_tokens)
+        runs: dict[str, list[float]] = {"baton": [], "transformers": []}
+        for i in range(repeats):  # in turn, so drift in the machine's speed reaches both alike
+            log(f"batch {batch}: baton ({i + 1}/{repeats}) ...")
+            runs["baton"].append(batch * new_tokens / time_baton(engine, prompts, new_tokens))
+            log(f"batch {batch}: transformers ({i + 1}/{repeats}) ...")
+            runs["transformers"].append(batch * new_tokens / time_transformers(hf, tokenizer, prompts, new_tokens))
         row = {
-            "batch": batch, "new_tokens": new_tokens,
-            "baton_tok_s": batch * new_tokens / t_baton, "transformers_tok_s": batch * new_tokens / t_hf,
+            "batch": batch, "new_tokens": new_tokens, "repeats": repeats,
+            "baton_tok_s": statistics.median(runs["baton"]),
+            "transformers_tok_s": statistics.median(runs["transformers"]),
+            "baton_runs_tok_s": runs["baton"], "transformers_runs_tok_s": runs["transformers"],
         }
         row["speedup"] = row["baton_tok_s"] / row["transformers_tok_s"]
         rows.append(row)
