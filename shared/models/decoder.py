@@ -32,7 +32,7 @@ from shared.models.common import (
     rms_norm_offset,
     take,
 )
-from shared.ops.attention import AttentionMetadata, write_kv
+from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
 from shared.ops.linear import LinearWeight
 from shared.ops.norm_rope_cpu import apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
 
@@ -157,8 +157,9 @@ class DecoderLM:
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         rope = {theta: r.cos_sin(positions, x.dtype) for theta, r in self.ropes.items()}
+        kv_index = kv_write_index(meta.slot_mapping, kv_cache.shape[3])
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, rope[self.spec.layer_rope_theta[i]], kv_cache, meta)
+            x = self._layer(i, layer, x, rope[self.spec.layer_rope_theta[i]], kv_cache, meta, kv_index)
             if captured is not None and i in captured:
                 captured[i] = x
             if on_layer_done is not None:
@@ -173,6 +174,7 @@ class DecoderLM:
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_index: tuple[torch.Tensor, torch.Tensor],  # kv_write_index of meta.slot_mapping
     ) -> torch.Tensor:
         s = self.spec
         h = self._norm(x, w.norm_in, s.rms_eps)
@@ -186,7 +188,7 @@ class DecoderLM:
             k = self._norm(k, w.k_norm, s.rms_eps)
         q, k = self._rope(q, k, cos_sin)
         k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_index)
         a = self.attention(q, k, v, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])
         a = w.w_o(a.reshape(-1, q_size))
         if w.norm_attn_out is not None:
