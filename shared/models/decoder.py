@@ -33,8 +33,10 @@ from shared.models.common import (
     take,
 )
 from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
+from shared.ops.cpu_attention import write_kv_cpu
+from shared.ops.cpu_kernels import cpu_kernels_available
 from shared.ops.linear import LinearWeight
-from shared.ops.norm_rope_cpu import apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
+from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
 from shared.ops.silu_mul_cpu import silu_mul_cpu, silu_mul_cpu_available
 
 
@@ -121,6 +123,9 @@ class DecoderLM:
         fused = norm_rope_cpu_available(self.device, dtype)
         self._norm = rms_norm_cpu if fused else rms_norm_offset if spec.norm_offset else rms_norm
         self._rope = apply_rope_cpu_ if fused else apply_rope
+        self._add_norm = add_rms_norm_cpu if fused else self._add_norm_ref
+        # the keys' two index_put_ as two memcpy a token (any dtype on the CPU)
+        self._write_kv = write_kv_cpu if self.device.type == "cpu" and cpu_kernels_available() else write_kv
         # silu(gate) * up in one pass, torch's bits (checked): SiLU models on the CPU in fp32
         self._silu_mul = (silu_mul_cpu if spec.activation == "silu" and silu_mul_cpu_available(self.device, dtype)
                           else None)
@@ -161,27 +166,41 @@ class DecoderLM:
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         rope = {theta: r.cos_sin(positions, x.dtype) for theta, r in self.ropes.items()}
-        kv_index = kv_write_index(meta.slot_mapping, kv_cache.shape[3])
+        kv_index = kv_write_index(meta.slot_mapping, kv_cache.shape[3]) if self._write_kv is write_kv else None
+        # Each layer hands back its MLP output unadded: the add is fused into the next norm (the next layer's
+        # input norm, or the final one). The residual stream after layer i is x + m.
+        m: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = self._layer(i, layer, x, rope[self.spec.layer_rope_theta[i]], kv_cache, meta, kv_index)
+            x, m = self._layer(i, layer, x, m, rope[self.spec.layer_rope_theta[i]], kv_cache, meta, kv_index)
             if captured is not None and i in captured:
-                captured[i] = x
+                captured[i] = x + m
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self._norm(x, self.norm_final, self.spec.rms_eps)
+        if m is None:  # no layers
+            return self._norm(x, self.norm_final, self.spec.rms_eps)
+        return self._add_norm(x, m, self.norm_final, self.spec.rms_eps)[1]
+
+    def _add_norm_ref(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, self._norm(x, weight, eps)
 
     def _layer(
         self,
         i: int,
         w: _LayerWeights,
         x: torch.Tensor,  # [num_tokens, hidden]
+        pending: torch.Tensor | None,  # the previous layer's MLP output, to add to x first (None: layer 0)
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        kv_index: tuple[torch.Tensor, torch.Tensor],  # kv_write_index of meta.slot_mapping
-    ) -> torch.Tensor:
+        kv_index: tuple[torch.Tensor, torch.Tensor] | None,  # kv_write_index of the slots, for write_kv
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (x after attention, the MLP's output, not yet added)
         s = self.spec
-        h = self._norm(x, w.norm_in, s.rms_eps)
+        if pending is None:
+            h = self._norm(x, w.norm_in, s.rms_eps)
+        else:
+            x, h = self._add_norm(x, pending, w.norm_in, s.rms_eps)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q, k, v = w.w_qkv(h).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -192,13 +211,12 @@ class DecoderLM:
             k = self._norm(k, w.k_norm, s.rms_eps)
         q, k = self._rope(q, k, cos_sin)
         k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_index)
+        self._write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_index)
         a = self.attention(q, k, v, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])
         a = w.w_o(a.reshape(-1, q_size))
         if w.norm_attn_out is not None:
             a = self._norm(a, w.norm_attn_out, s.rms_eps)
-        x = x + a
-        h = self._norm(x, w.norm_ffn_in, s.rms_eps)
+        x, h = self._add_norm(x, a, w.norm_ffn_in, s.rms_eps)
         gate_up = w.w_gate_up(h)
         if self._silu_mul is not None:
             m = w.w_down(self._silu_mul(gate_up))
@@ -208,7 +226,7 @@ class DecoderLM:
             m = w.w_down(act * up)
         if w.norm_ffn_out is not None:
             m = self._norm(m, w.norm_ffn_out, s.rms_eps)
-        return x + m
+        return x, m
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32

@@ -52,6 +52,18 @@ def _short_batch_kernel(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                      scale, sliding_window or 0)
 
 
+def write_kv_cpu(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,  # unused: the op splits the slots itself
+) -> None:
+    """`write_kv`'s contract in one C++ op (`csrc/write_kv_cpu.cpp`): the same bytes at the same slots."""
+    torch.ops.baton_cpu.write_kv_(k_cache, v_cache, key, value, slot_mapping)
+
+
 def paged_attention_cpu(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (this step's keys, already written)

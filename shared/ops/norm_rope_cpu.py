@@ -1,4 +1,5 @@
-"""RMSNorm and RoPE as one C++ op each on the CPU (`csrc/norm_rope_cpu.cpp`), for the decoder's forward.
+"""RMSNorm (alone or after the residual add) and RoPE as one C++ op each on the CPU
+(`csrc/norm_rope_cpu.cpp`), for the decoder's forward.
 
 Same contracts as `shared.models.common.rms_norm` / `apply_rope` (which stay the
 reference, and what the trainable EAGLE head uses: these ops have no autograd).
@@ -24,6 +25,13 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """`rms_norm` over the last dim (pass Gemma's 1 + w as the weight, as `rms_norm_offset` takes it)."""
     rows = x.reshape(-1, x.shape[-1])  # a view unless x's rows are not evenly spaced (q/k norm)
     return torch.ops.baton_cpu.rms_norm_rows(rows, weight, eps).view(x.shape)
+
+
+def add_rms_norm_cpu(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm_cpu(x + delta)) for [rows, d] x and delta, in one pass; the same bits as the two
+    apart (the decoder's residual add and the next norm)."""
+    return torch.ops.baton_cpu.add_rms_norm_rows(x.contiguous(), delta.contiguous(), weight, eps)
 
 
 def apply_rope_cpu_(

@@ -86,3 +86,29 @@ def test_other_dtypes_use_the_reference(make_batch: Callable[..., AttentionBatch
     batch = make_batch([(10, 1), (4, 1)], 4, 2, 32, 8, dtype=torch.bfloat16)
     out, ref = run_both(batch, None)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_op_stores_what_write_kv_stores(dtype: torch.dtype) -> None:
+    """The C++ store against the two index_put_: same bytes in the same slots, nothing else touched; keys
+    come as the decoder hands them, strided views into the qkv projection's output."""
+    from shared.ops.attention import write_kv
+
+    g = torch.Generator().manual_seed(3)
+    layers, blocks, bs, heads, dim, n = 2, 9, 4, 3, 8, 11
+    cache = torch.randn(layers, blocks, 2, bs, heads, dim, generator=g).to(dtype)
+    qkv = torch.randn(n, (3 + 2 * heads) * dim, generator=g).to(dtype)
+    key = qkv[:, 3 * dim:(3 + heads) * dim].view(n, heads, dim)
+    value = qkv[:, (3 + heads) * dim:].view(n, heads, dim)
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    expected = cache.clone()
+    write_kv(expected[1, :, 0], expected[1, :, 1], key, value, slots)
+    cpu_attention.write_kv_cpu(cache[1, :, 0], cache[1, :, 1], key, value, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_op_rejects_a_slot_outside_the_cache() -> None:
+    cache = torch.zeros(3, 2, 4, 2, 8)
+    key = torch.ones(1, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_attention.write_kv_cpu(cache[:, 0], cache[:, 1], key, key, torch.tensor([12]))

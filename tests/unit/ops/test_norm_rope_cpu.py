@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shared.models.common import RotaryEmbedding, apply_rope, rms_norm
-from shared.ops.norm_rope_cpu import apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
+from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
 
 pytestmark = pytest.mark.skipif(not norm_rope_cpu_available(torch.device("cpu"), torch.float32),
                                 reason="the CPU kernels did not build or are turned off")
@@ -66,3 +66,14 @@ def test_rope_rejects_mismatched_tables() -> None:
     q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
     with pytest.raises(RuntimeError, match="cos / sin"):
         torch.ops.baton_cpu.rope_(q, k, torch.randn(2, 8), torch.randn(2, 8))
+
+
+@pytest.mark.parametrize(("rows", "d"), [(1, 576), (16, 576), (300, 640), (2, 5)])
+def test_add_rms_norm_equals_the_two_ops_apart(rows: int, d: int) -> None:
+    """The decoder's residual add fused into the next norm: bit for bit the add, then rms_norm_cpu."""
+    g = torch.Generator().manual_seed(rows + d)
+    x, delta = torch.randn(rows, d, generator=g) * 4.0, torch.randn(rows, d, generator=g)
+    w = torch.randn(d, generator=g)
+    total, normed = add_rms_norm_cpu(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, rms_norm_cpu(x + delta, w, 1e-5))
