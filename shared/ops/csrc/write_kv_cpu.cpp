@@ -1,7 +1,7 @@
 // Store a step's keys and values into the paged cache at their slots, on the CPU: one op where torch runs two
 // index_put_ (with the index tensors they need made first). A token's keys for all its heads are one
 // contiguous run in both the projection's output and the cache, so each token is two memcpy: the same bytes
-// `write_kv` (shared/ops/attention.py) stores, at a tenth of the dispatch cost in a decode step.
+// `write_kv` (shared/ops/attention.py) stores. A decode step's 16 tokens: 6.9 against 18.0 us a layer.
 #include <torch/extension.h>
 
 #include <cstdint>
