@@ -37,7 +37,12 @@ from shared.ops.cpu_attention import write_kv_cpu
 from shared.ops.cpu_kernels import cpu_kernels_available
 from shared.ops.linear import LinearWeight
 from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
-from shared.ops.silu_mul_cpu import silu_mul_cpu, silu_mul_cpu_available
+from shared.ops.silu_mul_cpu import silu_mul_cpu, silu_mul_cpu_available, silu_mul_ref
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 * I] -> [n, I]: Gemma's MLP activation
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 @dataclass(frozen=True)
@@ -126,9 +131,10 @@ class DecoderLM:
         self._add_norm = add_rms_norm_cpu if fused else self._add_norm_ref
         # the keys' two index_put_ as two memcpy a token (any dtype on the CPU)
         self._write_kv = write_kv_cpu if self.device.type == "cpu" and cpu_kernels_available() else write_kv
-        # silu(gate) * up in one pass, torch's bits (checked): SiLU models on the CPU in fp32
-        self._silu_mul = (silu_mul_cpu if spec.activation == "silu" and silu_mul_cpu_available(self.device, dtype)
-                          else None)
+        # act(gate) * up from the gate_up projection's output; SiLU on the CPU in fp32 in one pass, with torch's
+        # bits (checked)
+        self._act_mul = (gelu_tanh_mul if spec.activation != "silu"
+                         else silu_mul_cpu if silu_mul_cpu_available(self.device, dtype) else silu_mul_ref)
 
     def _load_layer(self, get, get_norm, lin, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
         p = f"model.layers.{i}."
@@ -217,13 +223,7 @@ class DecoderLM:
         if w.norm_attn_out is not None:
             a = self._norm(a, w.norm_attn_out, s.rms_eps)
         x, h = self._add_norm(x, a, w.norm_ffn_in, s.rms_eps)
-        gate_up = w.w_gate_up(h)
-        if self._silu_mul is not None:
-            m = w.w_down(self._silu_mul(gate_up))
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
-            m = w.w_down(act * up)
+        m = w.w_down(self._act_mul(w.w_gate_up(h)))
         if w.norm_ffn_out is not None:
             m = self._norm(m, w.norm_ffn_out, s.rms_eps)
         return x, m
