@@ -42,9 +42,11 @@ def test_kernel_builds() -> None:
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (9, 3, 64, 4), (4, 1, 256, 8), (8, 8, 32, 16), (16, 2, 8, 8), (6, 2, 12, 16),
-     (4, 2, 96, 16)],
-    # d12: dot products with a scalar tail; d96: a value pass narrower than the 64-lane accumulator
-    ids=["smollm2", "block4", "gemma3", "mha", "group8-d8", "d12", "d96"],
+     (4, 2, 96, 16), (8, 2, 128, 16)],
+    # With AVX-512, head_dim 32, 64, 128 and 256 take the wide path (gemma3: a KV head's 4 query heads one at a
+    # time; d128: two at a time), the others the portable loops. d12: dot products with a scalar tail; d96:
+    # a value pass narrower than the 64-lane accumulator.
+    ids=["smollm2", "block4", "gemma3", "mha", "group8-d8", "d12", "d96", "d128"],
 )
 def test_matches_reference(make_batch: Callable[..., AttentionBatch], num_heads: int, num_kv_heads: int,
                            head_dim: int, block_size: int, sliding_window: int | None) -> None:
