@@ -6,10 +6,12 @@ for batch 1 the DRAM roofline: weight bytes a decode step must read divided by
 the read bandwidth measured in this run. The two are timed in turn `--repeats`
 times and each reported figure is the median of its runs: on this shared
 machine one timing of transformers moved ~20% between runs, which a ratio of
-single timings inherits. Writes JSON to bench/results/ and prints it as the
-last line.
+single timings inherits. `speedup` is the ratio of the medians;
+`speedup_median_of_pairs`, the median of each baton run over the transformers
+run right after it, is less exposed to the machine drifting between repeats.
+Writes JSON to bench/results/ and prints it as the last line.
 
-    python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 3] [--quick]
+    python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timings of each system per batch, alternating")
+    parser.add_argument("--repeats", type=int, default=5, help="timings of each system per batch, alternating")
     parser.add_argument("--quick", action="store_true", help="32 new tokens, one timing each")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -146,9 +148,13 @@ def main() -> None:
             "baton_runs_tok_s": runs["baton"], "transformers_runs_tok_s": runs["transformers"],
         }
         row["speedup"] = row["baton_tok_s"] / row["transformers_tok_s"]
+        # each run of baton over the transformers run timed right after it: drift between repeats cancels
+        row["speedup_runs"] = [b / t for b, t in zip(runs["baton"], runs["transformers"], strict=True)]
+        row["speedup_median_of_pairs"] = statistics.median(row["speedup_runs"])
         rows.append(row)
         log(f"batch {batch}: baton {row['baton_tok_s']:.1f} tok/s, transformers "
-            f"{row['transformers_tok_s']:.1f} tok/s, x{row['speedup']:.2f}")
+            f"{row['transformers_tok_s']:.1f} tok/s, x{row['speedup']:.2f} (pairs: "
+            + " ".join(f"{x:.2f}" for x in row["speedup_runs"]) + ")")
     roofline = bandwidth * 1e9 / wbytes
     result = {
         "bench": "engine", "model": args.model, "dtype": "float32", "machine": machine(),

@@ -26,13 +26,18 @@ class KVCacheManager:
         return self.block_tables.get(request_id, [])
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Longest run of cached full blocks matching the request's tokens.
+        """Longest run of cached full blocks matching the request's tokens (see `lookup_prefix`)."""
+        return self.lookup_prefix(request)[0]
+
+    def lookup_prefix(self, request: Request) -> tuple[list[int], BlockHash | None]:
+        """(the longest run of cached full blocks matching the request's tokens, the hash of the full block
+        after them: None when there is none, or prefix caching is off).
 
         At least one token is always left to compute: the step that computes it
         samples the next token.
         """
         if not self.pool.enable_prefix_caching:
-            return []
+            return [], None
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hit: list[int] = []
@@ -42,9 +47,9 @@ class KVCacheManager:
             parent = hash_block(parent, block_tokens, self.hash_salt)
             block_id = self.pool.lookup(parent, block_tokens)
             if block_id is None:
-                break
+                return hit, parent
             hit.append(block_id)
-        return hit
+        return hit, None
 
     def allocate_slots(
         self, request: Request, num_tokens_after_step: int, cached_block_ids: list[int] | None = None,
@@ -92,14 +97,29 @@ class KVCacheManager:
         if table is None or not self.pool.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(request.request_id, [])
+        first = len(hashes)
+        hashes += self._unregistered(request, hashes)
+        tokens = request.all_token_ids
+        for i in range(first, len(hashes)):
+            self.pool.cache_block(table[i], hashes[i], tokens[i * self.block_size : (i + 1) * self.block_size])
+
+    def planned_block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the full blocks that the request's planned steps fill and that are not registered
+        yet: once those steps are read (`cache_full_blocks`), they are prefix-cache hits."""
+        if request.request_id not in self.block_tables or not self.pool.enable_prefix_caching:
+            return []
+        return self._unregistered(request, self._block_hashes.get(request.request_id, []))
+
+    def _unregistered(self, request: Request, hashes: list[BlockHash]) -> list[BlockHash]:
+        """The chained hashes after `hashes` of the request's full blocks of computed, known tokens."""
         num_full = min(request.num_computed_tokens, request.num_tokens - 1) // self.block_size
         tokens = request.all_token_ids
+        parent = hashes[-1] if hashes else None
+        out: list[BlockHash] = []
         for i in range(len(hashes), num_full):
-            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
-            parent = hashes[-1] if hashes else None
-            block_hash = hash_block(parent, block_tokens, self.hash_salt)
-            hashes.append(block_hash)
-            self.pool.cache_block(table[i], block_hash, block_tokens)
+            parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size], self.hash_salt)
+            out.append(parent)
+        return out
 
     def free(self, request: Request) -> None:
         """Release every block the request holds. Safe to call once per hold."""

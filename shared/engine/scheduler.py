@@ -11,6 +11,14 @@ prefill). Blocks for the step are reserved before the step runs; when the pool
 is dry the most recently admitted running request is preempted: its blocks go
 back to the pool and it re-enters the waiting queue to be recomputed.
 
+Prefixes shared within a batch are computed once: a waiting request whose
+first uncached full block is one that a planned step is filling (a request
+admitted earlier in this plan, or a step still in flight, has the same tokens
+there) is passed over for now, and later requests go ahead of it. Once that
+step is read the block is a prefix-cache hit, so requests that arrive together
+with a common system prompt prefill it once, not once each (SGLang defers such
+requests the same way). `share_planned_prefixes=False` turns it off.
+
 Planning is optimistic: `schedule()` advances each request's
 `num_computed_tokens` past its chunk at once, as if every draft will be
 accepted, and a sampling chunk leaves an entry in `request.inflight`;
@@ -52,6 +60,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.engine.block_pool import BlockHash
 from shared.engine.kv_manager import KVCacheManager
 from shared.engine.request import (
     InFlight,
@@ -76,6 +85,8 @@ class SchedulerConfig:
     max_model_len: int = 8192
     role: str = "colocated"
     spec_needs_hidden: bool = False  # the proposer reads the target's hidden states (EAGLE)
+    # A waiting request whose next uncached block a planned step is filling waits for it (see module doc)
+    share_planned_prefixes: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -245,14 +256,23 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, plan: SchedulerPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+        # hashes of full blocks that planned steps are filling (None until a waiting request needs them)
+        planned: set[BlockHash] | None = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            cached, next_hash = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else ([], None)
+            if next_hash is not None and self.config.share_planned_prefixes:
+                if planned is None:
+                    planned = {h for r in self.running for h in self.kv.planned_block_hashes(r)}
+                if next_hash in planned:  # a step in flight or in this plan computes its next block
+                    i += 1
+                    continue
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(request, num_computed + num_new, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = len(cached) * self.kv.block_size
             request.num_computed_tokens = num_computed
@@ -260,6 +280,8 @@ class Scheduler:
             self.running.append(request)
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            if planned is not None:
+                planned.update(self.kv.planned_block_hashes(request))
 
     def _preempt(self, request: Request, plan: SchedulerPlan) -> None:
         logger.info("preempting request %s (%d tokens) to free KV blocks", request.request_id,

@@ -66,8 +66,10 @@ def make_scheduler(
     max_model_len: int = 256,
     role: str = "colocated",
     enable_prefix_caching: bool = True,
+    share_planned_prefixes: bool = True,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, role)
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, role,
+                             share_planned_prefixes=share_planned_prefixes)
     return Scheduler(config, make_kv_manager(num_blocks, block_size, enable_prefix_caching))
 
 

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from shared.engine.request import RequestStatus
-from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 from tests.unit.engine.factories import (
     EOS_TOKEN_ID,
     NextTokenFn,
+    RunResult,
     expected_tokens,
     fake_execute,
     fake_step,
@@ -402,14 +403,58 @@ def test_generated_tokens_are_cached_too(scheduler_factory: SchedulerFactory) ->
     assert run_until_done(s).num_cached_tokens == {"b": 8}
 
 
-def test_same_step_admission_gets_no_hit(scheduler_factory: SchedulerFactory) -> None:
+def plan_shapes(run: RunResult) -> list[list[tuple[str, int, int]]]:
+    """(request, start position, tokens) of every chunk, step by step."""
+    return [[(c.request_id, c.start_pos, c.num_tokens) for c in plan.chunks] for plan in run.plans]
+
+
+def test_a_prefix_shared_within_a_batch_is_computed_once(scheduler_factory: SchedulerFactory) -> None:
     s = scheduler_factory()
+    prompt = prompt_tokens("p", 9)
+    s.add_request(make_request("a", prompt, max_tokens=2))
+    s.add_request(make_request("b", prompt, max_tokens=2))  # a's step fills the blocks b would compute
+    s.add_request(make_request("c", prompt_tokens("c", 5), max_tokens=1))  # nothing shared: goes ahead of b
+    run = run_until_done(s)
+    assert plan_shapes(run)[:2] == [[("a", 0, 9), ("c", 0, 5)], [("a", 9, 1), ("b", 8, 1)]]
+    assert run.num_cached_tokens == {"a": 0, "b": 8, "c": 0}
+    assert run.token_ids["a"] == run.token_ids["b"] == expected_tokens(prompt, 2)
+
+
+def test_sharing_within_a_batch_can_be_turned_off(scheduler_factory: SchedulerFactory) -> None:
+    s = scheduler_factory(share_planned_prefixes=False)
     prompt = prompt_tokens("p", 9)
     s.add_request(make_request("a", prompt, max_tokens=2))
     s.add_request(make_request("b", prompt, max_tokens=2))  # a's blocks are not computed yet
     run = run_until_done(s)
     assert run.num_cached_tokens == {"a": 0, "b": 0}
     assert run.token_ids["a"] == run.token_ids["b"] == expected_tokens(prompt, 2)
+
+
+def test_a_request_waits_for_each_shared_block_of_a_chunked_prefill(scheduler_factory: SchedulerFactory) -> None:
+    s = scheduler_factory(max_num_batched_tokens=6)
+    prompt = prompt_tokens("p", 13)
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    s.add_request(make_request("b", prompt[:12] + [3, 4], max_tokens=1))
+    run = run_until_done(s)
+    # a's chunks fill blocks 0, 1 and 2 in turn; b waits while its next block is planned, then gets all three
+    assert plan_shapes(run) == [[("a", 0, 6)], [("a", 6, 6)], [("a", 12, 1), ("b", 12, 2)]]
+    assert run.num_cached_tokens == {"a": 0, "b": 12}
+    assert run.token_ids["b"] == expected_tokens(prompt[:12] + [3, 4], 1)
+
+
+def test_a_passed_over_request_runs_when_the_block_it_waits_for_is_dropped(
+        scheduler_factory: SchedulerFactory) -> None:
+    s = scheduler_factory()
+    prompt = prompt_tokens("p", 9)
+    s.add_request(make_request("a", prompt, max_tokens=2))
+    s.add_request(make_request("b", prompt, max_tokens=2))
+    first = s.schedule()
+    assert [c.request_id for c in first.chunks] == ["a"]
+    assert s.abort("a")  # before its step is read: its blocks are never registered
+    s.update(first, StepResult(emitted={"a": [1]}))
+    run = run_until_done(s)
+    assert plan_shapes(run)[0] == [("b", 0, 9)] and run.num_cached_tokens == {"b": 0}
+    assert run.token_ids["b"] == expected_tokens(prompt, 2)
 
 
 def test_prefix_caching_off(scheduler_factory: SchedulerFactory) -> None:

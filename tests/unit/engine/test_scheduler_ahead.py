@@ -95,3 +95,20 @@ def test_a_request_preempted_in_flight_ignores_that_steps_result(scheduler_facto
     assert [o.request_id for o in outputs] == ["a"] and b.output_token_ids == []
     s.abort("a")
     s.abort("b")
+
+
+def test_a_block_shared_with_a_step_in_flight_is_waited_for(scheduler_factory: SchedulerFactory) -> None:
+    """Planned ahead, a request still waits for the block a step in flight fills, then hits it."""
+    s = scheduler_factory(block_size=4)
+    a = make_request("a", 9, max_tokens=2)
+    b = make_request("b", a.prompt_token_ids, max_tokens=1)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()  # N: a's prompt; b passes, a fills its blocks
+    second = s.schedule()  # N + 1, planned before N is read: a's blocks are still in flight
+    assert [c.request_id for c in first.chunks] == ["a"] and [c.request_id for c in second.chunks] == ["a"]
+    s.update(first, emitted(a=[40]))
+    third = s.schedule()  # N + 2: N's blocks are registered
+    assert [(c.request_id, c.start_pos) for c in third.chunks] == [("b", 8)] and b.num_cached_tokens == 8
+    s.update(second, emitted(a=[41]))
+    assert s.update(third, emitted(b=[42]))[0].finished
