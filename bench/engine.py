@@ -77,8 +77,9 @@ def time_baton(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     # Every timed run starts with an empty prefix cache: blocks left by the warm-up or an earlier repeat of
-    # the same prompts would skip most of the prefill, which transformers always does in full. (Within the
-    # run nothing is shared: all the prompts are prefilled in one step, before any of their blocks is cached.)
+    # the same prompts would skip most of the prefill, which transformers always does in full. Within the run
+    # the prompts' common first block (the chat template's system prompt) is prefilled once: the scheduler
+    # holds the others back a step to hit it (shared/engine/scheduler.py), as a server would.
     engine.pool.reset_prefix_cache()
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
