@@ -3,7 +3,9 @@
 For each batch size: output tokens/s of baton's engine and of transformers
 (greedy, exactly N new tokens each, prompts of the chat set), their ratio, and
 for batch 1 the DRAM roofline: weight bytes a decode step must read divided by
-the read bandwidth measured in this run. The two are timed in turn `--repeats`
+the read bandwidth, measured right before each timed batch-1 run (this machine's
+bandwidth moves: 29-49 GB/s within minutes, so one measurement at the start can
+sit far from what the runs got). The two systems are timed in turn `--repeats`
 times and each reported figure is the median of its runs: on this shared
 machine one timing of transformers moved ~20% between runs, which a ratio of
 single timings inherits. `speedup` is the ratio of the medians;
@@ -130,14 +132,16 @@ def main() -> None:
     chat = engine.loaded.chat_template is not None
     all_prompts = [encode_prompt(tokenizer, q, chat=chat) for q in QUESTIONS]
 
-    log("measuring read bandwidth ...")
-    bandwidth = read_bandwidth_gbs()
+    bandwidths: list[float] = []  # one before each batch-1 run of baton
     wbytes = weight_bytes(engine)
     rows = []
     for batch in args.batch:
         prompts = (all_prompts * (batch // len(all_prompts) + 1))[:batch]
         runs: dict[str, list[float]] = {"baton": [], "transformers": []}
         for i in range(repeats):  # in turn, so drift in the machine's speed reaches both alike
+            if batch == 1:
+                log("measuring read bandwidth ...")
+                bandwidths.append(read_bandwidth_gbs(repeats=3))
             log(f"batch {batch}: baton ({i + 1}/{repeats}) ...")
             runs["baton"].append(batch * new_tokens / time_baton(engine, prompts, new_tokens))
             log(f"batch {batch}: transformers ({i + 1}/{repeats}) ...")
@@ -156,15 +160,19 @@ def main() -> None:
         log(f"batch {batch}: baton {row['baton_tok_s']:.1f} tok/s, transformers "
             f"{row['transformers_tok_s']:.1f} tok/s, x{row['speedup']:.2f} (pairs: "
             + " ".join(f"{x:.2f}" for x in row["speedup_runs"]) + ")")
+    bandwidth = statistics.median(bandwidths) if bandwidths else read_bandwidth_gbs()
     roofline = bandwidth * 1e9 / wbytes
     result = {
         "bench": "engine", "model": args.model, "dtype": "float32", "machine": machine(),
-        "read_bandwidth_gbs": bandwidth, "weight_bytes": wbytes, "roofline_batch1_tok_s": roofline,
+        "read_bandwidth_gbs": bandwidth, "read_bandwidth_runs_gbs": bandwidths, "weight_bytes": wbytes, "roofline_batch1_tok_s": roofline,
         "rows": rows,
     }
     b1 = next((r for r in rows if r["batch"] == 1), None)
     if b1 is not None:
-        result["batch1_fraction_of_roofline"] = b1["baton_tok_s"] / roofline
+        # each run against the bandwidth measured right before it, then the median
+        fractions = [tok * wbytes / (bw * 1e9) for tok, bw in zip(b1["baton_runs_tok_s"], bandwidths, strict=True)]
+        result["batch1_fraction_of_roofline_runs"] = fractions
+        result["batch1_fraction_of_roofline"] = statistics.median(fractions)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
