@@ -112,9 +112,10 @@ static inline __m512 lane_sums16(const __m512 (&p)[kChunk]) {
 }
 
 // Prefetches into L2 the cache lines of heads [h0, h1) of positions [t, t_end), a few at a time (`step`), so
-// that the next chunk's lines arrive while this chunk is computed. Spread over a chunk's passes, not issued at
-// once: on Zen 4 (batch 16, 100-token contexts, 30 layers' caches) 4.3 ms against 5.5 for all of a chunk's
-// lines at its start into L2, 7.2 into L1, 6.1 for none; the portable loops took 5.2.
+// that the next chunk's lines arrive while this chunk is computed. One A/B on Zen 4 (batch 16, 100-token
+// contexts, 30 layers' caches, medians of 15): spread over the chunk's passes into L2 4.3 ms; all of the
+// next chunk's lines at its start into L2 5.5; spread into L1 5.2; none 6.1; the portable loops 5.2. Also
+// fetching the thread's next job's first keys during the last value chunk (`Job::after`): 3.9 against 4.2.
 struct Prefetcher {
   const float* base;
   const int64_t* off;  // position t's offset from base
