@@ -32,6 +32,7 @@ from shared.models.common import (
     rms_norm_offset,
     take,
 )
+from shared.models.cpu_layer_loop import CpuLayerLoop
 from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
 from shared.ops.cpu_attention import write_kv_cpu
 from shared.ops.cpu_kernels import cpu_kernels_available
@@ -135,6 +136,8 @@ class DecoderLM:
         # bits (checked)
         self._act_mul = (gelu_tanh_mul if spec.activation != "silu"
                          else silu_mul_cpu if silu_mul_cpu_available(self.device, dtype) else silu_mul_ref)
+        # decode steps' layers as one C++ call where every op above has its CPU kernel (cpu_layer_loop.py)
+        self.cpu_layer_loop = CpuLayerLoop.build(self)
 
     def _load_layer(self, get, get_norm, lin, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
         p = f"model.layers.{i}."
@@ -171,6 +174,11 @@ class DecoderLM:
         x = F.embedding(input_ids, self.embed)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        loop = self.cpu_layer_loop
+        rows = loop.rows(x.shape[0], meta) if loop is not None and on_layer_done is None and not captured else None
+        if loop is not None and rows is not None:  # a decode step on the CPU: every layer in one C++ call
+            x, last_mlp = loop.run(x, positions, kv_cache, meta, rows)
+            return self._add_norm(x, last_mlp, self.norm_final, self.spec.rms_eps)[1]
         rope = {theta: r.cos_sin(positions, x.dtype) for theta, r in self.ropes.items()}
         kv_index = kv_write_index(meta.slot_mapping, kv_cache.shape[3]) if self._write_kv is write_kv else None
         # Each layer hands back its MLP output unadded: the add is fused into the next norm (the next layer's

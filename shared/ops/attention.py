@@ -186,7 +186,7 @@ ShortBatchFn = Callable[
 ]
 
 
-def _split_sequences(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
+def split_sequences(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
     """(short sequences, long chunks, query start of each sequence): the same for every layer of a step."""
     cached = meta.step_cache.get("split")
     if cached is None:
@@ -213,7 +213,7 @@ def paged_attention_split(
 ) -> torch.Tensor:
     """Long chunks one by one through SDPA; the short sequences all at once through `short_batch`."""
     out = torch.empty_like(query)
-    short_seqs, long_seqs, starts = _split_sequences(meta)
+    short_seqs, long_seqs, starts = split_sequences(meta)
     for i in long_seqs:
         q_len, s_len = meta.query_lens_host[i], meta.seq_lens_host[i]
         lo, hi = starts[i], starts[i] + q_len

@@ -19,6 +19,7 @@ from shared.ops.attention import (
     paged_attention_ref,
     paged_attention_split,
     query_positions,
+    split_sequences,
 )
 from shared.ops.cpu_kernels import cpu_kernels_available
 
@@ -42,6 +43,16 @@ def _short_rows(meta: AttentionMetadata, seq_ids: list[int], starts: list[int],
         pos = query_positions(meta, device)[row_index]
         cached = meta.step_cache[key] = (row_index, torch.tensor(seqs, dtype=torch.int64, device=device), pos)
     return cached  # type: ignore[return-value]
+
+
+def kernel_rows(meta: AttentionMetadata,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """paged_decode's (rows, row_seq, row_pos) when the kernel takes every row of the step (no chunk goes to
+    the reference), else None: the C++ layer loop (shared/models/cpu_layer_loop.py) runs only then."""
+    short_seqs, long_seqs, starts = split_sequences(meta)
+    if long_seqs or not short_seqs:
+        return None
+    return _short_rows(meta, short_seqs, starts, device)
 
 
 def _short_batch_kernel(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

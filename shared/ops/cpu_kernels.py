@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_decode_cpu.cpp", "gemv_cpu.cpp", "norm_rope_cpu.cpp",
-                                      "silu_mul_cpu.cpp", "write_kv_cpu.cpp")]
+                                      "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _lock = threading.Lock()
 _built: bool | None = None

@@ -38,6 +38,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.scheduler import ScheduledChunk, SchedulerPlan
 from shared.errors import CapacityError, ConfigError
 from shared.kv.layout import KVLayout, cdiv
+from shared.models.cpu_layer_loop import CpuLayerLoop
 from shared.models.decoder import DecoderLM
 from shared.spec.proposer import ProposalInput
 
@@ -70,6 +71,7 @@ def truncated_model(model: DecoderLM, num_layers: int) -> DecoderLM:
     )
     draft.layers = model.layers[:num_layers]
     draft.num_layers = num_layers
+    draft.cpu_layer_loop = CpuLayerLoop.build(draft)  # the copy's would run all of model's layers
     return draft
 
 

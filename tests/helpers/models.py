@@ -108,14 +108,15 @@ def tiny_engine(loaded: LoadedModel, **config: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(**kw), loaded=loaded)
 
 
-@lru_cache(maxsize=2)
-def packaged(name: str) -> LoadedModel:
-    """A packaged model (smollm2-135m / gemma3-270m), loaded once per test process."""
-    return load_model(name, paged_attention_ref, max_model_len=2048)
+@lru_cache(maxsize=4)
+def packaged(name: str, serving: bool = False) -> LoadedModel:
+    """A packaged model (smollm2-135m / gemma3-270m), loaded once per test process. With the torch reference
+    attention, or with `serving`, as a service runs it here: the CPU kernels and the C++ layer loop."""
+    return load_model(name, pick_attention("auto", "cpu") if serving else paged_attention_ref, max_model_len=2048)
 
 
-def packaged_engine(name: str, **config: Any) -> LLMEngine:
-    loaded = packaged(name)
+def packaged_engine(name: str, serving: bool = False, **config: Any) -> LLMEngine:
+    loaded = packaged(name, serving)
     kw: dict[str, Any] = dict(model=name, max_model_len=2048, kv_cache_bytes=192 << 20)
     kw.update(config)
     return LLMEngine(EngineConfig(**kw), loaded=loaded)

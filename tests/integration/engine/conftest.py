@@ -33,8 +33,8 @@ def make_tiny(engines: list[LLMEngine]) -> Callable[..., tuple[LLMEngine, Any]]:
 
 @pytest.fixture
 def make_packaged(engines: list[LLMEngine]) -> Callable[..., LLMEngine]:
-    def make(name: str, **config: Any) -> LLMEngine:
-        engine = packaged_engine(name, **config)
+    def make(name: str, serving: bool = False, **config: Any) -> LLMEngine:
+        engine = packaged_engine(name, serving, **config)
         engines.append(engine)
         return engine
 

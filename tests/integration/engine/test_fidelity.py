@@ -81,17 +81,20 @@ def test_prefill_logits_match_transformers(name: str) -> None:
     assert diff < 2e-3, f"max |logit diff| = {diff}"
 
 
-def test_batch_invariance_on_smollm2(make_packaged) -> None:
-    """Same tokens alone, in a batch of 8 mixed lengths with chunked prefill, and with prefix hits."""
-    loaded = packaged("smollm2-135m")
+@pytest.mark.parametrize("serving", [False, True], ids=["reference", "serving"])
+def test_batch_invariance_on_smollm2(make_packaged, serving: bool) -> None:
+    """Same tokens alone, in a batch of 8 mixed lengths with chunked prefill, and with prefix hits; with the
+    reference attention, and on the serving path (CPU kernels; C++ layer loop for decode steps, Python for
+    steps with prompt chunks)."""
+    loaded = packaged("smollm2-135m", serving)
     questions = ["Hi!", "Name three colors.", "What is 2+2? Answer briefly.", "Tell me a fun fact about owls.",
                  "Translate 'good morning' to French.", "List the planets of the solar system in order.",
                  "What does a CPU do?", "Give me a short motivational quote."]
     batch = [encode_prompt(loaded.tokenizer, q, chat=True) for q in questions]
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
-    alone_engine = make_packaged("smollm2-135m", enable_prefix_caching=False)
+    alone_engine = make_packaged("smollm2-135m", serving, enable_prefix_caching=False)
     alone = [alone_engine.generate([p], params)[0] for p in batch]
-    engine = make_packaged("smollm2-135m", max_num_batched_tokens=48)
+    engine = make_packaged("smollm2-135m", serving, max_num_batched_tokens=48)
     for _ in range(2):  # the second round hits the prefix cache (shared system prompt and more)
         together = engine.generate(batch, params)
         for a, t in zip(alone, together, strict=True):
@@ -106,3 +109,28 @@ def _assert_same_tie_rule(a: Any, b: Any) -> None:
     i = next(k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
     (_, first), (_, second) = a.logprobs[i].top[:2]
     assert first - second < NEAR_TIE, f"diverged at token {i} with a clear winner ({first - second:.4g})"
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_serving_path_matches_transformers_and_its_python_loop(make_packaged, name: str) -> None:
+    """The path a service runs here (CPU attention kernel; decode steps' layers in one C++ call) gives
+    transformers' greedy tokens, and the C++ layer loop gives the Python loop's very bits (logprobs too)."""
+    engine = make_packaged(name, serving=True, enable_prefix_caching=False)  # both runs prefill in full
+    model = engine.loaded.model
+    assert model.cpu_layer_loop is not None, "the serving path should run decode steps through the C++ loop"
+    batch = _prompts(name)
+    params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0, logprobs=3)
+    with_loop = engine.generate(batch, params)
+    loop, model.cpu_layer_loop = model.cpu_layer_loop, None
+    try:
+        python_loop = engine.generate(batch, params)
+    finally:
+        model.cpu_layer_loop = loop
+    for a, b in zip(with_loop, python_loop, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+    hf = _hf_model(name)
+    for prompt, res in zip(batch, with_loop, strict=True):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert_same_greedy(res.token_ids, out[0, len(prompt):].tolist(), hf, prompt)

@@ -1,0 +1,25 @@
+// The CPU kernels' entry points, for C++ callers (decoder_layers_cpu.cpp) that run them without going
+// through Python. Each is defined, and registered under torch.ops.baton_cpu, in the .cpp named beside it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <tuple>
+
+// gemv_cpu.cpp
+torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t k_block);
+// norm_rope_cpu.cpp
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta,
+                                                           torch::Tensor weight, double eps);
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+// silu_mul_cpu.cpp
+torch::Tensor silu_mul(torch::Tensor gate_up);
+// write_kv_cpu.cpp
+void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value,
+               torch::Tensor slot_mapping);
+// paged_decode_cpu.cpp
+void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq, torch::Tensor row_pos,
+                  double scale, int64_t window);
