@@ -1,6 +1,6 @@
 """The C++ CPU kernels (`csrc/*.cpp`, ops under `torch.ops.baton_cpu`), built once per machine.
 
-They are compiled with the C++ compiler torch uses (about 40 s, cached under
+They are compiled with the C++ compiler torch uses (about 2 minutes on two cores, cached under
 the baton cache dir; `.ci/run` installs g++): `make run` and `make test` build
 them up front (`python -m shared.ops.cpu_kernels`), and otherwise the first
 use does. Where they do not build, every caller falls back to its torch path
