@@ -164,7 +164,8 @@ def main() -> None:
     roofline = bandwidth * 1e9 / wbytes
     result = {
         "bench": "engine", "model": args.model, "dtype": "float32", "machine": machine(),
-        "read_bandwidth_gbs": bandwidth, "read_bandwidth_runs_gbs": bandwidths, "weight_bytes": wbytes, "roofline_batch1_tok_s": roofline,
+        "read_bandwidth_gbs": bandwidth, "read_bandwidth_runs_gbs": bandwidths, "weight_bytes": wbytes,
+        "roofline_batch1_tok_s": roofline,
         "rows": rows,
     }
     b1 = next((r for r in rows if r["batch"] == 1), None)

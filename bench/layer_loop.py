@@ -22,14 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.engine import machine
+from bench.engine import log, machine
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def time_batch(engine: LLMEngine, batch: int, rounds: int, steps: int, prompt_len: int) -> dict[str, Any]:

@@ -24,12 +24,17 @@ import torch
 
 from shared.ops.attention import AttentionMetadata
 from shared.ops.cpu_attention import cpu_kernel_available, kernel_rows, paged_attention_cpu, write_kv_cpu
-from shared.ops.linear import GEMV_MAX_ROWS
+from shared.ops.linear import GEMV_MAX_ROWS, LinearWeight
 from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, rms_norm_cpu
 from shared.ops.silu_mul_cpu import silu_mul_cpu
 
 if TYPE_CHECKING:
-    from shared.models.decoder import DecoderLM
+    from shared.models.decoder import DecoderLM, _LayerWeights
+
+
+def _projections(layer: _LayerWeights) -> tuple[LinearWeight, ...]:
+    """A layer's projections in DecoderLayers' order."""
+    return layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down
 
 
 class CpuLayerLoop:
@@ -40,7 +45,7 @@ class CpuLayerLoop:
         packed, out_features, k_blocks, norms = [], [], [], []
         none = torch.empty(0)
         for layer in model.layers:
-            for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down):
+            for w in _projections(layer):
                 assert w.gemv is not None
                 packed.append(w.gemv)
                 out_features.append(w.out_features)
@@ -68,8 +73,7 @@ class CpuLayerLoop:
                 or model.attention is not paged_attention_cpu or not cpu_kernel_available()
                 or model._act_mul not in (silu_mul_cpu, gelu_tanh_mul)):
             return None
-        if any(w.gemv is None for layer in model.layers
-               for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)):
+        if any(w.gemv is None for layer in model.layers for w in _projections(layer)):
             return None
         return CpuLayerLoop(model, gelu_tanh=model._act_mul is gelu_tanh_mul)
 
