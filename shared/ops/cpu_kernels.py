@@ -30,7 +30,10 @@ _built: bool | None = None
 def _build_dir() -> Path:
     from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
 
-    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}"
+    # keyed by the sources too: two checkouts with different kernels (worktrees, branches) must not
+    # rebuild over each other's library
+    sources = hashlib.sha1(b"".join(src.read_bytes() for src in _SOURCES)).hexdigest()[:10]
+    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{sources}"
 
 
 def _cpu_flags() -> str:
