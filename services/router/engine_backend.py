@@ -98,4 +98,5 @@ def _chunk(out: RequestOutput) -> BackendChunk:
         finished=out.finished,
         finish_reason=out.finish_reason,
         num_cached_tokens=out.num_cached_tokens,
+        index=out.index,
     )

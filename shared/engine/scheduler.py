@@ -400,7 +400,7 @@ class Scheduler:
         status = request.check_stop()
         if status is None and request.num_tokens >= self.config.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
-        if status is None and self.config.role == "prefill":
+        if self.config.role == "prefill" and (status is None or request.hand_off_always):
             status = RequestStatus.FINISHED_HANDOFF
         return status
 
