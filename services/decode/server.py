@@ -126,6 +126,7 @@ def _response(out: RequestOutput) -> decode_pb2.DecodeResponse:
         token_ids=out.new_token_ids, logprobs=[token_logprobs_to_proto(lp) for lp in out.new_logprobs],
         finished=out.finished, finish_reason=out.finish_reason or "", num_cached_tokens=out.num_cached_tokens,
         index=out.index,
+        prompt_logprobs=[token_logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()],
     )
 
 

@@ -117,6 +117,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
             if final.new_logprobs:
                 reply.first_logprobs.CopyFrom(token_logprobs_to_proto(final.new_logprobs[0]))
+            if final.prompt_logprobs:
+                reply.prompt_logprobs.extend(token_logprobs_to_proto(lp) for lp in final.prompt_logprobs)
             span = trace.get_current_span()
             span.set_attributes({CACHED_TOKENS: final.num_cached_tokens, OUTPUT_TOKENS: 1})
             if final.finish_reason != "handoff":  # the first token ended it: nothing to hand over

@@ -99,4 +99,5 @@ def _chunk(out: RequestOutput) -> BackendChunk:
         finish_reason=out.finish_reason,
         num_cached_tokens=out.num_cached_tokens,
         index=out.index,
+        prompt_logprobs=[None, *out.prompt_logprobs] if out.prompt_logprobs is not None else None,
     )

@@ -148,6 +148,8 @@ class GrpcBackend:
                 else [],
                 finished=bool(first.finish_reason), finish_reason=first.finish_reason or None,
                 num_cached_tokens=first.num_cached_tokens,
+                prompt_logprobs=[None, *(token_logprobs_from_proto(lp) for lp in first.prompt_logprobs)]
+                if req.params.prompt_logprobs is not None else None,
             )
             for index, more in enumerate(first.more_choices, start=1):  # n > 1: decode tells how each ends
                 yield BackendChunk(token_ids=[more.token_id], index=index, num_cached_tokens=first.num_cached_tokens,
@@ -222,6 +224,9 @@ class GrpcBackend:
                         logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
                         finished=msg.finished, finish_reason=msg.finish_reason or None,
                         num_cached_tokens=msg.num_cached_tokens, index=msg.index,
+                        prompt_logprobs=[None, *(token_logprobs_from_proto(lp) for lp in msg.prompt_logprobs)]
+                        if first_token is None and req.params.prompt_logprobs is not None and msg.prompt_logprobs
+                        else None,
                     )
                 return
             except grpc.RpcError as e:

@@ -75,6 +75,11 @@ def test_n_choices_share_one_prefill_and_one_handoff() -> None:
             if chunk.finished:
                 finished[chunk.index] = chunk.finish_reason
         assert sorted(finished) == [0, 1, 2]
+        # prompt logprobs come from prefill, on the first chunk
+        first = [c async for c in backend.generate(BackendRequest("plp", prompt, SamplingParams(
+            max_tokens=2, temperature=0.0, prompt_logprobs=1)))][0]
+        assert first.prompt_logprobs is not None and first.prompt_logprobs[0] is None
+        assert [lp.token_id for lp in first.prompt_logprobs[1:] if lp is not None] == prompt[1:]
         # every choice ends at its first token: decode claims the handoff, pulls nothing, releases it
         ends = [c.finish_reason async for c in backend.generate(
             BackendRequest("n2-one", prompt, SamplingParams(max_tokens=1, n=2))) if c.finished]
