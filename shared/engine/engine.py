@@ -121,7 +121,9 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         # prefix hashes name the model too: blocks of two models never match, in this process or another
         self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())
-        self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks)
+        self.grammars = GrammarCache(self.loaded.tokenizer, spec.vocab_size, self.loaded.eos_token_ids)
+        self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks,
+                                                              self.grammars)
         sched_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role,
             spec_needs_hidden=self.speculator is not None and self.speculator.uses_hidden_states,
@@ -131,7 +133,6 @@ class LLMEngine:
             raise ConfigError(f"aux_hidden_layers {config.aux_hidden_layers} outside [0, {spec.num_layers})")
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
                                   tuple(config.aux_hidden_layers))
-        self.grammars = GrammarCache(self.loaded.tokenizer, spec.vocab_size, self.loaded.eos_token_ids)
         if use_graphs:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
         self.choices = ChoiceGroups()  # requests with n > 1 (shared/engine/choices.py)
