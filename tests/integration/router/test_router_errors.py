@@ -24,6 +24,8 @@ MODEL = "baton-test"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 DONE_CHUNK = BackendChunk([28], finished=True, finish_reason="length")
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 def make_app(tokenizer: Any, backend: Any, **settings: Any) -> Any:
@@ -58,9 +60,10 @@ BAD_BODIES = [
     ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, "stop"),
     ("/v1/completions", {**COMPLETION, "stop": ["x"] * 17}, "stop"),
-    ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
+    ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 65}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, -2]}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [10**12]}, "prompt"),
     ("/v1/completions", {"model": MODEL}, "prompt"),
@@ -70,6 +73,23 @@ BAD_BODIES = [
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
+        "name": "not_there"}}}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "n": 9}, "n"),
+    ("/v1/chat/completions", {**CHAT, "thinking_token_budget": 10}, "thinking_token_budget"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 100}, "max_completion_tokens"),  # 100 > context 64
     ("/v1/completions", {**COMPLETION, "prompt": "word " * 80}, "prompt"),  # prompt alone overflows
 ]
