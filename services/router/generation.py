@@ -114,13 +114,13 @@ async def _merged(streams: Sequence[AsyncIterator[BackendChunk]]) -> AsyncGenera
     try:
         remaining = len(tasks)
         while remaining:
-            k, chunk, error = await queue.get()
+            k, item, error = await queue.get()
             if error is not None:
                 raise error
-            if chunk is None:
+            if item is None:
                 remaining -= 1
                 continue
-            yield k, chunk
+            yield k, item
     finally:
         for task in tasks:
             task.cancel()

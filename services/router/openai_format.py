@@ -95,7 +95,7 @@ def prompt_logprobs_json(entries: list[TokenLogprobs | None] | None, strings: To
         if entry is None:
             out.append(None)
             continue
-        ranked = {entry.token_id: (clamp_logprob(entry.logprob), None)}
+        ranked: dict[int, tuple[float, int | None]] = {entry.token_id: (clamp_logprob(entry.logprob), None)}
         for rank, (token_id, lp) in enumerate(entry.top, start=1):
             ranked.setdefault(token_id, (clamp_logprob(lp), rank))
         out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": strings.get(t)[0]}

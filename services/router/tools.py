@@ -62,7 +62,8 @@ def parameters_of(tool: ToolDefinition) -> dict[str, Any]:
 
 
 def _named_choice(choice: dict[str, Any]) -> str:
-    function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+    inner = choice.get("function")
+    function: dict[str, Any] = inner if isinstance(inner, dict) else choice
     name = function.get("name") if choice.get("type", "function") == "function" else None
     if not isinstance(name, str) or not name:
         raise InvalidRequestError('tool_choice must be none, auto, required or {"type": "function", '
@@ -102,9 +103,9 @@ def plan_tools(tools: list[ToolDefinition] | None, tool_choice: str | dict[str, 
         raise InvalidRequestError(f"tool_choice {tool_choice!r} is not one of none, auto, required or a function",
                                   param="tool_choice")
     name = _named_choice(tool_choice)
-    tool = next((t for t in tools if t.function.name == name), None)
-    if tool is None:
+    chosen = next((t for t in tools if t.function.name == name), None)
+    if chosen is None:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools ({', '.join(names)})",
                                   param="tool_choice")
-    grammar = GrammarSpec("json_schema", json.dumps(parameters_of(tool), ensure_ascii=False))
-    return ToolPlan("named", [tool.model_dump(exclude_none=True)], grammar, named=name)
+    grammar = GrammarSpec("json_schema", json.dumps(parameters_of(chosen), ensure_ascii=False))
+    return ToolPlan("named", [chosen.model_dump(exclude_none=True)], grammar, named=name)
