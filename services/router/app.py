@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions ─► auth ─► read_body ─► prepare (endpoints/)
         ─► [grammar compiled: a 400 with the compiler's message] ─► Responder (serving.py)
         ─► JSON body, or SSE: data: {chunk}\\n\\n ... data: [DONE]\\n\\n
+    POST /v1/chat/completions/batch (one choice per conversation)
     POST /tokenize, /detokenize (vLLM's shapes)
     GET /v1/models, /health (200 | 503), /metrics (Prometheus text; no auth, like /health)
 
@@ -16,17 +17,18 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from services.router.backend import GenerationBackend
-from services.router.endpoints.chat import ChatFormat, prepare_chat
+from services.router.endpoints.chat import ChatFormat, ChatPlan, prepare_chat
+from services.router.endpoints.chat_batch import ChatBatchRequest, prepare_chat_batch
 from services.router.endpoints.completions import CompletionFormat, prepare_completion
 from services.router.endpoints.tokenize import detokenize, tokenize
 from services.router.errors import REQUEST_ID_PREFIXES, ErrorBoundary, error_response, install_error_handlers
-from services.router.generation import GenerationRunner
+from services.router.generation import GenerationRunner, PreparedRequest
 from services.router.metrics import RouterMetrics
 from services.router.model_context import ModelContext
 from services.router.openai_format import TokenStrings
@@ -43,6 +45,7 @@ from shared.errors import AuthenticationError, ModelNotFoundError, UnavailableEr
 from shared.models.generation_config import GenerationDefaults
 
 logger = logging.getLogger(__name__)
+ChatT = TypeVar("ChatT", bound=ChatCompletionRequest)
 
 # FastAPI >= 0.165 traces every request itself once a tracer provider is set; the router's own span
 # (one per generation request, carrying baton's attributes) takes its place, and probes stay untraced.
@@ -67,6 +70,7 @@ def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: 
     app.add_api_route("/v1/models/{model}", service.get_model, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/completions", service.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions/batch", service.chat_batch, methods=["POST"], dependencies=auth)
     for path, handler in (("/tokenize", service.tokenize), ("/detokenize", service.detokenize)):
         app.add_api_route(path, handler, methods=["POST"], dependencies=auth)
     return app
@@ -156,10 +160,17 @@ class RouterService:
         return await self.responder.respond(request, prepared, fmt, timer)
 
     async def chat_completions(self, request: Request) -> Response:
+        return await self._chat(request, ChatCompletionRequest, prepare_chat)
+
+    async def chat_batch(self, request: Request) -> Response:
+        return await self._chat(request, ChatBatchRequest, prepare_chat_batch)
+
+    async def _chat(self, request: Request, body_type: type[ChatT],
+                    prepare: Callable[[ChatT, str, ModelContext], tuple[PreparedRequest, ChatPlan]]) -> Response:
         timer = self.metrics.timer()
-        body = await read_body(request, ChatCompletionRequest, self.settings.max_request_body_bytes)
+        body = await read_body(request, body_type, self.settings.max_request_body_bytes)
         self.check_model(body.model)
-        prepared, plan = prepare_chat(body, request_id(request), self.model)
+        prepared, plan = prepare(body, request_id(request), self.model)
         await self.model.grammar.check(prepared.params.structured, plan.grammar_param)
         fmt = ChatFormat(prepared, plan, self.model_name, self.token_strings)
         return await self.responder.respond(request, prepared, fmt, timer)

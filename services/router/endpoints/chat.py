@@ -24,7 +24,7 @@ from services.router.engine_features import THINKING_BUDGET, require
 from services.router.generation import Delta, PreparedRequest
 from services.router.model_context import ModelContext
 from services.router.openai_format import Collected, TokenStrings, clamp_logprob, prompt_logprobs_json, usage
-from services.router.protocol import ChatCompletionRequest
+from services.router.protocol import ChatCompletionRequest, ChatMessage
 from services.router.reasoning_parsers import ReasoningFormat, ReasoningParser
 from services.router.sampling import Asked, check_logprobs, max_tokens, sampling_params, stop_strings
 from services.router.shapes import (
@@ -89,17 +89,26 @@ def _reasoning_spec(body: ChatCompletionRequest, model: ModelContext, grammar: G
 
 def prepare_chat(body: ChatCompletionRequest, request_id: str, model: ModelContext
                  ) -> tuple[PreparedRequest, ChatPlan]:
+    return prepare_conversations(body, [body.messages], request_id, model)
+
+
+def prepare_conversations(body: ChatCompletionRequest, conversations: Sequence[Sequence[ChatMessage]],
+                          request_id: str, model: ModelContext) -> tuple[PreparedRequest, ChatPlan]:
+    """One prompt per conversation (a batch has several), all sampled with the body's parameters."""
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if not conversations or len(conversations) > model.settings.max_prompts:
+        raise InvalidRequestError(f"give 1 to {model.settings.max_prompts} conversations", param="messages")
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, model.tool_parser)
     grammar, grammar_param = _grammar(body, tools)
-    text = render_prompt(model, message_dicts(body.messages), tools.prompt_tools,
-                         add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                         continue_final_message=body.continue_final_message,
-                         template_kwargs=body.chat_template_kwargs)
-    prompt = encode_rendered(model, text)
+    texts = [render_prompt(model, message_dicts(messages), tools.prompt_tools,
+                           add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                           continue_final_message=body.continue_final_message,
+                           template_kwargs=body.chat_template_kwargs) for messages in conversations]
+    prompts = [encode_rendered(model, text) for text in texts]
     fmt = model.reasoning
-    thinking_at_start = fmt is not None and text.rstrip().endswith(fmt.start.rstrip())
+    # one template renders them all: a thinking section it opens, it opens for every conversation
+    thinking_at_start = fmt is not None and texts[0].rstrip().endswith(fmt.start.rstrip())
     by_new_name = body.max_completion_tokens is not None
     asked = Asked(
         max_tokens=body.max_completion_tokens if by_new_name else body.max_tokens,
@@ -108,13 +117,13 @@ def prepare_chat(body: ChatCompletionRequest, request_id: str, model: ModelConte
         logprobs_param="top_logprobs",
     )
     check_logprobs(asked, model.settings)
-    params = sampling_params(body, max_tokens(asked, len(prompt), model.max_model_len), asked.logprobs,
-                             model.settings, model.defaults, model.vocab_size)
+    num_tokens = min(max_tokens(asked, len(prompt), model.max_model_len) for prompt in prompts)
+    params = sampling_params(body, num_tokens, asked.logprobs, model.settings, model.defaults, model.vocab_size)
     params = replace(params, structured=grammar,
                      reasoning=_reasoning_spec(body, model, grammar, thinking_at_start))
     keep_special = tools.needs_special_tokens or (fmt is not None and fmt.special_tokens)
     prepared = PreparedRequest(
-        request_id=request_id, prompts=[prompt], params=params, stop=stop_strings(body, model.settings),
+        request_id=request_id, prompts=prompts, params=params, stop=stop_strings(body, model.settings),
         stream=bool(body.stream),
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         include_stop_str=body.include_stop_str_in_output,
@@ -171,6 +180,7 @@ class ChatFormat:
         return "tool_calls" if reason == "stop" and index in self._called else reason
 
     def _prompt_ids(self) -> dict[str, Any]:
+        """vLLM puts the prompt's ids on the response (a batch's: the first conversation's, as below)."""
         return {"prompt_token_ids": self.prepared.prompts[0]} if self.plan.return_token_ids else {}
 
     def response(self, result: Collected) -> BaseModel:

@@ -158,3 +158,19 @@ def test_tools_auto_and_history_with_smollm2(smol: EngineUnderTest, smol_tokeniz
         after = c.chat.completions.create(model=SMOL, messages=history, tools=tools, temperature=0, max_tokens=30)  # type: ignore[arg-type]
         assert after.choices[0].message.content or after.choices[0].message.tool_calls
     smol.wait_idle()
+
+
+async def test_chat_batch_one_choice_per_conversation(http: httpx.AsyncClient) -> None:
+    conversations = [MESSAGES, [{"role": "user", "content": "Name a color."}]]
+    singles = [(await chat(http, messages=c, max_tokens=8))["choices"][0]["message"]["content"] for c in conversations]
+    body = {**GREEDY, "messages": conversations, "max_tokens": 8}
+    batch = (await http.post("/v1/chat/completions/batch", json=body)).json()
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+    assert [(c["index"], c["message"]["content"]) for c in batch["choices"]] == list(enumerate(singles))
+    events = sse_events((await http.post("/v1/chat/completions/batch", json={**body, "stream": True})).text)
+    for index, single in enumerate(singles):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"] == "length"
+        assert "".join(c["delta"].get("content", "") for c in mine) == single
+    bad = await http.post("/v1/chat/completions/batch", json={**body, "messages": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
