@@ -3,7 +3,7 @@
     POST /v1/completions, /v1/chat/completions ─► auth ─► read_body ─► prepare (endpoints/)
         ─► [grammar compiled: a 400 with the compiler's message] ─► Responder (serving.py)
         ─► JSON body, or SSE: data: {chunk}\\n\\n ... data: [DONE]\\n\\n
-    POST /v1/chat/completions/batch (one choice per conversation)
+    POST /v1/chat/completions/batch (one choice per conversation), /v1/responses (responses/)
     POST /tokenize, /detokenize (vLLM's shapes)
     GET /v1/models, /health (200 | 503), /metrics (Prometheus text; no auth, like /health)
 
@@ -38,6 +38,9 @@ from services.router.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from services.router.responses.endpoint import ResponsesEndpoint
+from services.router.responses.protocol import ResponsesRequest
+from services.router.responses.store import MemoryResponseStore, RedisResponseStore, ResponseStore
 from services.router.serving import Responder, json_response, read_body, request_id
 from services.router.settings import RouterSettings
 from services.router.shapes import ModelCard, ModelList
@@ -71,6 +74,7 @@ def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: 
     app.add_api_route("/v1/completions", service.completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"], dependencies=auth)
     app.add_api_route("/v1/chat/completions/batch", service.chat_batch, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/responses", service.responses, methods=["POST"], dependencies=auth)
     for path, handler in (("/tokenize", service.tokenize), ("/detokenize", service.detokenize)):
         app.add_api_route(path, handler, methods=["POST"], dependencies=auth)
     return app
@@ -93,6 +97,12 @@ def api_key_checker(api_keys: Sequence[str]) -> Callable[[Request], Awaitable[No
     return check
 
 
+def _response_store(settings: RouterSettings) -> ResponseStore:
+    if settings.redis_url:
+        return RedisResponseStore(settings.redis_url, settings.registry_namespace, settings.responses_ttl_s)
+    return MemoryResponseStore(settings.responses_ttl_s, settings.responses_max_stored)
+
+
 class RouterService:
     """The endpoints' state: settings, backend, the model's context, metrics."""
 
@@ -107,8 +117,13 @@ class RouterService:
         self.responder = Responder(self.runner, self.metrics)
         self.token_strings = TokenStrings(model.tokenizer)
         self.created = int(time.time())
+        self.response_store = _response_store(settings)
+        self.responses_api = ResponsesEndpoint(model, self.responder, self.response_store)
         logger.info("sampling defaults of %s: %s (from %s)", model.name, model.defaults.as_dict() or "none",
                     model.defaults.source)
+
+    async def close(self) -> None:
+        await self.response_store.close()
 
     # ---- plain endpoints ----------------------------------------------------------------
     async def health(self) -> Response:
@@ -158,6 +173,12 @@ class RouterService:
         await self.model.grammar.check(prepared.params.structured, param)
         fmt = CompletionFormat(prepared, body, self.model, self.token_strings)
         return await self.responder.respond(request, prepared, fmt, timer)
+
+    async def responses(self, request: Request) -> Response:
+        timer = self.metrics.timer()
+        body = await read_body(request, ResponsesRequest, self.settings.max_request_body_bytes)
+        self.check_model(body.model)
+        return await self.responses_api.handle(request, body, timer)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._chat(request, ChatCompletionRequest, prepare_chat)

@@ -39,6 +39,7 @@ class RouterParts:
     poller: StaticRegistryPoller | None
 
     async def stop(self) -> None:
+        await self.app.state.router.close()
         await self.cache.stop()
         if self.poller is not None:
             await self.poller.stop()

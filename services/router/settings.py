@@ -51,6 +51,9 @@ class RouterSettings(BaseSettings):
         default="", description="how tool_choice=auto reads calls: hermes, llama3_json, pythonic, gemma4 (empty: hermes)"
     )
     reasoning_parser: str = Field(default="", description="think or gemma4: split reasoning from the answer (empty: off)")
+    responses_ttl_s: float = Field(default=3600.0, gt=0, description="how long /v1/responses answers stay "
+                                   "continuable by previous_response_id")
+    responses_max_stored: int = Field(default=10000, ge=1, description="without Redis: most responses kept")
     abort_timeout_s: float = Field(default=10.0, gt=0, description="time allowed for a backend abort call")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = Field(default="INFO", description="logging level name")

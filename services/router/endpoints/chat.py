@@ -133,6 +133,12 @@ def prepare_conversations(body: ChatCompletionRequest, conversations: Sequence[S
     return prepared, plan
 
 
+def choice_output(plan: ChatPlan) -> ChoiceOutput:
+    """A fresh reader of one choice's text, as `plan` says."""
+    reasoning = ReasoningParser(plan.reasoning, plan.thinking_at_start) if plan.reasoning else None
+    return ChoiceOutput(reasoning, plan.tools.parser(), plan.include_reasoning)
+
+
 def _tool_call_deltas(message: MessageDelta) -> list[ToolCallDelta] | None:
     if not message.calls:
         return None
@@ -158,9 +164,7 @@ class ChatFormat:
     def _output(self, index: int) -> ChoiceOutput:
         out = self._outputs.get(index)
         if out is None:
-            plan = self.plan
-            reasoning = ReasoningParser(plan.reasoning, plan.thinking_at_start) if plan.reasoning else None
-            out = self._outputs[index] = ChoiceOutput(reasoning, plan.tools.parser(), plan.include_reasoning)
+            out = self._outputs[index] = choice_output(self.plan)
         return out
 
     def _entry(self, entry: TokenLogprobs) -> TokenLogprob:
