@@ -17,6 +17,7 @@ from services.router.settings import RouterSettings
 from tests.helpers.fixtures import redis_url  # noqa: F401  (session fixture)
 from tests.integration.router.helpers import EngineUnderTest, serve
 from tests.integration.router.test_router_app import TINY
+from tests.integration.router.test_router_errors import scripted_text
 
 
 def client_for(tiny: EngineUnderTest, tokenizer: Any, **settings: Any) -> Iterator[openai.OpenAI]:
@@ -93,3 +94,30 @@ def test_previous_response_in_redis(tiny: EngineUnderTest, smol_tokenizer: Any, 
     assert second.usage.input_tokens > alone.usage.input_tokens + 4  # type: ignore[union-attr]
     raw = json.loads(redis.Redis.from_url(redis_url).get(f"{namespace}:response:{first.id}"))
     assert raw[0] == {"role": "user", "content": "Hello"} and raw[-1]["role"] == "assistant"
+
+
+def test_reasoning_and_function_call_items_and_events(smol_tokenizer: Any) -> None:
+    """Output items and stream events for reasoning and a call (a scripted backend writes them)."""
+    text = '<think>Need the tool.</think>Checking.<tool_call>\n{"name": "get_weather", "arguments": ' \
+           '{"city": "Lund"}}\n</tool_call>'
+    tools: list[Any] = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    app = create_app(RouterSettings(max_model_len=512, reasoning_parser="think"),
+                     scripted_text(smol_tokenizer, text), smol_tokenizer, TINY)
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        full = client.responses.create(model=TINY, input="Weather in Lund?", tools=tools, max_output_tokens=60)
+        events = list(client.responses.create(model=TINY, input="Weather in Lund?", tools=tools,
+                                              max_output_tokens=60, stream=True))
+    kinds = [item.type for item in full.output]
+    assert kinds == ["reasoning", "message", "function_call"]
+    reasoning: Any = full.output[0]
+    call: Any = full.output[2]
+    assert reasoning.content[0].text == "Need the tool." and full.output_text == "Checking."
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Lund"} and call.call_id
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.item.type for e in added] == kinds  # type: ignore[attr-defined]
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(arguments) == {"city": "Lund"}
+    done: Any = events[-1]
+    assert done.type == "response.completed" and [i.type for i in done.response.output] == kinds
