@@ -174,3 +174,17 @@ async def test_chat_batch_one_choice_per_conversation(http: httpx.AsyncClient) -
         assert "".join(c["delta"].get("content", "") for c in mine) == single
     bad = await http.post("/v1/chat/completions/batch", json={**body, "messages": []})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+async def test_logit_bias_penalties_and_min_p_reach_the_engine(http: httpx.AsyncClient) -> None:
+    body = {**GREEDY, "prompt": "Hello there", "max_tokens": 6, "return_token_ids": True}
+    plain = (await http.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+    forced = next(t for t in range(100, 200) if t not in plain)
+    biased = (await http.post("/v1/completions", json={**body, "logit_bias": {str(forced): 100}})).json()
+    assert biased["choices"][0]["token_ids"] == [forced] * 6
+    banned = (await http.post("/v1/completions", json={**body, "logit_bias": {str(plain[0]): -100}})).json()
+    assert banned["choices"][0]["token_ids"][0] != plain[0]
+    repeated = (await http.post("/v1/completions", json={**body, "max_tokens": 24, "frequency_penalty": 2.0,
+                                                         "presence_penalty": 2.0, "repetition_penalty": 1.3,
+                                                         "min_p": 0.1})).json()["choices"][0]["token_ids"]
+    assert len(repeated) == 24
