@@ -95,8 +95,8 @@ def test_error_statuses(disagg_stack: BatonStack) -> None:
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{url}/chat/completions", content=b"{not json", headers=headers, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "hi", "n": 2}, headers=headers, timeout=30)
-    assert r.status_code == 400
+    r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "hi", "n": 0}, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_no_healthy_backend_is_503(disagg_stack: BatonStack, tmp_path: object) -> None:
