@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from proto.baton.v1 import kv_transfer_pb2
 from shared.errors import InvalidRequestError
-from shared.kv.layout import KVLayout, cdiv
+from shared.kv.layout import KVLayout, LayerKV, cdiv
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, HandoffSpec, SlotSpace
 from shared.wire import dtype_from_name, dtype_name, token_logprobs_from_proto, token_logprobs_to_proto
 
@@ -18,22 +18,45 @@ MAX_DIM = 1 << 16  # bounds any single dimension a peer can make us size memory 
 
 
 def layout_to_proto(model: str, layout: KVLayout) -> kv_transfer_pb2.KVLayoutDesc:
+    layers = [kv_transfer_pb2.LayerKVDesc(
+        num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, num_tensors=g.num_tensors,
+        reads_layer=-1 if g.reads_layer is None else g.reads_layer, sliding_window=g.sliding_window or 0,
+    ) for g in layout.per_layer]
     return kv_transfer_pb2.KVLayoutDesc(
         model=model, num_layers=layout.num_layers, block_size=layout.block_size,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=dtype_name(layout.dtype),
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=dtype_name(layout.dtype), layers=layers,
     )
 
 
-def layout_from_proto(desc: kv_transfer_pb2.KVLayoutDesc, num_blocks: int) -> tuple[str, KVLayout]:
-    dims = {"num_layers": desc.num_layers, "block_size": desc.block_size, "num_kv_heads": desc.num_kv_heads,
-            "head_dim": desc.head_dim, "num_blocks": num_blocks}
+def _check_dims(dims: dict[str, int]) -> None:
     for name, value in dims.items():
         if not 1 <= value <= MAX_DIM or (name == "num_layers" and value > MAX_NUM_LAYERS):
             raise InvalidRequestError(f"layout {name} {value} outside [1, {MAX_DIM}]", param=name)
+
+
+def _layers_from_proto(desc: kv_transfer_pb2.KVLayoutDesc) -> tuple[LayerKV, ...]:
+    if desc.layers and len(desc.layers) != desc.num_layers:
+        raise InvalidRequestError(f"layout lists {len(desc.layers)} layers of {desc.num_layers}", param="layers")
+    layers = []
+    for g in desc.layers:
+        _check_dims({"num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim})
+        if g.num_tensors not in (1, 2):
+            raise InvalidRequestError(f"layer geometry {g} out of range", param="layers")
+        layers.append(LayerKV(g.num_kv_heads, g.head_dim, g.num_tensors,
+                              None if g.reads_layer < 0 else g.reads_layer, g.sliding_window or None))
+    return tuple(layers)
+
+
+def layout_from_proto(desc: kv_transfer_pb2.KVLayoutDesc, num_blocks: int) -> tuple[str, KVLayout]:
+    _check_dims({"num_layers": desc.num_layers, "block_size": desc.block_size, "num_kv_heads": desc.num_kv_heads,
+                 "head_dim": desc.head_dim, "num_blocks": num_blocks})
     if not desc.model:
         raise InvalidRequestError("layout names no model", param="model")
-    layout = KVLayout(desc.num_layers, num_blocks, desc.block_size, desc.num_kv_heads, desc.head_dim,
-                      dtype_from_name(desc.dtype))
+    try:
+        layout = KVLayout(desc.num_layers, num_blocks, desc.block_size, desc.num_kv_heads, desc.head_dim,
+                          dtype_from_name(desc.dtype), _layers_from_proto(desc))
+    except ValueError as e:  # a shared layer that reads no earlier stored layer
+        raise InvalidRequestError(f"layout: {e}", param="layers") from None
     return desc.model, layout
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.errors import ConfigError, UnavailableError
-from shared.models.loader import DEFAULT_CACHE_DIR, resolve_model
+from shared.models.loader import DEFAULT_CACHE_DIR, check_checkpoint
 
 HOST = "127.0.0.1"
 
@@ -202,7 +202,8 @@ def stop_children(stack: Stack, grace_s: float = 20.0) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    resolve_model(args.model, args.cache_dir)  # convert a GGUF once here, not in every child at once
+    # convert a GGUF once here, not in every child at once; a checkpoint that cannot load fails here
+    check_checkpoint(args.model, args.cache_dir)
     stack = plan_stack(args)
     stopping = False
 

@@ -101,10 +101,8 @@ class LLMEngine:
         )
         spec = self.loaded.spec
         self.max_model_len = min(spec.max_positions, config.max_model_len or spec.max_positions)
-        num_blocks = config.num_kv_blocks or KVLayout.blocks_for_bytes(
-            config.kv_cache_bytes, spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
-            config.torch_dtype,
-        )
+        num_blocks = config.num_kv_blocks or KVLayout.blocks_for_bytes_of(
+            spec.kv_layers, config.kv_cache_bytes, config.block_size, config.torch_dtype)
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(
                 f"KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
@@ -113,8 +111,7 @@ class LLMEngine:
         # decode batches replay CUDA graphs whose padding rows write into one more block, which the
         # pool never hands out
         use_graphs = config.cuda_graphs and config.device.startswith("cuda") and config.role != "prefill"
-        self.layout = KVLayout(spec.num_layers, num_blocks + int(use_graphs), config.block_size, spec.num_kv_heads,
-                               spec.head_dim, config.torch_dtype)
+        self.layout = KVLayout.of(spec.kv_layers, num_blocks + int(use_graphs), config.block_size, config.torch_dtype)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         # prefix hashes name the model too: blocks of two models never match, in this process or another
         self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())
@@ -284,7 +281,7 @@ class LLMEngine:
             if not self.kv.allocate_slots(request, request.num_prompt_tokens, host_writes=True):
                 return
             self._pending_handoffs.popleft()
-            inject_kv(self.runner.kv_cache, self.kv.block_ids(request.request_id), handoff.kv)
+            inject_kv(self.layout, self.runner.kv_cache, self.kv.block_ids(request.request_id), handoff.kv)
             request.num_computed_tokens = request.num_prompt_tokens
             self.scheduler.add_running(request)
 
@@ -380,8 +377,8 @@ class LLMEngine:
                 first_token_id=request.output_token_ids[0],
                 first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
                 block_size=self.config.block_size,
-                kv=extract_kv(self.runner.kv_cache, self.kv.block_ids(out.request_id),
-                              request.num_prompt_tokens, self.config.block_size),
+                kv=extract_kv(self.layout, self.runner.kv_cache, self.kv.block_ids(out.request_id),
+                              request.num_prompt_tokens),
                 hidden_states=hidden_states if hidden_states is not None else torch.empty(
                     0, self.loaded.spec.hidden_size),
             )

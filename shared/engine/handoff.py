@@ -1,7 +1,7 @@
 """The baton: what a prefill engine hands a decode engine for one request.
 
 A prefill engine stops a request after its first token and copies out the KV
-of every prompt token (its blocks, in `KVLayout` order) plus the last-layer
+of every prompt token (its blocks, in `KVLayout`'s slot format) plus the last-layer
 hidden states a draft head needs, for the prompt positions it computed (a
 prefix-cache hit skips the rest). A decode engine reserves its own blocks,
 copies the KV in, and continues from the first token.
@@ -15,7 +15,7 @@ import torch
 
 from shared.engine.request import TokenLogprobs
 from shared.errors import InvalidRequestError
-from shared.kv.layout import cdiv
+from shared.kv.layout import KVLayout, cdiv
 
 
 @dataclass
@@ -24,7 +24,8 @@ class KVHandoff:
     first_token_id: int
     first_logprobs: TokenLogprobs | None
     block_size: int
-    # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]: KV of the prompt tokens
+    # [num_blocks, slot elements]: KV of the prompt tokens, each block's every stored layer in KVLayout's slot
+    # format (as kv_transfer's slots hold it)
     kv: torch.Tensor
     # [num_hidden_tokens, hidden]: the prompt's LAST num_hidden_tokens positions. Positions
     # served from the prefix cache were not computed, so their hidden states are absent.
@@ -37,7 +38,7 @@ class KVHandoff:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv.shape[1]
+        return self.kv.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -46,17 +47,21 @@ class KVHandoff:
         )
 
 
-def extract_kv(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
-    """Copy the blocks holding the first `num_tokens` tokens out of the cache."""
-    index = torch.tensor(block_ids[: cdiv(num_tokens, block_size)], dtype=torch.long, device=kv_cache.device)
-    return kv_cache.index_select(1, index).cpu()
+def extract_kv(layout: KVLayout, kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """Copy the blocks holding the first `num_tokens` tokens out of the cache, in slot format."""
+    index = torch.tensor(block_ids[: cdiv(num_tokens, layout.block_size)], dtype=torch.long, device=kv_cache.device)
+    parts = [layout.layer_blocks(kv_cache, layer).index_select(0, index).reshape(len(index), -1)
+             for layer in layout.stored_layers]
+    return torch.cat(parts, dim=1).cpu()
 
 
-def inject_kv(kv_cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor) -> None:
-    """Write handed-off blocks into this engine's cache at `block_ids`."""
-    if kv.shape[0] != kv_cache.shape[0] or kv.shape[2:] != kv_cache.shape[2:]:
+def inject_kv(layout: KVLayout, kv_cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor) -> None:
+    """Write handed-off blocks (slot format) into this engine's cache at `block_ids`."""
+    if kv.dim() != 2 or kv.shape[1] != layout.slot_nbytes // layout.itemsize:
         raise InvalidRequestError(
-            f"handoff KV shape {tuple(kv.shape)} does not fit this engine's cache {tuple(kv_cache.shape)}"
+            f"handoff KV of shape {tuple(kv.shape)} does not fit this engine's blocks of {layout.describe()}"
         )
-    index = torch.tensor(block_ids[: kv.shape[1]], dtype=torch.long, device=kv_cache.device)
-    kv_cache.index_copy_(1, index, kv.to(kv_cache.device, kv_cache.dtype))
+    index = torch.tensor(block_ids[: kv.shape[0]], dtype=torch.long, device=kv_cache.device)
+    kv = kv.to(kv_cache.device, kv_cache.dtype)
+    for layer in layout.stored_layers:
+        layout.layer_blocks(kv_cache, layer).index_copy_(0, index, layout.slot_view(kv, layer))

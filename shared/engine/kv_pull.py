@@ -56,7 +56,7 @@ class _PullJob:
     source: PullSource
     block_ids: list[int]  # local table covering the source tokens
     first_token: int  # tokens before this are already local
-    staging: torch.Tensor | None  # block-size conversion: [num_blocks, num_layers, 2, block, heads, dim]
+    staging: torch.Tensor | None  # block-size conversion: [num_blocks, slot elements]
     hidden: torch.Tensor | None
 
 
@@ -65,7 +65,7 @@ class KVPuller(RequestTransfers[_PullJob]):
         super().__init__()
         self._agents = agents
         self._layout = layout
-        self._kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+        self._kv_cache = kv_cache  # KVLayout.shape
 
     def check_compatible(self, remote: KVLayout) -> None:
         """Raises ValueError naming each difference that no conversion can bridge."""
@@ -73,6 +73,8 @@ class KVPuller(RequestTransfers[_PullJob]):
         problems = [f"{f} {getattr(remote, f)} != {getattr(mine, f)}"
                     for f in ("num_layers", "num_kv_heads", "head_dim", "dtype")
                     if getattr(remote, f) != getattr(mine, f)]
+        if not problems and remote.describe() != mine.describe():
+            problems.append(f"layer geometry {remote.describe()} != {mine.describe()}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -91,9 +93,8 @@ class KVPuller(RequestTransfers[_PullJob]):
         else:
             lo = first_token // remote.block_size
             slots = source.slots.block_slots[lo:cdiv(source.num_tokens, remote.block_size)]
-            # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the slot layout
-            job.staging = torch.empty((len(slots), remote.num_layers, 2, remote.block_size, remote.num_kv_heads,
-                                       remote.head_dim), dtype=remote.dtype)
+            # [num_blocks, slot elements]: the slot layout (each block's every stored layer)
+            job.staging = torch.empty((len(slots), remote.slot_nbytes // remote.itemsize), dtype=remote.dtype)
             region = group.register(job.staging)
             group.start(TransferOp.READ, whole_slots_plan(region, slot_nbytes_for(remote), source.slots.space, slots))
         rows, width = source.hidden_shape
@@ -123,14 +124,15 @@ class KVPuller(RequestTransfers[_PullJob]):
     def _scatter(self, job: _PullJob) -> None:
         """Re-cut staged remote blocks into local blocks, token by token, from `first_token` on."""
         assert job.staging is not None
-        remote_bs, bs = job.source.layout.block_size, self._layout.block_size
-        base = (job.first_token // remote_bs) * remote_bs  # token of staging block 0
-        # [num_layers, 2, tokens, heads, dim]
-        tokens = job.staging.permute(1, 2, 0, 3, 4, 5).reshape(
-            self._layout.num_layers, 2, -1, self._layout.num_kv_heads, self._layout.head_dim)
+        remote, bs = job.source.layout, self._layout.block_size
+        base = (job.first_token // remote.block_size) * remote.block_size  # token of staging block 0
         positions = torch.arange(job.first_token, job.source.num_tokens)
         table = torch.tensor(job.block_ids, dtype=torch.long)
         blocks, offsets = table[positions // bs], positions % bs
-        # cache[:, blocks, :, offsets] is [tokens, num_layers, 2, heads, dim]
-        self._kv_cache[:, blocks, :, offsets] = tokens[:, :, positions - base].permute(2, 0, 1, 3, 4).to(
-            self._kv_cache.device)
+        for layer in self._layout.stored_layers:
+            # [T, tokens, heads, dim] from [num_blocks, T, remote block, heads, dim]
+            staged = remote.slot_view(job.staging, layer)
+            tokens = staged.permute(1, 0, 2, 3, 4).reshape(staged.shape[1], -1, *staged.shape[3:])
+            local = self._layout.layer_blocks(self._kv_cache, layer)  # [num_blocks, T, block_size, heads, dim]
+            # local[blocks, :, offsets] is [tokens, T, heads, dim]
+            local[blocks, :, offsets] = tokens[:, positions - base].transpose(0, 1).to(local.device)

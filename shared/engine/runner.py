@@ -30,8 +30,7 @@ from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
 from shared.engine.scheduler import SchedulerPlan, StepResult
 from shared.kv.layout import KVLayout, cdiv
-from shared.models.common import LayerDoneFn
-from shared.models.decoder import DecoderLM
+from shared.models.common import LayerDoneFn, PagedCausalLM
 from shared.ops.attention import AttentionMetadata
 from shared.ops.host_copy import tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
@@ -161,7 +160,7 @@ class ExecutorClock:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, layout: KVLayout, device: str = "cpu", seed: int = 0,
+    def __init__(self, model: PagedCausalLM, layout: KVLayout, device: str = "cpu", seed: int = 0,
                  aux_hidden_layers: tuple[int, ...] = ()) -> None:
         """`aux_hidden_layers`: layers whose outputs follow the final hidden states in handed-out hidden
         states, as an EAGLE-3 head reads them: [num_tokens, hidden * (1 + len(aux_hidden_layers))]."""
@@ -170,6 +169,8 @@ class ModelRunner:
         self.layout = layout
         self.device = torch.device(device)
         self.kv_cache = layout.allocate(self.device)  # KVLayout.shape
+        # what the model's forward reads: the 6-D cache itself, or each layer's (keys, values) views of it
+        self.model_kv = layout.model_cache(self.kv_cache)
         self.sampler = Sampler(seed=seed)
         self._generators: dict[str, torch.Generator | None] = {}
         self.clock = ExecutorClock()
@@ -183,7 +184,7 @@ class ModelRunner:
         block_size = self.layout.block_size
         max_blocks = cdiv(max_model_len + 1, block_size)
         graphs = DecodeGraphs(capture_sizes(max_num_seqs), max_blocks, block_size, scratch_block, self.device)
-        graphs.capture(lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta))
+        graphs.capture(lambda ids, pos, meta: self.model.forward(ids, pos, self.model_kv, meta))
         self.graphs = graphs
 
     def add_request(self, request_id: str, seed: int | None, num_steps_done: int = 0) -> None:
@@ -323,7 +324,7 @@ class ModelRunner:
         if self.graphs is not None and on_layer_done is None and captured is None and self.graphs.fits(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, on_layer_done, captured)
+            hidden = self.model.forward(input_ids, positions, self.model_kv, meta, on_layer_done, captured)
         out = StepOutput(plan, inputs.rows, PrevOutputs.empty(self.device))
         for request_id, (lo, hi) in inputs.hidden_spans.items():
             parts = [hidden[lo:hi], *(captured[layer][lo:hi] for layer in self.aux_hidden_layers)] if captured \

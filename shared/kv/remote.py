@@ -4,9 +4,9 @@ kv_transfer registers one host buffer with its transport agent and cuts it
 into equal slots. A slot holds one KV block of every layer, layer-major, so
 that one (layer, block) pair is one contiguous span in both places::
 
-    engine cache  kv[layer, block_id, 2, block_size, heads, dim]   (KVLayout)
-    store slot    slot[layer, 2, block_size, heads, dim]           at base + slot * slot_nbytes
-                  (layer l at offset l * block_nbytes)
+    engine cache  layer l: [block_id, T_l, block_size, H_l, D_l]     (KVLayout)
+    store slot    one block of every stored layer, layer-major      at base + slot * slot_nbytes
+                  (layer l at KVLayout.slot_offset(l); KV-shared layers take no room)
 
 Hidden states ([num_tokens, hidden_width] in the layout dtype) fill a list of
 slots as one byte string cut at slot boundaries.
@@ -29,13 +29,12 @@ from shared.transport.base import Descriptor, MemoryRegion
 
 def layout_key(model: str, layout: KVLayout) -> str:
     """Names a block format: prefix-pool entries only match within one key."""
-    return (f"{model}|{str(layout.dtype).removeprefix('torch.')}|bs{layout.block_size}|"
-            f"L{layout.num_layers}|H{layout.num_kv_heads}|D{layout.head_dim}")
+    return f"{model}|{str(layout.dtype).removeprefix('torch.')}|bs{layout.block_size}|{layout.describe()}"
 
 
 def slot_nbytes_for(layout: KVLayout) -> int:
     """Bytes one slot needs to hold one block of every layer of `layout`."""
-    return layout.num_layers * layout.block_nbytes
+    return layout.slot_nbytes
 
 
 @dataclass(frozen=True)
@@ -148,14 +147,17 @@ def block_plan(
     layout: KVLayout, region: MemoryRegion, block_ids: Sequence[int], space: SlotSpace, slots: Sequence[int],
     layers: Sequence[int],
 ) -> TransferPlan:
-    """Descriptors of `block_ids` in the local cache (`region`, `layout`) paired with `slots`, per layer."""
+    """Descriptors of `block_ids` in the local cache (`region`, `layout`) paired with `slots`, per layer
+    (KV-shared layers have nothing to move)."""
     assert len(block_ids) == len(slots), (len(block_ids), len(slots))
     plan = TransferPlan()
-    nbytes = layout.block_nbytes
     for layer in layers:
+        nbytes, slot_offset = layout.layer_block_nbytes(layer), layout.slot_offset(layer)
+        if not nbytes:
+            continue
         for block_id, slot in zip(block_ids, slots, strict=True):
             plan.local.append(region.descriptor(layout.block_range(layer, block_id).offset, nbytes))
-            plan.remote.append(space.span(slot, layer * nbytes, nbytes))
+            plan.remote.append(space.span(slot, slot_offset, nbytes))
     return plan
 
 

@@ -30,9 +30,11 @@ _built: bool | None = None
 def _build_dir() -> Path:
     from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
 
-    # keyed by the sources too: two checkouts with different kernels (worktrees, branches) must not
-    # rebuild over each other's library
-    sources = hashlib.sha1(b"".join(src.read_bytes() for src in _SOURCES)).hexdigest()[:10]
+    # keyed by the sources and their directory too: two checkouts (worktrees, branches) must not rebuild over
+    # each other's library (torch's build file names the sources by absolute path, so even identical
+    # sources elsewhere trigger a full rebuild)
+    sources = hashlib.sha1(str(_CSRC.resolve()).encode() + b"".join(src.read_bytes() for src in _SOURCES)
+                           ).hexdigest()[:10]
     return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{sources}"
 
 

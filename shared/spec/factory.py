@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from shared.errors import ConfigError
+from shared.models.decoder import DecoderSpec
 from shared.spec.ngram import NgramProposer
 from shared.spec.proposer import Proposer
 from shared.spec.speculator import Speculator
@@ -26,6 +28,9 @@ def build_speculator(
     if config.spec_method == "none" or config.role == "prefill":
         return None
     proposer: Proposer
+    if config.spec_method in ("draft", "eagle") and not isinstance(loaded.spec, DecoderSpec):
+        raise ConfigError(f"spec method {config.spec_method!r} drafts for Llama and Gemma 3 models, not "
+                          f"{loaded.spec.model_type}")
     if config.spec_method == "ngram":
         proposer = NgramProposer()
     elif config.spec_method == "draft":
