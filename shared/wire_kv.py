@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from proto.baton.v1 import kv_transfer_pb2
 from shared.errors import InvalidRequestError
-from shared.kv.layout import KVLayout, LayerKV, cdiv
+from shared.kv.layout import KVLayout, LayerKV
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, HandoffSpec, SlotSpace
 from shared.wire import dtype_from_name, dtype_name, token_logprobs_from_proto, token_logprobs_to_proto
 
@@ -98,12 +98,12 @@ def reserve_from_proto(msg: kv_transfer_pb2.ReserveRequest) -> HandoffSpec:
     _check_handoff_id(msg.handoff_id)
     model, layout = layout_from_proto(msg.layout, msg.num_blocks)
     num_tokens = len(msg.prompt_token_ids)
-    if num_tokens == 0 or cdiv(num_tokens, layout.block_size) != msg.num_blocks:
+    if num_tokens == 0 or len(layout.handoff_units(num_tokens)) != msg.num_blocks:
         raise InvalidRequestError(f"handoff {msg.handoff_id}: {msg.num_blocks} blocks of {layout.block_size} "
                                   f"do not cover a prompt of {num_tokens} tokens", param="num_blocks")
-    if len(msg.block_hashes) != num_tokens // layout.block_size:
+    if len(msg.block_hashes) != layout.num_hashed_units(num_tokens):
         raise InvalidRequestError(f"handoff {msg.handoff_id}: {len(msg.block_hashes)} block hashes for "
-                                  f"{num_tokens // layout.block_size} full blocks", param="block_hashes")
+                                  f"{layout.num_hashed_units(num_tokens)} full blocks", param="block_hashes")
     return HandoffSpec(msg.handoff_id, msg.request_id, model, layout, list(msg.prompt_token_ids),
                        [bytes(h) for h in msg.block_hashes], msg.hidden_nbytes, msg.lease_timeout_ms)
 
@@ -175,7 +175,7 @@ def claimed_from_proto(msg: kv_transfer_pb2.ClaimResponse, handoff_id: str) -> t
     address = agent_from_proto(msg.agent)
     spec = HandoffSpec(handoff_id, msg.request_id, model, layout, list(msg.prompt_token_ids),
                        [bytes(h) for h in msg.block_hashes], 0)
-    if not spec.prompt_token_ids or cdiv(len(spec.prompt_token_ids), layout.block_size) != num_blocks:
+    if not spec.prompt_token_ids or len(layout.handoff_units(len(spec.prompt_token_ids))) != num_blocks:
         raise InvalidRequestError(f"handoff {handoff_id}: claim describes {num_blocks} blocks for "
                                   f"{len(spec.prompt_token_ids)} prompt tokens")
     logprobs = token_logprobs_from_proto(msg.first_logprobs) if msg.HasField("first_logprobs") else None

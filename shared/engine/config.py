@@ -58,6 +58,10 @@ class EngineConfig:
     # CUDA: replay decode steps from CUDA graphs captured at start (one per padded batch size; one KV
     # block more is allocated for padding rows). False = launch every kernel eagerly (vLLM's --enforce-eager)
     cuda_graphs: bool = True
+    # a block pool and tables per KV layer group (KVLayout.groups: sliding layers keep only their window's
+    # blocks). False = one group that keeps every block of every layer (the baseline the hybrid cache is
+    # measured against)
+    kv_layer_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

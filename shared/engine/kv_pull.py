@@ -38,8 +38,13 @@ class PullSource:
 
     layout: KVLayout  # the remote block format; num_blocks = len(slots.block_slots)
     slots: HandoffSlots
-    num_tokens: int  # tokens the blocks hold
+    num_tokens: int  # tokens to read (from the start of the prompt)
     hidden_shape: tuple[int, int] = (0, 0)  # [num_hidden_tokens, hidden_width]
+    handoff_tokens: int = 0  # the prompt the slots' units were cut for (KVLayout.handoff_units); 0 = num_tokens
+
+    def units(self) -> dict[tuple[int, int], int]:
+        """(layer group, block index) -> its unit (slot index) in the handoff."""
+        return {u: i for i, u in enumerate(self.layout.handoff_units(self.handoff_tokens or self.num_tokens))}
 
 
 @dataclass
@@ -54,7 +59,7 @@ class PullOutcome:
 class _PullJob:
     group: TransferGroup
     source: PullSource
-    block_ids: list[int]  # local table covering the source tokens
+    tables: list[list[int]]  # local table in each layer group, covering the source tokens
     first_token: int  # tokens before this are already local
     staging: torch.Tensor | None  # block-size conversion: [num_blocks, slot elements]
     hidden: torch.Tensor | None
@@ -75,21 +80,28 @@ class KVPuller(RequestTransfers[_PullJob]):
                     if getattr(remote, f) != getattr(mine, f)]
         if not problems and remote.describe() != mine.describe():
             problems.append(f"layer geometry {remote.describe()} != {mine.describe()}")
+        if len(mine.groups) > 1 and remote.block_size != mine.block_size:  # units are blocks of each group
+            problems.append(f"block_size {remote.block_size} != {mine.block_size} (layer groups convert none)")
         if problems:
             raise ValueError("; ".join(problems))
 
-    def start(self, request_id: str, address: AgentAddress, source: PullSource, block_ids: list[int],
+    def start(self, request_id: str, address: AgentAddress, source: PullSource, tables: list[list[int]],
               first_token: int) -> None:
-        """Read tokens [first_token, source.num_tokens) into `block_ids` (the request's local table)."""
+        """Read tokens [first_token, source.num_tokens) into `tables` (the request's local table in each layer
+        group; a sliding group's only from the block the next query sees)."""
         group = TransferGroup(self._agents.link(address))
-        job = _PullJob(group, source, block_ids, first_token, None, None)
+        job = _PullJob(group, source, tables, first_token, None, None)
         self._jobs[request_id] = job
         remote, bs = source.layout, self._layout.block_size
         layers = range(self._layout.num_layers)
         if remote.block_size == bs:
-            lo, hi = first_token // bs, cdiv(source.num_tokens, bs)
-            group.start(TransferOp.READ, block_plan(self._layout, group.link.cache_region, block_ids[lo:hi],
-                                                    source.slots.space, source.slots.block_slots[lo:hi], layers))
+            units, hi = source.units(), cdiv(source.num_tokens, bs)
+            for g, kv_group in enumerate(self._layout.groups):
+                lo = max(first_token // bs, kv_group.first_kept_block(source.num_tokens, bs))
+                ids = [tables[g][i] for i in range(lo, hi)]
+                slots = [source.slots.block_slots[units[(g, i)]] for i in range(lo, hi)]
+                group.start(TransferOp.READ, block_plan(self._layout, group.link.cache_region, ids,
+                                                        source.slots.space, slots, layers, g))
         else:
             lo = first_token // remote.block_size
             slots = source.slots.block_slots[lo:cdiv(source.num_tokens, remote.block_size)]
@@ -127,7 +139,7 @@ class KVPuller(RequestTransfers[_PullJob]):
         remote, bs = job.source.layout, self._layout.block_size
         base = (job.first_token // remote.block_size) * remote.block_size  # token of staging block 0
         positions = torch.arange(job.first_token, job.source.num_tokens)
-        table = torch.tensor(job.block_ids, dtype=torch.long)
+        table = torch.tensor(job.tables[0], dtype=torch.long)
         blocks, offsets = table[positions // bs], positions % bs
         for layer in self._layout.stored_layers:
             # [T, tokens, heads, dim] from [num_blocks, T, remote block, heads, dim]

@@ -63,6 +63,9 @@ class StepInputs:
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # with trees: what to subtract from each token's planned (slot) position to get its RoPE position
     rope_offsets: torch.Tensor | None = None
+    # further KV layer groups: each group's [num_seqs, max_blocks] table, and each token's sequence
+    group_tables: list[torch.Tensor] = field(default_factory=list)
+    token_seq: torch.Tensor | None = None  # [num_tokens] int64
     # request id -> its row of the step's outputs: plain sampling chunks first, then verifications
     rows: dict[str, int] = field(default_factory=dict)
     # the four index lists above as device tensors (indexing with a list copies it to the device
@@ -265,6 +268,8 @@ class ModelRunner:
             verify_chunks=verify_chunks,
             spec_hidden_spans=spec_spans,
         )
+        if plan.chunks and plan.chunks[0].group_block_ids:
+            self._group_inputs(inputs, plan, query_lens)
         if trees:  # node j of a tree sits at slot start + j and RoPE position start + depth(j)
             inputs.tree_masks = {i: tree.ancestor_mask(dev) for i, tree in trees.items()}
             offsets = [0] * len(ids)
@@ -282,6 +287,17 @@ class ModelRunner:
         if not inputs.continues_previous:
             self.finish(inputs, None)
         return inputs
+
+    def _group_inputs(self, inputs: StepInputs, plan: SchedulerPlan, query_lens: list[int]) -> None:
+        """Block tables of the further layer groups (hybrid_kv.py), and which sequence each token is of."""
+        for g in range(len(plan.chunks[0].group_block_ids)):
+            tables = [c.group_block_ids[g] for c in plan.chunks]
+            padded = torch.zeros((len(tables), max(max(len(t) for t in tables), 1)), dtype=torch.int32)
+            for i, table in enumerate(tables):
+                padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            inputs.group_tables.append(tensor_to_device(padded, self.device))
+        seqs = [i for i, q in enumerate(query_lens) for _ in range(q)]
+        inputs.token_seq = to_device(seqs, dtype=torch.int64, device=self.device)
 
     def finish(self, inputs: StepInputs, prev: StepOutput | None) -> None:
         """Device half of the inputs: the previous step's tokens and accepted counts, and the KV slots."""
@@ -305,6 +321,11 @@ class ModelRunner:
             positions=positions,
             tree_masks=inputs.tree_masks,
         )
+        if inputs.group_tables:  # each group's slot of each token, from the same (slot) positions
+            bs, slot_pos = self.layout.block_size, out.positions
+            inputs.meta.group_tables = [
+                (table, table[inputs.token_seq, slot_pos // bs].long() * bs + slot_pos % bs)
+                for table in inputs.group_tables]
 
     def execute(self, inputs: StepInputs, prev: StepOutput | None = None,
                 on_layer_done: LayerDoneFn | None = None) -> StepOutput:

@@ -72,8 +72,9 @@ class DecoderSpec:
 
     @property
     def kv_layers(self) -> tuple[LayerKV, ...]:
-        """What each layer keeps in the paged cache: K and V of one shape everywhere."""
-        return tuple(LayerKV(self.num_kv_heads, self.head_dim, sliding_window=w) for w in self.layer_sliding_window)
+        """What each layer keeps in the paged cache: K and V of one shape everywhere, every block (a sliding
+        layer's old blocks are kept too: one block table serves all layers)."""
+        return (LayerKV(self.num_kv_heads, self.head_dim),) * self.num_layers
 
 
 @dataclass

@@ -77,9 +77,10 @@ class Gemma4Spec:
 
     @property
     def kv_layers(self) -> tuple[LayerKV, ...]:
-        """What each layer keeps in the paged cache (shared layers: nothing, they read their source)."""
-        return tuple(LayerKV(layer.num_kv_heads, layer.head_dim, 2, layer.reads_layer, layer.sliding_window)
-                     for layer in self.layers)
+        """What each layer keeps in the paged cache: K=V layers one tensor (the values; one_tensor_kv.py), KV-shared
+        layers nothing (they read their source), sliding layers only their window's blocks."""
+        return tuple(LayerKV(layer.num_kv_heads, layer.head_dim, 1 if layer.k_eq_v else 2, layer.reads_layer,
+                             layer.sliding_window) for layer in self.layers)
 
     def rope(self, layer_type: str) -> RopeSpec:
         return dict(self.ropes)[layer_type]

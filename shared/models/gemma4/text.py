@@ -23,13 +23,15 @@ Norms are RMSNorm scaled by w (not Gemma 3's 1 + w), as transformers' Gemma4RMSN
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from shared.kv.layout import LayerKV
+from shared.kv.layout import LayerKV, group_of_layer
 from shared.models.common import AttentionFn, LayerDoneFn, RotaryEmbedding, rms_norm_offset, rotate
 from shared.models.gemma4.moe import norm_no_scale
+from shared.models.gemma4.one_tensor_kv import DeriveKeys, attend_one_tensor
 from shared.models.gemma4.rope import rotary_embedding
 from shared.models.gemma4.spec import Gemma4Spec
 from shared.models.gemma4.weights import Gemma4LayerWeights, load_weights
@@ -71,8 +73,12 @@ class Gemma4TextLM:
             layer_type: rotary_embedding(rope, spec.max_positions, self.device) for layer_type, rope in spec.ropes
         }
         self._write_kv = write_kv_cpu if self.device.type == "cpu" and cpu_kernels_available() else write_kv
+        # the KV layer group each layer attends in (its block tables: meta's, or meta.group_tables[group - 1])
+        self._layer_group = [group_of_layer(self.kv_layers, i) for i in range(spec.num_layers)]
         # layers that some KV-shared layer reads: their K/V of a step is kept for it
         self._sources = {layer.reads_layer for layer in spec.layers if layer.reads_layer is not None}
+        self._derive_keys = {i: self._keys_from_values(i) for i, layer in enumerate(spec.layers)
+                             if layer.k_eq_v and layer.reads_layer is None}
 
     @torch.inference_mode()
     def forward(
@@ -89,17 +95,19 @@ class Gemma4TextLM:
         x = F.embedding(input_ids, w.embed) * torch.tensor(s.hidden_size**0.5, dtype=self.dtype)
         ple = self._per_layer_inputs(input_ids, x) if w.ple_projection is not None else None
         cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.ropes.items()}
-        kv_index = kv_write_index(meta.slot_mapping, cache_block_size(kv_cache)) if self._write_kv is write_kv \
-            else None
+        metas = [meta, *(replace(meta, block_tables=tables, slot_mapping=slots) for tables, slots in meta.group_tables)]
+        block_size = cache_block_size(kv_cache)
+        kv_index = [kv_write_index(m.slot_mapping, block_size) if self._write_kv is write_kv else None for m in metas]
         step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's K/V of layers others read
         for i, layer in enumerate(w.layers):
+            g = self._layer_group[i] if meta.group_tables else 0  # none given: every group uses meta's tables
             a = self._attention(i, layer, _norm(x, layer.norm_in, s.rms_eps), cos_sin[s.layers[i].layer_type],
-                                self._layer_cache(kv_cache, i), meta, kv_index, step_kv)
+                                self._layer_cache(kv_cache, i), metas[g], kv_index[g], step_kv)
             x = x + _norm(a, layer.norm_attn_out, s.rms_eps)
             x = x + _norm(self._feed_forward(layer, x), layer.norm_ffn_out, s.rms_eps)
             if ple is not None and layer.ple is not None:
-                g = layer.ple.proj(F.gelu(layer.ple.gate(x), approximate="tanh") * ple[:, i])
-                x = x + _norm(g, layer.ple.norm, s.rms_eps)
+                gated = layer.ple.proj(F.gelu(layer.ple.gate(x), approximate="tanh") * ple[:, i])
+                x = x + _norm(gated, layer.ple.norm, s.rms_eps)
             x = x * layer.layer_scalar
             if captured is not None and i in captured:
                 captured[i] = x
@@ -148,11 +156,26 @@ class Gemma4TextLM:
             v_raw = k_raw if layer.k_eq_v else kv[:, layer.num_kv_heads * d:].view(-1, layer.num_kv_heads, d)
             k = rotate(_norm(k_raw, w.k_norm, s.rms_eps), cos_sin)
             v = norm_no_scale(v_raw, s.rms_eps)
-            self._write_kv(caches[0], caches[1], k, v, meta.slot_mapping, kv_index)
+            # a K=V layer's cache is one tensor: both views are it, and it holds the values
+            self._write_kv(caches[0], caches[1], v if layer.k_eq_v else k, v, meta.slot_mapping, kv_index)
             if i in self._sources:
                 step_kv[i] = (k, v)
+        source = i if layer.reads_layer is None else layer.reads_layer
+        if self.kv_layers[source].num_tensors == 1:  # keys rebuilt from the stored values (one_tensor_kv.py)
+            return w.w_o(attend_one_tensor(self.attention, q, k, v, caches[1], meta, layer.sliding_window,
+                                           self._derive_keys[source]).reshape(-1, s.num_heads * d))
         a = self.attention(q, k, v, caches[0], caches[1], meta, 1.0, layer.sliding_window)
         return w.w_o(a.reshape(-1, s.num_heads * d))
+
+    def _keys_from_values(self, layer: int) -> DeriveKeys:
+        """How K=V layer `layer`'s keys follow from its stored values: rope(v * w_k) at their positions."""
+        w_k, rope = self.w.layers[layer].k_norm, self.ropes[self.spec.layers[layer].layer_type]
+        assert w_k is not None
+
+        def derive(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [n, heads, dim], [n]
+            return rotate(values * w_k, rope.cos_sin(positions, values.dtype))
+
+        return derive
 
     def _feed_forward(self, w: Gemma4LayerWeights, x: torch.Tensor) -> torch.Tensor:  # [n, hidden], unnormed
         eps = self.spec.rms_eps

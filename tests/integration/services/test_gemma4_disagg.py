@@ -65,7 +65,9 @@ def test_disaggregated_equals_colocated_and_transformers(checkpoint: Path) -> No
     assert got == expected
     engine = LLMEngine(EngineConfig(model=str(checkpoint), max_model_len=512, num_kv_blocks=64))
     layout, hidden = engine.layout, engine.hidden_width * engine.layout.itemsize
-    # every block of every prompt, stored layers only (two of six layers are KV-shared), plus the hidden states
-    blocks = sum(-(-len(p) // layout.block_size) for p in prompts)
-    assert pushed == blocks * layout.slot_nbytes + sum(len(p) for p in prompts) * hidden
-    assert len(layout.stored_layers) == 4
+    # stored layers only (two of six layers are KV-shared): every block of the full layers, the sliding layers'
+    # blocks inside the window of the first decoded token only; plus the hidden states
+    units = [u for p in prompts for u in layout.handoff_units(len(p))]
+    assert pushed == sum(layout.unit_nbytes(g) for g, _ in units) + sum(len(p) for p in prompts) * hidden
+    assert len(layout.stored_layers) == 4 and len(layout.groups) == 2
+    assert [i for g, i in layout.handoff_units(40) if g == 1] == [2]  # window 8, next query at 40: block 2 only
