@@ -117,6 +117,9 @@ class LLMEngine:
             raise ConfigError(f"aux_hidden_layers {config.aux_hidden_layers} outside [0, {spec.num_layers})")
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
                                   tuple(config.aux_hidden_layers))
+        bind = getattr(self.speculator.proposer, "bind_target", None) if self.speculator is not None else None
+        if bind is not None:  # a proposer that reads the target's cache (gemma4_assistant)
+            bind(self.runner.model_kv, self.kv, self.layout)
         if use_graphs:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
         self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()

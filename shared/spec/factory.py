@@ -37,6 +37,10 @@ def build_speculator(
         from shared.spec.draft_model import build_draft_proposer
 
         proposer = build_draft_proposer(config, loaded, num_kv_blocks)
+    elif config.spec_method == "gemma4_assistant":
+        from shared.spec.gemma4_assistant import build_assistant_proposer
+
+        proposer = build_assistant_proposer(config, loaded)
     else:
         from shared.spec.eagle import build_eagle_proposer
 

@@ -86,7 +86,7 @@ class Gemma4Spec:
         return dict(self.ropes)[layer_type]
 
 
-def _rope_spec(params: dict[str, Any] | None, layer_type: str, head_dim: int) -> RopeSpec:
+def rope_spec(params: dict[str, Any] | None, layer_type: str, head_dim: int) -> RopeSpec:
     if params is None:
         raise ConfigError(f"Gemma 4 config has no rope_parameters for {layer_type!r}")
     rope_type = params.get("rope_type", "default")
@@ -151,7 +151,7 @@ def gemma4_spec(config: Any, max_positions: int) -> Gemma4Spec:
         )
         for i, t in enumerate(types)
     )
-    ropes = tuple((t, _rope_spec(config.rope_parameters.get(t), t, int(per_layer[t].head_dim)))
+    ropes = tuple((t, rope_spec(config.rope_parameters.get(t), t, int(per_layer[t].head_dim)))
                   for t in sorted(set(types)))
     moe = None
     if getattr(config, "enable_moe_block", False):

@@ -187,6 +187,14 @@ class Gemma4TextLM:
         experts = w.moe.experts.grouped(_norm(x, w.moe.norm_experts_in, eps), weights, index)
         return _norm(m, w.moe.norm_mlp_out, eps) + _norm(experts, w.moe.norm_experts_out, eps)
 
+    def store_layers(self) -> dict[str, int]:
+        """The last stored layer of each layer type: whose cache a gemma4_assistant drafter reads."""
+        return {layer.layer_type: i for i, layer in enumerate(self.spec.layers) if layer.reads_layer is None}
+
+    def keys_from_values(self, layer: int) -> DeriveKeys | None:
+        """How a stored K=V layer's keys follow from its cache (None: the layer stores its keys)."""
+        return self._derive_keys.get(layer)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         logits = self.w.lm_head(hidden).float()

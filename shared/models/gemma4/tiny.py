@@ -109,3 +109,46 @@ def write_checkpoint(out_dir: Path, opts: TinyGemma4, tokenizer_dir: Path | None
             shutil.copy(tokenizer_dir / name, out_dir / name)
     shutil.copy(CHAT_TEMPLATE, out_dir / "chat_template.jinja")
     return out_dir
+
+
+def assistant_config(target: Any, hidden_size: int = 32, num_layers: int = 2, ordered_embeddings: bool = False,
+                     num_centroids: int = 64) -> Any:
+    """A `Gemma4AssistantConfig` that drafts for `target` (a Gemma4TextConfig): its layers' head dims and KV head
+    counts are the target's store layers', its rope and window the target's."""
+    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
+
+    full, sliding = target.per_layer_config["full_attention"], target.per_layer_config["sliding_attention"]
+    types = (["sliding_attention"] * (num_layers - 1) + ["full_attention"]) if num_layers > 1 else ["full_attention"]
+    kw: dict[str, Any] = dict(
+        vocab_size=target.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=sliding.num_key_value_heads, head_dim=sliding.head_dim, global_head_dim=full.head_dim,
+        num_global_key_value_heads=full.num_key_value_heads, attention_k_eq_v=True,
+        sliding_window=target.sliding_window, layer_types=types, rope_parameters=target.rope_parameters,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, max_position_embeddings=target.max_position_embeddings,
+    )
+    text = Gemma4TextConfig(**kw)
+    return Gemma4AssistantConfig(text_config=text.to_dict(), backbone_hidden_size=target.hidden_size,
+                                 use_ordered_embeddings=ordered_embeddings, num_centroids=num_centroids,
+                                 centroid_intermediate_top_k=min(8, num_centroids))
+
+
+def build_assistant(config: Any, seed: int = 0) -> Any:
+    """A random `Gemma4AssistantForCausalLM`; with ordered embeddings, a random token order over the centroids."""
+    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
+
+    model = randomize(Gemma4AssistantForCausalLM(config).eval(), seed)
+    if config.use_ordered_embeddings:
+        order = torch.randperm(config.text_config.vocab_size, generator=torch.Generator().manual_seed(seed))
+        model.masked_embedding.token_ordering.copy_(order)
+    return model
+
+
+def write_assistant_checkpoint(out_dir: Path, target_dir: Path, seed: int = 0, **options: Any) -> Path:
+    """A random assistant for the checkpoint in `target_dir`, written with `save_pretrained`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_dir)
+    target = getattr(config, "text_config", config)
+    build_assistant(assistant_config(target, **options), seed).save_pretrained(out_dir)
+    return out_dir
