@@ -88,7 +88,7 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last one has `finished` set."""
-        return self._run(request_id, lambda: self.engine.add_request(request_id, prompt_token_ids, params))
+        return self._run(request_id, params, lambda: self.engine.add_request(request_id, prompt_token_ids, params))
 
     async def generate_from_handoff(
         self, request_id: str, params: SamplingParams, handoff: KVHandoff
@@ -100,15 +100,15 @@ class AsyncEngine:
             if done is not None:  # the first token already ended it
                 self._deliver([done])
 
-        return self._run(request_id, admit)
+        return self._run(request_id, params, admit)
 
     async def generate_pushed(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, address: AgentAddress,
         slots: HandoffSlots,
     ) -> AsyncIterator[RequestOutput]:
         """Prefill through kv_transfer: the final output's `handoff` is the push's `PushOutcome`."""
-        return self._run(
-            request_id, lambda: self.engine.add_pushed_request(request_id, prompt_token_ids, params, address, slots))
+        return self._run(request_id, params,
+                         lambda: self.engine.add_pushed_request(request_id, prompt_token_ids, params, address, slots))
 
     async def generate_pulled(
         self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff, address: AgentAddress
@@ -120,12 +120,13 @@ class AsyncEngine:
             if done is not None:
                 self._deliver([done])
 
-        return self._run(request_id, admit)
+        return self._run(request_id, params, admit)
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self._abort_now(request_id))
 
-    def _run(self, request_id: str, admit: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    def _run(self, request_id: str, params: SamplingParams, admit: Callable[[], None]
+             ) -> AsyncIterator[RequestOutput]:
         if self._stop.is_set():
             raise UnavailableError("engine is shutting down")
         stream = _Stream(asyncio.get_running_loop())
@@ -140,12 +141,14 @@ class AsyncEngine:
                 del self._streams[request_id]
                 raise
 
-        return self._consume(request_id, stream, self._call(add))
+        return self._consume(request_id, stream, params, add)
 
     async def _consume(
-        self, request_id: str, stream: _Stream, admitted: Any
+        self, request_id: str, stream: _Stream, params: SamplingParams, add: Callable[[], None]
     ) -> AsyncIterator[RequestOutput]:
-        await admitted  # raises the engine's validation error, if any
+        if params.structured is not None:  # compiling takes a while: here, off the engine thread
+            await asyncio.to_thread(self.engine.prepare, params)
+        await self._call(add)  # raises the engine's validation error, if any
         try:
             while True:
                 item = await stream.queue.get()

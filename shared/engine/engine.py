@@ -40,6 +40,8 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
 from shared.engine.kv_setup import build_kv_cache
+from shared.engine.logits.grammars import GrammarCache
+from shared.engine.logits.request_state import RequestLogits
 from shared.engine.remote_kv import RemoteKV
 from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from shared.engine.runner import ModelRunner, StepInputs, StepOutput
@@ -120,6 +122,7 @@ class LLMEngine:
         bind = getattr(self.speculator.proposer, "bind_target", None) if self.speculator is not None else None
         if bind is not None:  # a proposer that reads the target's cache (gemma4_assistant)
             bind(self.runner.model_kv, self.kv, self.layout)
+        self.grammars = GrammarCache(self.loaded.tokenizer, spec.vocab_size, self.loaded.eos_token_ids)
         if use_graphs:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
         self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()
@@ -182,8 +185,17 @@ class LLMEngine:
 
     def admit_new(self, request: Request) -> None:
         """Hand a validated new request to the runner and the scheduler."""
-        self.runner.add_request(request.request_id, request.params.seed)
+        self.runner.add_request(request.request_id, request.params.seed, logits=self._logits_state(request))
         self.scheduler.add_request(request)
+
+    def _logits_state(self, request: Request) -> RequestLogits | None:
+        """The request's logits-processing state (its grammar compiled now unless `prepare` did)."""
+        return self.grammars.new_state(request.request_id, request.params, request.prompt_token_ids)
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Work a request needs before it can be added, done on the caller's thread (compiling its
+        grammar); raises InvalidRequestError for what cannot be served. Thread-safe."""
+        self.grammars.prepare(params)
 
     # ---- handoffs through kv_transfer (see remote_kv.py) ----------------------------------
     def enable_remote_kv(self, push_mode: str = "layerwise", host: str = "127.0.0.1",
@@ -264,7 +276,7 @@ class LLMEngine:
             request.status = status
             return request, RequestOutput(request_id, [], [], True, request.finish_reason,
                                           request.num_prompt_tokens, 0)
-        self.runner.add_request(request_id, params.seed, num_steps_done=1)
+        self.runner.add_request(request_id, params.seed, num_steps_done=1, logits=self._logits_state(request))
         return request, None
 
     def _admit_handoffs(self) -> None:

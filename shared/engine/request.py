@@ -145,6 +145,11 @@ class SamplingParams:
         """Whether processing a position's logits reads the tokens emitted before it."""
         return self.penalizes or self.structured is not None or self.reasoning is not None
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits pipeline (shared/engine/logits/) has anything to do for this request."""
+        return bool(self.logit_bias) or self.needs_history
+
 
 @dataclass
 class TokenLogprobs:

@@ -119,6 +119,12 @@ class ScheduledChunk:
     continues: bool = False
     epoch: int = 0  # the request's preemption count when planned: a result from an older epoch is stale
     group_block_ids: list[list[int]] = field(default_factory=list)  # its tables in the other layer groups
+    # logits processing that reads the output so far (penalties, grammars): the request's output list
+    # (appended to, never rewritten) and how much of it was known when planned. The history before this
+    # chunk's first sampled position is its first num_known_outputs tokens, plus (continuing chunks) what
+    # the previous step emits. Empty when the request's params do not need it.
+    output_token_ids: list[int] = field(default_factory=list)
+    num_known_outputs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -336,6 +342,8 @@ class Scheduler:
             return_spec_hidden=self.config.spec_needs_hidden,
             continues=continues,
             epoch=request.num_preemptions,
+            output_token_ids=request.output_token_ids if params.needs_history else [],
+            num_known_outputs=request.num_output_tokens,
         )
         request.num_computed_tokens = end + len(drafts)
         if sample:

@@ -1,0 +1,55 @@
+"""Grammars and penalties through prefill -> kv_transfer -> decode over real gRPC, on the packaged SmolLM2.
+
+The grammar's state crosses the handoff by replay: decode must continue the JSON exactly where
+prefill's first token left it, so disaggregated output equals the colocated engine's token for
+token, and the object parses against its schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from shared.engine.request import SamplingParams
+from shared.structured.spec import GrammarSpec
+from shared.tokenizer import encode_prompt
+from tests.helpers.models import packaged, packaged_engine
+from tests.integration.services.test_disagg_grpc import MODEL, Stack, run
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+                   "population_millions": {"type": "number"}},
+    "required": ["city", "country", "population_millions"],
+    "additionalProperties": False,
+}
+
+
+def test_constrained_and_penalized_output_crosses_the_handoff_unchanged() -> None:
+    tok = packaged(MODEL).tokenizer
+    prompts = [encode_prompt(tok, q, chat=True) for q in (
+        "Give the capital of France as JSON.", "Describe Tokyo as JSON.", "List some fruit.")]
+    params = [
+        SamplingParams(max_tokens=64, temperature=0.0, structured=GrammarSpec("json_schema", json.dumps(SCHEMA))),
+        SamplingParams(max_tokens=48, temperature=0.7, seed=5, structured=GrammarSpec("json_object")),
+        SamplingParams(max_tokens=32, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                       logit_bias=((tok.convert_tokens_to_ids("Apple"), 5.0),)),
+    ]
+    expected = packaged_engine(MODEL, max_model_len=1024).generate(prompts, params)
+
+    async def body(stack: Stack) -> list[tuple[list[int], str]]:
+        got = await asyncio.gather(*(stack.generate(p, sp) for p, sp in zip(prompts, params, strict=True)))
+        await asyncio.sleep(0.2)
+        assert stack.engines_idle() and stack.kv.store.active_leases == 0
+        return got
+
+    got = run(body)
+    assert [tokens for tokens, _ in got] == [r.token_ids for r in expected]
+    answer = json.loads(tok.decode(got[0][0], skip_special_tokens=True))
+    jsonschema.validate(answer, SCHEMA)
+    assert got[0][1] == "stop"
