@@ -16,7 +16,8 @@ MULTIPLE_CHOICES = "n"  # SamplingParams.n > 1: one prefill, one handoff, choice
 THINKING_BUDGET = "thinking_token_budget"  # ReasoningSpec.budget forces the end of thinking
 PROMPT_LOGPROBS = "prompt_logprobs"  # SamplingParams.prompt_logprobs
 
-ENGINE_FEATURES: frozenset[str] = frozenset({LOGITS_PROCESSING, STRUCTURED_OUTPUTS, THINKING_BUDGET})
+ENGINE_FEATURES: frozenset[str] = frozenset({LOGITS_PROCESSING, STRUCTURED_OUTPUTS, THINKING_BUDGET, MULTIPLE_CHOICES,
+                                             PROMPT_LOGPROBS})
 
 
 def has(feature: str) -> bool:

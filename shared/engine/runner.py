@@ -28,6 +28,7 @@ import torch
 from shared.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from shared.engine.logits.processor import LogitsRows, RowGroup
 from shared.engine.logits.request_state import RequestLogits
+from shared.engine.prompt_logprobs import prompt_logprobs
 from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
 from shared.engine.scheduler import SchedulerPlan, StepResult
@@ -100,6 +101,7 @@ class StepOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # prefill role
     spec_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # chunks with return_spec_hidden
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # chunks that asked
 
     # CUDA: pinned host copies of (emitted, num_emitted) and the event that marks them done
     _host: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -139,6 +141,7 @@ class StepOutput:
             logprobs=self.logprobs,
             hidden_states=self.hidden_states,
             spec_hidden_states=self.spec_hidden_states,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -376,6 +379,13 @@ class ModelRunner:
             out.hidden_states[request_id] = torch.cat(parts, dim=-1).to("cpu")  # cat copies: no view kept
         for request_id, (lo, hi) in inputs.spec_hidden_spans.items():
             out.spec_hidden_states[request_id] = hidden[lo:hi].clone()
+        lo = 0
+        for chunk, num_tokens in zip(plan.chunks, inputs.query_lens_host, strict=True):
+            if chunk.prompt_logprob_targets:
+                targets = chunk.prompt_logprob_targets
+                out.prompt_logprobs[chunk.request_id] = prompt_logprobs(
+                    self.model.compute_logits, hidden[lo : lo + len(targets)], targets, chunk.params.prompt_logprobs or 0)
+            lo += num_tokens
         if inputs.logits_states:
             _sync_logits_states(inputs, prev)
         below_min = self._positions_below_min(inputs, prev)

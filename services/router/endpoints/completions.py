@@ -77,6 +77,8 @@ def prepare_completion(body: CompletionRequest, request_id: str, model: ModelCon
     structured = grammar_from_body(body)
     if structured is not None:
         params = replace(params, structured=structured)
+    if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry their logprobs too
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, body.logprobs))
     return PreparedRequest(
         request_id=request_id, prompts=prompts, params=params, stop=stop_strings(body, model.settings),
         stream=bool(body.stream),
@@ -96,6 +98,8 @@ class CompletionFormat:
         self.wants_logprobs = prepared.params.logprobs is not None
         self.return_token_ids = body.return_token_ids
         self.echo = [decode(model.tokenizer, p) for p in prepared.prompts] if body.echo else None
+        self.show_prompt_logprobs = body.prompt_logprobs is not None
+        self._prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # by prompt, once known
         self._text_offsets: dict[int, int] = {}
         self._started: set[int] = set()
 
@@ -109,6 +113,8 @@ class CompletionFormat:
         if not self.wants_logprobs:
             return None
         out = CompletionLogprobs()
+        if self.echo is not None and index not in self._text_offsets:
+            self._text_offsets[index] = self._echo_logprobs(index, out)
         offset = self._text_offsets.get(index, len(self._echo(index)))
         for entry in entries:
             text = self.strings.get(entry.token_id)[0]
@@ -122,6 +128,29 @@ class CompletionFormat:
         self._text_offsets[index] = offset
         return out
 
+    def _echo_logprobs(self, index: int, out: CompletionLogprobs) -> int:
+        """The echoed prompt's tokens (its first one has no logprob, as in OpenAI's API); their text's length."""
+        prompt = self.prepared.prompt_of(index)
+        entries = self._prompt_logprobs.get(index // self.prepared.params.n) or [None] * len(prompt)
+        offset = 0
+        for token_id, entry in zip(prompt, entries, strict=True):
+            text = self.strings.get(token_id)[0]
+            out.tokens.append(text)
+            out.token_logprobs.append(clamp_logprob(entry.logprob) if entry is not None else None)
+            out.top_logprobs.append({self.strings.get(t)[0]: clamp_logprob(lp) for t, lp in entry.top}
+                                    if entry is not None else None)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return offset
+
+    def _record_prompt_logprobs(self, index: int, entries: list[TokenLogprobs | None] | None) -> dict[str, Any]:
+        """Keep a prompt's logprobs for echo; the `prompt_logprobs` field when the request asked for it."""
+        if entries is not None:
+            self._prompt_logprobs[index // self.prepared.params.n] = entries
+        if not self.show_prompt_logprobs:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_json(entries, self.strings)}
+
     def _ids(self, index: int, token_ids: list[int], first: bool) -> dict[str, Any]:
         if not self.return_token_ids:
             return {}
@@ -132,11 +161,11 @@ class CompletionFormat:
 
     def response(self, result: Collected) -> BaseModel:
         choices = []
+        fields = {index: self._record_prompt_logprobs(index, c.prompt_logprobs) for index, c in result.in_order()}
         for index, c in result.in_order():
             choices.append(CompletionChoice(
                 index=index, text=self._echo(index) + c.text, logprobs=self._logprobs(index, c.logprobs),
-                finish_reason=c.finish_reason, prompt_logprobs=prompt_logprobs_json(c.prompt_logprobs, self.strings),
-                **self._ids(index, c.token_ids, True)))
+                finish_reason=c.finish_reason, **fields[index], **self._ids(index, c.token_ids, True)))
         return Completion(**self._head(), choices=choices,
                           usage=usage(self.prepared, result.num_tokens, result.num_cached_tokens))
 
@@ -149,10 +178,10 @@ class CompletionFormat:
         self._started.add(index)
         text = (self._echo(index) if first else "") + delta.text
         out: list[BaseModel] = []
+        fields = self._record_prompt_logprobs(index, delta.prompt_logprobs)
         if text or (self.wants_logprobs and delta.logprobs) or (self.return_token_ids and delta.token_ids):
             choice = CompletionChoice(
-                index=index, text=text, logprobs=self._logprobs(index, delta.logprobs),
-                prompt_logprobs=prompt_logprobs_json(delta.prompt_logprobs, self.strings),
+                index=index, text=text, logprobs=self._logprobs(index, delta.logprobs), **fields,
                 **self._ids(index, delta.token_ids, first))
             out.append(CompletionChunk(**self._head(), choices=[choice]))
         if delta.finish_reason is not None:

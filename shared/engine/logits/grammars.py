@@ -18,6 +18,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from shared.engine.logits.processor import bitmask_words
 from shared.engine.logits.request_state import RequestLogits
 from shared.engine.request import SamplingParams
 from shared.errors import InvalidRequestError
@@ -76,4 +77,5 @@ class GrammarCache:
         if params.structured is None:
             return RequestLogits(request_id, params, prompt_token_ids, None)
         matcher = GrammarCompiler.new_matcher(self.compiled(params.structured))
-        return RequestLogits(request_id, params, prompt_token_ids, matcher, self._get_compiler().utf8_guard)
+        return RequestLogits(request_id, params, prompt_token_ids, matcher, self._get_compiler().utf8_guard,
+                             bitmask_words(self._vocab_size))

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import xgrammar as xgr
 
 from shared.engine.logits.request_state import FREE, Constraint, RequestLogits
 from shared.engine.request import SamplingParams
@@ -168,30 +169,27 @@ class LogitsRows:
         out.index_copy_(0, row_index, x)
 
     def _apply_constraints(self, out: torch.Tensor) -> None:
+        """Tokens outside a row's bitmask to -inf (xgrammar's kernel: C++ on the CPU, Triton on CUDA)."""
         assert self.bitmask is not None
         rows = [r for r, c in enumerate(self.constraints) if c.grammar or c.forced is not None]
         if not rows:
             return
         vocab = out.shape[1]
-        words = self.bitmask[rows]  # [G, words]
-        extra_rows: list[int] = []
-        extra_cols: list[int] = []
-        for i, r in enumerate(rows):
+        bitmask = self.bitmask
+        for r in rows:
             c = self.constraints[r]
             if c.forced is not None:
-                words[i] = 0
+                bitmask[r] = 0
             token = c.forced if c.forced is not None else c.also_allowed
             if token is not None and token < vocab:
-                extra_rows.append(i)
-                extra_cols.append(token)
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [G, vocab]
-        if extra_rows:
-            allowed[extra_rows, extra_cols] = True
-        dev = out.device
-        row_index = to_device(rows, device=dev)
-        masked = out.index_select(0, row_index).masked_fill(~allowed.to(dev), float("-inf"))
-        out.index_copy_(0, row_index, masked)
+                _set_bit(bitmask[r], token)
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), indices=rows)
+
+
+def _set_bit(row: torch.Tensor, token_id: int) -> None:  # row: [words] int32
+    bit = token_id % 32
+    value = 1 << bit
+    row[token_id // 32] |= value - (1 << 32) if bit == 31 else value  # bit 31 is the int32 sign bit
 
 
 def _trial_tokens(g: RowGroup, row: int) -> list[int]:

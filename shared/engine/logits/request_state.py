@@ -69,13 +69,16 @@ class RequestLogits:
     """Logits-processing state of one request (one choice of it)."""
 
     def __init__(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int],
-                 matcher: xgr.GrammarMatcher | None, utf8_guard: Utf8Guard | None = None) -> None:
+                 matcher: xgr.GrammarMatcher | None, utf8_guard: Utf8Guard | None = None,
+                 num_words: int = 0) -> None:
+        """`num_words`: int32 words in a bitmask row of the model's vocabulary (grammar states)."""
         self.request_id = request_id
         self.params = params
         # repetition penalty: prompt ids, deduplicated once (the output's are counted as they come)
         self.prompt_ids = sorted(set(prompt_token_ids)) if params.repetition_penalty != 1.0 else []
         self.matcher = matcher
         self.utf8_guard = utf8_guard
+        self.num_words = num_words
         self.history: list[int] = []  # the output tokens the state reflects
         self.counts: Counter[int] = Counter()  # of `history`
         reasoning = params.reasoning
@@ -208,6 +211,26 @@ class RequestLogits:
             out.append(self.constraint(bitmask[node]) if valid else FREE)
             self._truncate(base)
         return out
+
+    @property
+    def in_grammar(self) -> bool:
+        """The next position is the grammar's (past any thinking section)."""
+        state = self.phases[-1] if self.phases else None
+        return self.matcher is not None and (state is None or state.is_answer)
+
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the constraints allow in a row (taken on trial, rolled back)."""
+        base = len(self.history)
+        assert self.num_words > 0, "a grammar state knows its bitmask width"
+        row = torch.empty(self.num_words, dtype=torch.int32)
+        n = 0
+        for token_id in tokens:
+            row.fill_(-1)
+            if not self._allows(self.constraint(row), token_id, row) or not self._append(token_id):
+                break
+            n += 1
+        self._truncate(base)
+        return n
 
     @staticmethod
     def _allows(constraint: Constraint, token_id: int, bitmask_row: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ prefill -> decode handoff.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -111,3 +112,25 @@ def test_logprobs_stay_raw_under_processing(engines: list[LLMEngine]) -> None:
         assert [lp for _, lp in b.logprobs[0].top] == pytest.approx([lp for _, lp in p.logprobs[0].top], abs=1e-5)
 
 
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_a_warm_cache(engines: list[LLMEngine]) -> None:
+    import torch
+
+    loaded, hf = tiny_loaded("llama")
+    prompt = prompts(1, lo=30, hi=31)[0]
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)  # [P, vocab]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    for config in [dict(), dict(max_num_batched_tokens=7)]:  # one chunk, or five
+        engine = tiny_engine(loaded, **config)
+        engines.append(engine)
+        for _ in range(2):  # the second time its blocks are cached: every position is still computed
+            outputs: list[Any] = []
+            engine.generate([prompt], params, on_output=outputs.append)
+            got = outputs[0].prompt_logprobs
+            assert [lp.token_id for lp in got] == prompt[1:]
+            for pos, lp in enumerate(got):
+                assert lp.logprob == pytest.approx(float(reference[pos, prompt[pos + 1]]), abs=1e-4)
+                assert [t for t, _ in lp.top] == reference[pos].topk(2).indices.tolist()
+            assert all(o.prompt_logprobs is None for o in outputs[1:])

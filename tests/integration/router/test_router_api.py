@@ -188,3 +188,43 @@ async def test_logit_bias_penalties_and_min_p_reach_the_engine(http: httpx.Async
                                                          "presence_penalty": 2.0, "repetition_penalty": 1.3,
                                                          "min_p": 0.1})).json()["choices"][0]["token_ids"]
     assert len(repeated) == 24
+
+
+async def test_n_choices_each_with_its_seed_and_index(http: httpx.AsyncClient) -> None:
+    body = {"model": TINY, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 5,
+            "return_token_ids": True, "ignore_eos": True}
+    several = (await http.post("/v1/completions", json={**body, "n": 3})).json()["choices"]
+    assert [c["index"] for c in several] == [0, 1, 2]
+    for i, choice in enumerate(several):  # choice i samples as an n = 1 request seeded seed + i
+        alone = (await http.post("/v1/completions", json={**body, "seed": 5 + i})).json()["choices"][0]
+        assert choice["token_ids"] == alone["token_ids"] and choice["text"] == alone["text"]
+    streamed = await http.post("/v1/chat/completions", json={**GREEDY, "messages": MESSAGES, "max_tokens": 4, "n": 2,
+                                                              "stream": True})
+    events = sse_events(streamed.text)
+    finished = sorted(c["index"] for e in events for c in e["choices"] if c.get("finish_reason"))
+    assert finished == [0, 1]
+
+
+async def test_prompt_logprobs_score_every_prompt_token(http: httpx.AsyncClient, smol_tokenizer: Any) -> None:
+    r = await http.post("/v1/completions", json={**GREEDY, "prompt": "The capital of France is", "max_tokens": 1,
+                                                  "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    prompt = smol_tokenizer("The capital of France is").input_ids
+    assert entries[0] is None and len(entries) == len(prompt)
+    for token_id, entry in zip(prompt[1:], entries[1:], strict=True):
+        assert str(token_id) in entry and entry[str(token_id)]["logprob"] <= 0.0
+
+
+async def test_echo_with_logprobs_scores_the_echoed_prompt(http: httpx.AsyncClient, smol_tokenizer: Any) -> None:
+    prompt = "The capital of France is"
+    r = await http.post("/v1/completions", json={**GREEDY, "prompt": prompt, "max_tokens": 3, "echo": True,
+                                                  "logprobs": 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    logprobs, num_prompt = choice["logprobs"], len(smol_tokenizer(prompt).input_ids)
+    assert choice["text"].startswith(prompt) and "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    assert len(logprobs["tokens"]) == num_prompt + 3
+    assert logprobs["text_offset"][num_prompt] == len(prompt) and "prompt_logprobs" not in choice
