@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from proto.baton.v1 import kv_transfer_pb2
 from shared.errors import InvalidRequestError
-from shared.kv.layout import KVLayout, cdiv
+from shared.kv.layout import KVLayout, LayerKV
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, HandoffSpec, SlotSpace
 from shared.wire import dtype_from_name, dtype_name, token_logprobs_from_proto, token_logprobs_to_proto
 
@@ -18,22 +18,45 @@ MAX_DIM = 1 << 16  # bounds any single dimension a peer can make us size memory 
 
 
 def layout_to_proto(model: str, layout: KVLayout) -> kv_transfer_pb2.KVLayoutDesc:
+    layers = [kv_transfer_pb2.LayerKVDesc(
+        num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, num_tensors=g.num_tensors,
+        reads_layer=-1 if g.reads_layer is None else g.reads_layer, sliding_window=g.sliding_window or 0,
+    ) for g in layout.per_layer]
     return kv_transfer_pb2.KVLayoutDesc(
         model=model, num_layers=layout.num_layers, block_size=layout.block_size,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=dtype_name(layout.dtype),
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=dtype_name(layout.dtype), layers=layers,
     )
 
 
-def layout_from_proto(desc: kv_transfer_pb2.KVLayoutDesc, num_blocks: int) -> tuple[str, KVLayout]:
-    dims = {"num_layers": desc.num_layers, "block_size": desc.block_size, "num_kv_heads": desc.num_kv_heads,
-            "head_dim": desc.head_dim, "num_blocks": num_blocks}
+def _check_dims(dims: dict[str, int]) -> None:
     for name, value in dims.items():
         if not 1 <= value <= MAX_DIM or (name == "num_layers" and value > MAX_NUM_LAYERS):
             raise InvalidRequestError(f"layout {name} {value} outside [1, {MAX_DIM}]", param=name)
+
+
+def _layers_from_proto(desc: kv_transfer_pb2.KVLayoutDesc) -> tuple[LayerKV, ...]:
+    if desc.layers and len(desc.layers) != desc.num_layers:
+        raise InvalidRequestError(f"layout lists {len(desc.layers)} layers of {desc.num_layers}", param="layers")
+    layers = []
+    for g in desc.layers:
+        _check_dims({"num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim})
+        if g.num_tensors not in (1, 2):
+            raise InvalidRequestError(f"layer geometry {g} out of range", param="layers")
+        layers.append(LayerKV(g.num_kv_heads, g.head_dim, g.num_tensors,
+                              None if g.reads_layer < 0 else g.reads_layer, g.sliding_window or None))
+    return tuple(layers)
+
+
+def layout_from_proto(desc: kv_transfer_pb2.KVLayoutDesc, num_blocks: int) -> tuple[str, KVLayout]:
+    _check_dims({"num_layers": desc.num_layers, "block_size": desc.block_size, "num_kv_heads": desc.num_kv_heads,
+                 "head_dim": desc.head_dim, "num_blocks": num_blocks})
     if not desc.model:
         raise InvalidRequestError("layout names no model", param="model")
-    layout = KVLayout(desc.num_layers, num_blocks, desc.block_size, desc.num_kv_heads, desc.head_dim,
-                      dtype_from_name(desc.dtype))
+    try:
+        layout = KVLayout(desc.num_layers, num_blocks, desc.block_size, desc.num_kv_heads, desc.head_dim,
+                          dtype_from_name(desc.dtype), _layers_from_proto(desc))
+    except ValueError as e:  # a shared layer that reads no earlier stored layer
+        raise InvalidRequestError(f"layout: {e}", param="layers") from None
     return desc.model, layout
 
 
@@ -75,12 +98,12 @@ def reserve_from_proto(msg: kv_transfer_pb2.ReserveRequest) -> HandoffSpec:
     _check_handoff_id(msg.handoff_id)
     model, layout = layout_from_proto(msg.layout, msg.num_blocks)
     num_tokens = len(msg.prompt_token_ids)
-    if num_tokens == 0 or cdiv(num_tokens, layout.block_size) != msg.num_blocks:
+    if num_tokens == 0 or len(layout.handoff_units(num_tokens)) != msg.num_blocks:
         raise InvalidRequestError(f"handoff {msg.handoff_id}: {msg.num_blocks} blocks of {layout.block_size} "
                                   f"do not cover a prompt of {num_tokens} tokens", param="num_blocks")
-    if len(msg.block_hashes) != num_tokens // layout.block_size:
+    if len(msg.block_hashes) != layout.num_hashed_units(num_tokens):
         raise InvalidRequestError(f"handoff {msg.handoff_id}: {len(msg.block_hashes)} block hashes for "
-                                  f"{num_tokens // layout.block_size} full blocks", param="block_hashes")
+                                  f"{layout.num_hashed_units(num_tokens)} full blocks", param="block_hashes")
     return HandoffSpec(msg.handoff_id, msg.request_id, model, layout, list(msg.prompt_token_ids),
                        [bytes(h) for h in msg.block_hashes], msg.hidden_nbytes, msg.lease_timeout_ms)
 
@@ -152,7 +175,7 @@ def claimed_from_proto(msg: kv_transfer_pb2.ClaimResponse, handoff_id: str) -> t
     address = agent_from_proto(msg.agent)
     spec = HandoffSpec(handoff_id, msg.request_id, model, layout, list(msg.prompt_token_ids),
                        [bytes(h) for h in msg.block_hashes], 0)
-    if not spec.prompt_token_ids or cdiv(len(spec.prompt_token_ids), layout.block_size) != num_blocks:
+    if not spec.prompt_token_ids or len(layout.handoff_units(len(spec.prompt_token_ids))) != num_blocks:
         raise InvalidRequestError(f"handoff {handoff_id}: claim describes {num_blocks} blocks for "
                                   f"{len(spec.prompt_token_ids)} prompt tokens")
     logprobs = token_logprobs_from_proto(msg.first_logprobs) if msg.HasField("first_logprobs") else None

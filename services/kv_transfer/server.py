@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services.kv_transfer.store import HandoffStore, LeaseState
 from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError
-from shared.kv.remote import AgentAddress, HandoffSpec, SlotSpace, slot_nbytes_for
+from shared.kv.remote import AgentAddress, HandoffSpec, SlotSpace, slot_nbytes_for, usable_pool_prefix
 from shared.telemetry import HANDOFF_ID, KV_NUM_BLOCKS, REQUEST_ID, server_span, tracer
 from shared.wire_kv import (
     agent_to_proto,
@@ -110,8 +110,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             except CapacityError:
                 self._metrics.failures.labels(reason="capacity").inc()
                 raise
-            bs = spec.layout.block_size
-            hit_tokens = min(slots.num_leading_hits * bs, len(spec.prompt_token_ids))
+            num_tokens, bs = len(spec.prompt_token_ids), spec.layout.block_size
+            hit_tokens = usable_pool_prefix(spec.layout, slots.present, num_tokens, num_tokens // bs) * bs
             self._metrics.hit_tokens.inc(hit_tokens)
             self._metrics.reserved_tokens.inc(len(spec.prompt_token_ids))
             trace.get_current_span().set_attribute("baton.prefix_pool.hit_tokens", hit_tokens)

@@ -30,8 +30,7 @@ from shared.engine.block_pool import hash_prefix_blocks
 from shared.engine.kv_push import PushOutcome
 from shared.engine.request import RequestOutput
 from shared.errors import InvalidRequestError, KVTransferError
-from shared.kv.layout import cdiv
-from shared.kv.remote import HandoffSpec
+from shared.kv.remote import HandoffSpec, unit_hashes
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
     CACHED_TOKENS,
@@ -80,12 +79,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         engine = self.aengine.engine
         prompt = list(request.request.prompt_token_ids)
         bs = engine.config.block_size
-        layout = replace(engine.layout, num_blocks=cdiv(len(prompt), bs))
+        # one slot per unit (a block of one layer group; sliding groups only inside the window)
+        layout = replace(engine.layout, num_blocks=len(engine.layout.handoff_units(len(prompt))), group_blocks=())
         hidden_nbytes = len(prompt) * engine.hidden_width * layout.itemsize if self.send_hidden_states else 0
-        return HandoffSpec(
-            request.handoff_id, request.request.request_id, engine.loaded.identity, layout, prompt,
-            hash_prefix_blocks(prompt, bs, engine.kv.hash_salt), hidden_nbytes,
-        )
+        hashes = unit_hashes(layout, hash_prefix_blocks(prompt, bs, engine.kv.hash_salt), len(prompt))
+        return HandoffSpec(request.handoff_id, request.request.request_id, engine.loaded.identity, layout, prompt,
+                           hashes, hidden_nbytes)
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         req = request.request

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.errors import ConfigError, UnavailableError
-from shared.models.loader import DEFAULT_CACHE_DIR, resolve_model
+from shared.models.loader import DEFAULT_CACHE_DIR, check_checkpoint
 
 HOST = "127.0.0.1"
 
@@ -62,8 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
-    p.add_argument("--spec", choices=["none", "ngram", "draft", "eagle"], default="none",
-                   help="speculative decoding in decode (eagle needs --spec-eagle-head)")
+    p.add_argument("--spec", choices=["none", "ngram", "draft", "eagle", "gemma4_assistant"], default="none",
+                   help="speculative decoding in decode (eagle needs --spec-eagle-head, gemma4_assistant "
+                        "--spec-draft-model)")
+    p.add_argument("--spec-draft-model", default=None,
+                   help="draft: a model sharing the tokenizer; gemma4_assistant: the assistant's HF directory")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens verified per step")
     p.add_argument("--spec-eagle-head", type=Path, default=None, help="head saved by `baton train-draft`")
     p.add_argument("--spec-disable-batch-size", type=int, default=None,
@@ -101,6 +104,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     """Ports and environments of every child, before anything starts."""
     if args.spec == "eagle" and args.spec_eagle_head is None:
         raise ConfigError("--spec eagle needs --spec-eagle-head (a head saved by `baton train-draft`)")
+    if args.spec == "gemma4_assistant" and args.spec_draft_model is None:
+        raise ConfigError("--spec gemma4_assistant needs --spec-draft-model (the assistant's HF directory)")
     if args.prefill < 1 or args.decode < 1:
         raise ConfigError("--prefill and --decode must be >= 1")
     engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
@@ -132,6 +137,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         spec["ASYNC_SCHEDULING"] = str(args.async_scheduling).lower()
     if args.spec_eagle_head is not None:
         spec["SPEC_EAGLE_HEAD"] = str(args.spec_eagle_head)
+    if args.spec_draft_model is not None:
+        spec["SPEC_DRAFT_MODEL"] = str(args.spec_draft_model)
     if args.spec_disable_batch_size is not None:
         spec["SPEC_DISABLE_BATCH_SIZE"] = str(args.spec_disable_batch_size)
     if args.spec_tree is not None:
@@ -209,7 +216,8 @@ def stop_children(stack: Stack, grace_s: float = 20.0) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    resolve_model(args.model, args.cache_dir)  # convert a GGUF once here, not in every child at once
+    # convert a GGUF once here, not in every child at once; a checkpoint that cannot load fails here
+    check_checkpoint(args.model, args.cache_dir)
     stack = plan_stack(args)
     stopping = False
 

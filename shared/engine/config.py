@@ -14,7 +14,7 @@ from shared.models.loader import DEFAULT_CACHE_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-SPEC_METHODS = ("none", "ngram", "draft", "eagle")
+SPEC_METHODS = ("none", "ngram", "draft", "eagle", "gemma4_assistant")
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,10 @@ class EngineConfig:
     seed: int = 0
     cache_dir: Path = field(default=DEFAULT_CACHE_DIR)
     # speculative decoding (decode and colocated roles; a prefill engine ignores it)
-    spec_method: str = "none"  # none | ngram | draft | eagle
+    spec_method: str = "none"  # none | ngram | draft | eagle | gemma4_assistant
     num_speculative_tokens: int = 3  # drafts per step; a request may ask for fewer
-    spec_draft_model: str | None = None  # draft: alias, GGUF or HF dir; None = the target truncated
+    # draft: alias, GGUF or HF dir (None = the target truncated); gemma4_assistant: the assistant's HF dir
+    spec_draft_model: str | None = None
     spec_draft_num_layers: int = 4  # draft with no spec_draft_model: the target's first N layers
     spec_eagle_head: Path | None = None  # eagle: safetensors from `baton train-draft`
     # rows of the target's hidden states the EAGLE head attends over when drafting (their keys and values
@@ -61,6 +62,10 @@ class EngineConfig:
     # CUDA: replay decode steps from CUDA graphs captured at start (one per padded batch size; one KV
     # block more is allocated for padding rows). False = launch every kernel eagerly (vLLM's --enforce-eager)
     cuda_graphs: bool = True
+    # a block pool and tables per KV layer group (KVLayout.groups: sliding layers keep only their window's
+    # blocks). False = one group that keeps every block of every layer (the baseline the hybrid cache is
+    # measured against)
+    kv_layer_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

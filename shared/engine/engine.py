@@ -37,11 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.block_pool import BlockPool
 from shared.engine.choices import ChoiceGroups, FirstToken, child_params, choice_request_id
 from shared.engine.config import EngineConfig
 from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
-from shared.engine.kv_manager import KVCacheManager
+from shared.engine.kv_setup import build_kv_cache
 from shared.engine.logits.grammars import GrammarCache
 from shared.engine.logits.request_state import RequestLogits
 from shared.engine.remote_kv import RemoteKV
@@ -49,7 +48,7 @@ from shared.engine.request import Request, RequestOutput, RequestStatus, Samplin
 from shared.engine.runner import ModelRunner, StepInputs, StepOutput
 from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPlan, StepResult
 from shared.errors import BatonError, ConfigError, ContextLengthExceededError, InvalidRequestError
-from shared.kv.layout import KVLayout
+from shared.kv.layout import kv_groups
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
 from shared.models.loader import LoadedModel, load_model
 from shared.ops.attention import paged_attention_ref
@@ -104,23 +103,13 @@ class LLMEngine:
         )
         spec = self.loaded.spec
         self.max_model_len = min(spec.max_positions, config.max_model_len or spec.max_positions)
-        num_blocks = config.num_kv_blocks or KVLayout.blocks_for_bytes(
-            config.kv_cache_bytes, spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
-            config.torch_dtype,
-        )
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ConfigError(
-                f"KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
-                f"{self.max_model_len}: raise kv_cache_bytes or lower max_model_len"
-            )
         # decode batches replay CUDA graphs whose padding rows write into one more block, which the
-        # pool never hands out
-        use_graphs = config.cuda_graphs and config.device.startswith("cuda") and config.role != "prefill"
-        self.layout = KVLayout(spec.num_layers, num_blocks + int(use_graphs), config.block_size, spec.num_kv_heads,
-                               spec.head_dim, config.torch_dtype)
-        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        # prefix hashes name the model too: blocks of two models never match, in this process or another
-        self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())
+        # pool never hands out; layer groups (Gemma 4) replay none
+        use_graphs = config.cuda_graphs and config.device.startswith("cuda") and config.role != "prefill" \
+            and (len(kv_groups(spec.kv_layers)) == 1 or not config.kv_layer_groups)
+        self.layout, self.pool, self.kv = build_kv_cache(config, spec.kv_layers, self.loaded.identity,
+                                                         self.max_model_len, int(use_graphs))
+        num_blocks = self.pool.num_blocks
         self.grammars = GrammarCache(self.loaded.tokenizer, spec.vocab_size, self.loaded.eos_token_ids)
         self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks,
                                                               self.grammars)
@@ -133,6 +122,9 @@ class LLMEngine:
             raise ConfigError(f"aux_hidden_layers {config.aux_hidden_layers} outside [0, {spec.num_layers})")
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
                                   tuple(config.aux_hidden_layers))
+        bind = getattr(self.speculator.proposer, "bind_target", None) if self.speculator is not None else None
+        if bind is not None:  # a proposer that reads the target's cache (gemma4_assistant)
+            bind(self.runner.model_kv, self.kv, self.layout)
         if use_graphs:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
         self.choices = ChoiceGroups()  # requests with n > 1 (shared/engine/choices.py)
@@ -376,7 +368,8 @@ class LLMEngine:
             if not self.kv.allocate_slots(request, request.num_prompt_tokens, host_writes=True):
                 return
             self._pending_handoffs.popleft()
-            inject_kv(self.runner.kv_cache, self.kv.block_ids(request.request_id), handoff.kv)
+            inject_kv(self.layout, self.runner.kv_cache, self.kv.tables(request.request_id), handoff.kv,
+                      request.num_prompt_tokens)
             request.num_computed_tokens = request.num_prompt_tokens
             self.scheduler.add_running(request)
 
@@ -444,11 +437,11 @@ class LLMEngine:
             try:
                 done = prev.future.result()
             finally:
-                self.pool.release_held_frees()  # the step that might still write them has ended
+                self.kv.release_held_frees()  # the step that might still write them has ended
         if inputs is not None:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="executor")
-            self.pool.hold_frees()
+            self.kv.hold_frees()
             self._in_flight = _InFlight(inputs, self._executor.submit(self.runner.execute, inputs, done))
         else:
             self._idle(produced or done is not None)
@@ -488,8 +481,8 @@ class LLMEngine:
                 first_token_id=request.output_token_ids[0],
                 first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
                 block_size=self.config.block_size,
-                kv=extract_kv(self.runner.kv_cache, self.kv.block_ids(out.request_id),
-                              request.num_prompt_tokens, self.config.block_size),
+                kv=extract_kv(self.layout, self.runner.kv_cache, self.kv.tables(out.request_id),
+                              request.num_prompt_tokens),
                 hidden_states=hidden_states if hidden_states is not None else torch.empty(
                     0, self.loaded.spec.hidden_size),
             )

@@ -1,7 +1,7 @@
 """The baton: what a prefill engine hands a decode engine for one request.
 
 A prefill engine stops a request after its first token and copies out the KV
-of every prompt token (its blocks, in `KVLayout` order) plus the last-layer
+of every prompt token (its blocks, in `KVLayout`'s slot format) plus the last-layer
 hidden states a draft head needs, for the prompt positions it computed (a
 prefix-cache hit skips the rest). A decode engine reserves its own blocks,
 copies the KV in, and continues from the first token.
@@ -15,7 +15,7 @@ import torch
 
 from shared.engine.request import TokenLogprobs
 from shared.errors import InvalidRequestError
-from shared.kv.layout import cdiv
+from shared.kv.layout import KVLayout
 
 
 @dataclass
@@ -24,7 +24,9 @@ class KVHandoff:
     first_token_id: int
     first_logprobs: TokenLogprobs | None
     block_size: int
-    # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]: KV of the prompt tokens
+    # [num units, slot elements]: KV of the prompt tokens as KVLayout.handoff_units lists it (a unit: one block
+    # of one layer group, its stored layers in order; sliding groups only inside the window), as kv_transfer's
+    # slots hold it
     kv: torch.Tensor
     # [num_hidden_tokens, hidden]: the prompt's LAST num_hidden_tokens positions. Positions
     # served from the prefix cache were not computed, so their hidden states are absent.
@@ -36,8 +38,8 @@ class KVHandoff:
         return len(self.prompt_token_ids) - self.hidden_states.shape[0]
 
     @property
-    def num_blocks(self) -> int:
-        return self.kv.shape[1]
+    def num_units(self) -> int:
+        return self.kv.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -46,17 +48,37 @@ class KVHandoff:
         )
 
 
-def extract_kv(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
-    """Copy the blocks holding the first `num_tokens` tokens out of the cache."""
-    index = torch.tensor(block_ids[: cdiv(num_tokens, block_size)], dtype=torch.long, device=kv_cache.device)
-    return kv_cache.index_select(1, index).cpu()
+def extract_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]], num_tokens: int) -> torch.Tensor:
+    """Copy the units (KVLayout.handoff_units) of a prompt of `num_tokens` out of the cache: [units, slot elems].
+    `tables`: the request's block table in each layer group."""
+    units = layout.handoff_units(num_tokens)
+    out = torch.zeros((len(units), layout.slot_nbytes // layout.itemsize), dtype=layout.dtype)
+    for g, group in enumerate(layout.groups):
+        rows = [r for r, (unit_group, _) in enumerate(units) if unit_group == g]
+        if not rows:
+            continue
+        index = torch.tensor([tables[g][units[r][1]] for r in rows], dtype=torch.long, device=kv_cache.device)
+        parts = [layout.layer_blocks(kv_cache, layer).index_select(0, index).reshape(len(rows), -1)
+                 for layer in group.layers]
+        data = torch.cat(parts, dim=1).cpu()
+        out[rows, : data.shape[1]] = data
+    return out
 
 
-def inject_kv(kv_cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor) -> None:
-    """Write handed-off blocks into this engine's cache at `block_ids`."""
-    if kv.shape[0] != kv_cache.shape[0] or kv.shape[2:] != kv_cache.shape[2:]:
+def inject_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]], kv: torch.Tensor,
+              num_tokens: int) -> None:
+    """Write handed-off units (`extract_kv`'s format) into this engine's blocks (`tables`, one per group)."""
+    units = layout.handoff_units(num_tokens)
+    if kv.dim() != 2 or kv.shape[0] != len(units) or kv.shape[1] != layout.slot_nbytes // layout.itemsize:
         raise InvalidRequestError(
-            f"handoff KV shape {tuple(kv.shape)} does not fit this engine's cache {tuple(kv_cache.shape)}"
+            f"handoff KV of shape {tuple(kv.shape)} does not fit this engine's blocks of {layout.describe()}"
         )
-    index = torch.tensor(block_ids[: kv.shape[1]], dtype=torch.long, device=kv_cache.device)
-    kv_cache.index_copy_(1, index, kv.to(kv_cache.device, kv_cache.dtype))
+    kv = kv.to(kv_cache.device, kv_cache.dtype)
+    for g, group in enumerate(layout.groups):
+        rows = [r for r, (unit_group, _) in enumerate(units) if unit_group == g]
+        if not rows:
+            continue
+        index = torch.tensor([tables[g][units[r][1]] for r in rows], dtype=torch.long, device=kv_cache.device)
+        data = kv[rows]
+        for layer in group.layers:
+            layout.layer_blocks(kv_cache, layer).index_copy_(0, index, layout.slot_view(data, layer))

@@ -25,6 +25,14 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's tables in the other layer groups (none here; see hybrid_kv.py)."""
+        return []
+
+    def tables(self, request_id: str) -> list[list[int]]:
+        """The request's table in every layer group (KVLayout.groups order)."""
+        return [self.block_ids(request_id), *self.group_block_ids(request_id)]
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Longest run of cached full blocks matching the request's tokens (see `lookup_prefix`)."""
         return self.lookup_prefix(request)[0]
@@ -127,6 +135,13 @@ class KVCacheManager:
         self._block_hashes.pop(request.request_id, None)
         if table:
             self.pool.free(table)
+
+    def hold_frees(self) -> None:
+        """A step goes to the executor: see BlockPool.hold_frees."""
+        self.pool.hold_frees()
+
+    def release_held_frees(self) -> None:
+        self.pool.release_held_frees()
 
     @property
     def num_free_blocks(self) -> int:

@@ -38,8 +38,13 @@ class PullSource:
 
     layout: KVLayout  # the remote block format; num_blocks = len(slots.block_slots)
     slots: HandoffSlots
-    num_tokens: int  # tokens the blocks hold
+    num_tokens: int  # tokens to read (from the start of the prompt)
     hidden_shape: tuple[int, int] = (0, 0)  # [num_hidden_tokens, hidden_width]
+    handoff_tokens: int = 0  # the prompt the slots' units were cut for (KVLayout.handoff_units); 0 = num_tokens
+
+    def units(self) -> dict[tuple[int, int], int]:
+        """(layer group, block index) -> its unit (slot index) in the handoff."""
+        return {u: i for i, u in enumerate(self.layout.handoff_units(self.handoff_tokens or self.num_tokens))}
 
 
 @dataclass
@@ -54,9 +59,9 @@ class PullOutcome:
 class _PullJob:
     group: TransferGroup
     source: PullSource
-    block_ids: list[int]  # local table covering the source tokens
+    tables: list[list[int]]  # local table in each layer group, covering the source tokens
     first_token: int  # tokens before this are already local
-    staging: torch.Tensor | None  # block-size conversion: [num_blocks, num_layers, 2, block, heads, dim]
+    staging: torch.Tensor | None  # block-size conversion: [num_blocks, slot elements]
     hidden: torch.Tensor | None
 
 
@@ -65,7 +70,7 @@ class KVPuller(RequestTransfers[_PullJob]):
         super().__init__()
         self._agents = agents
         self._layout = layout
-        self._kv_cache = kv_cache  # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+        self._kv_cache = kv_cache  # KVLayout.shape
 
     def check_compatible(self, remote: KVLayout) -> None:
         """Raises ValueError naming each difference that no conversion can bridge."""
@@ -73,27 +78,35 @@ class KVPuller(RequestTransfers[_PullJob]):
         problems = [f"{f} {getattr(remote, f)} != {getattr(mine, f)}"
                     for f in ("num_layers", "num_kv_heads", "head_dim", "dtype")
                     if getattr(remote, f) != getattr(mine, f)]
+        if not problems and remote.describe() != mine.describe():
+            problems.append(f"layer geometry {remote.describe()} != {mine.describe()}")
+        if len(mine.groups) > 1 and remote.block_size != mine.block_size:  # units are blocks of each group
+            problems.append(f"block_size {remote.block_size} != {mine.block_size} (layer groups convert none)")
         if problems:
             raise ValueError("; ".join(problems))
 
-    def start(self, request_id: str, address: AgentAddress, source: PullSource, block_ids: list[int],
+    def start(self, request_id: str, address: AgentAddress, source: PullSource, tables: list[list[int]],
               first_token: int) -> None:
-        """Read tokens [first_token, source.num_tokens) into `block_ids` (the request's local table)."""
+        """Read tokens [first_token, source.num_tokens) into `tables` (the request's local table in each layer
+        group; a sliding group's only from the block the next query sees)."""
         group = TransferGroup(self._agents.link(address))
-        job = _PullJob(group, source, block_ids, first_token, None, None)
+        job = _PullJob(group, source, tables, first_token, None, None)
         self._jobs[request_id] = job
         remote, bs = source.layout, self._layout.block_size
         layers = range(self._layout.num_layers)
         if remote.block_size == bs:
-            lo, hi = first_token // bs, cdiv(source.num_tokens, bs)
-            group.start(TransferOp.READ, block_plan(self._layout, group.link.cache_region, block_ids[lo:hi],
-                                                    source.slots.space, source.slots.block_slots[lo:hi], layers))
+            units, hi = source.units(), cdiv(source.num_tokens, bs)
+            for g, kv_group in enumerate(self._layout.groups):
+                lo = max(first_token // bs, kv_group.first_kept_block(source.num_tokens, bs))
+                ids = [tables[g][i] for i in range(lo, hi)]
+                slots = [source.slots.block_slots[units[(g, i)]] for i in range(lo, hi)]
+                group.start(TransferOp.READ, block_plan(self._layout, group.link.cache_region, ids,
+                                                        source.slots.space, slots, layers, g))
         else:
             lo = first_token // remote.block_size
             slots = source.slots.block_slots[lo:cdiv(source.num_tokens, remote.block_size)]
-            # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the slot layout
-            job.staging = torch.empty((len(slots), remote.num_layers, 2, remote.block_size, remote.num_kv_heads,
-                                       remote.head_dim), dtype=remote.dtype)
+            # [num_blocks, slot elements]: the slot layout (each block's every stored layer)
+            job.staging = torch.empty((len(slots), remote.slot_nbytes // remote.itemsize), dtype=remote.dtype)
             region = group.register(job.staging)
             group.start(TransferOp.READ, whole_slots_plan(region, slot_nbytes_for(remote), source.slots.space, slots))
         rows, width = source.hidden_shape
@@ -123,14 +136,15 @@ class KVPuller(RequestTransfers[_PullJob]):
     def _scatter(self, job: _PullJob) -> None:
         """Re-cut staged remote blocks into local blocks, token by token, from `first_token` on."""
         assert job.staging is not None
-        remote_bs, bs = job.source.layout.block_size, self._layout.block_size
-        base = (job.first_token // remote_bs) * remote_bs  # token of staging block 0
-        # [num_layers, 2, tokens, heads, dim]
-        tokens = job.staging.permute(1, 2, 0, 3, 4, 5).reshape(
-            self._layout.num_layers, 2, -1, self._layout.num_kv_heads, self._layout.head_dim)
+        remote, bs = job.source.layout, self._layout.block_size
+        base = (job.first_token // remote.block_size) * remote.block_size  # token of staging block 0
         positions = torch.arange(job.first_token, job.source.num_tokens)
-        table = torch.tensor(job.block_ids, dtype=torch.long)
+        table = torch.tensor(job.tables[0], dtype=torch.long)
         blocks, offsets = table[positions // bs], positions % bs
-        # cache[:, blocks, :, offsets] is [tokens, num_layers, 2, heads, dim]
-        self._kv_cache[:, blocks, :, offsets] = tokens[:, :, positions - base].permute(2, 0, 1, 3, 4).to(
-            self._kv_cache.device)
+        for layer in self._layout.stored_layers:
+            # [T, tokens, heads, dim] from [num_blocks, T, remote block, heads, dim]
+            staged = remote.slot_view(job.staging, layer)
+            tokens = staged.permute(1, 0, 2, 3, 4).reshape(staged.shape[1], -1, *staged.shape[3:])
+            local = self._layout.layer_blocks(self._kv_cache, layer)  # [num_blocks, T, block_size, heads, dim]
+            # local[blocks, :, offsets] is [tokens, T, heads, dim]
+            local[blocks, :, offsets] = tokens[:, positions - base].transpose(0, 1).to(local.device)

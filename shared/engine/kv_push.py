@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,14 +49,20 @@ class _PushJob:
     group: TransferGroup
     slots: HandoffSlots
     num_prompt_tokens: int
-    block_ids: list[int]
+    unit_of: dict[tuple[int, int], int]  # (layer group, block index) -> its unit (slot) of the handoff
+    tables: list[list[int]] = field(default_factory=list)  # the request's block table in each layer group
     num_blocks_sent: int = 0  # blocks [0, num_blocks_sent) are final and on their way (or present)
     result: HandoffResult | None = None  # set by finish: the job ends when its transfers do
 
-    def unsent(self, lo: int, hi: int) -> tuple[list[int], list[int]]:
-        """Local block ids and slots of blocks [lo, hi) that the pool does not already hold."""
-        idx = [i for i in range(lo, hi) if not self.slots.present[i]]
-        return [self.block_ids[i] for i in idx], [self.slots.block_slots[i] for i in idx]
+    def unsent(self, lo: int, hi: int) -> list[tuple[int, list[int], list[int]]]:
+        """(layer group, local block ids, slots) of the units of blocks [lo, hi) the pool does not already hold."""
+        out = []
+        for g, table in enumerate(self.tables):
+            units = [(i, self.unit_of[(g, i)]) for i in range(lo, hi) if (g, i) in self.unit_of]
+            units = [(i, u) for i, u in units if not self.slots.present[u]]
+            if units:
+                out.append((g, [table[i] for i, _ in units], [self.slots.block_slots[u] for _, u in units]))
+        return out
 
 
 class KVPusher(RequestTransfers[_PushJob]):
@@ -70,46 +76,54 @@ class KVPusher(RequestTransfers[_PushJob]):
 
     def attach(self, request_id: str, address: AgentAddress, slots: HandoffSlots, num_prompt_tokens: int) -> None:
         """Push this request's KV to `slots` as it is computed."""
-        self._jobs[request_id] = _PushJob(TransferGroup(self._agents.link(address)), slots, num_prompt_tokens, [])
+        unit_of = {unit: u for u, unit in enumerate(self._layout.handoff_units(num_prompt_tokens))}
+        self._jobs[request_id] = _PushJob(TransferGroup(self._agents.link(address)), slots, num_prompt_tokens,
+                                          unit_of)
 
     def layer_hook(self, plan: SchedulerPlan) -> Callable[[int], None] | None:
         """The `on_layer_done` callback for this step (None when nothing is to be pushed layer-wise)."""
         if self._mode != "layerwise":
             return None
-        work: list[tuple[_PushJob, list[int], list[int]]] = []
+        work: list[tuple[_PushJob, list[tuple[int, list[int], list[int]]]]] = []
         bs = self._layout.block_size
         for chunk in plan.chunks:
             job = self._jobs.get(chunk.request_id)
             if job is None or job.result is not None:
                 continue
-            job.block_ids = chunk.block_ids
+            job.tables = [chunk.block_ids, *chunk.group_block_ids]
             end = chunk.start_pos + chunk.num_tokens
             final = cdiv(end, bs) if end >= job.num_prompt_tokens else end // bs
-            block_ids, slots = job.unsent(job.num_blocks_sent, final)
+            units = job.unsent(job.num_blocks_sent, final)
             job.num_blocks_sent = final
-            if block_ids:
-                work.append((job, block_ids, slots))
+            if units:
+                work.append((job, units))
         if not work:
             return None
+        layout = self._layout
 
         def on_layer_done(layer: int) -> None:
-            for job, block_ids, slots in work:
-                job.group.start(TransferOp.WRITE, block_plan(self._layout, job.group.link.cache_region, block_ids,
-                                                              job.slots.space, slots, [layer]))
+            group = layout.group_of(layer)
+            for job, units in work:
+                for g, block_ids, slots in units:
+                    if g == group and layout.layers[layer].stored:
+                        job.group.start(TransferOp.WRITE, block_plan(layout, job.group.link.cache_region, block_ids,
+                                                                      job.slots.space, slots, [layer], g))
                 job.group.poll()  # progress the earlier layers' transfers (backends without their own thread)
 
         return on_layer_done
 
-    def finish(self, request_id: str, block_ids: list[int], result: HandoffResult,
+    def finish(self, request_id: str, tables: list[list[int]], result: HandoffResult,
                hidden: torch.Tensor | None) -> None:
-        """The first token is out: send what is left (everything, after_prefill) and the hidden states."""
+        """The first token is out: send what is left (everything, after_prefill) and the hidden states.
+        `tables`: the request's block table in each layer group."""
         job = self._jobs[request_id]
-        job.block_ids = block_ids
-        if job.num_blocks_sent < len(job.slots.block_slots):
-            ids, slots = job.unsent(job.num_blocks_sent, len(job.slots.block_slots))
-            job.group.start(TransferOp.WRITE, block_plan(self._layout, job.group.link.cache_region, ids,
-                                                          job.slots.space, slots, range(self._layout.num_layers)))
-            job.num_blocks_sent = len(job.slots.block_slots)
+        job.tables = tables
+        num_blocks = cdiv(job.num_prompt_tokens, self._layout.block_size)
+        if job.num_blocks_sent < num_blocks:
+            for g, ids, slots in job.unsent(job.num_blocks_sent, num_blocks):
+                job.group.start(TransferOp.WRITE, block_plan(self._layout, job.group.link.cache_region, ids,
+                                                              job.slots.space, slots, range(self._layout.num_layers), g))
+            job.num_blocks_sent = num_blocks
         if hidden is not None and hidden.numel():
             staged = hidden.to(self._layout.dtype).contiguous()  # [num_hidden_tokens, hidden_width]
             region = job.group.register(staged)

@@ -32,7 +32,7 @@ from shared.engine.kv_push import KVPusher, PushOutcome
 from shared.engine.kv_stats import KVTransferStats
 from shared.engine.request import Request, RequestOutput, RequestStatus
 from shared.errors import BatonError, InvalidRequestError, KVTransferError
-from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots
+from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, usable_pool_prefix
 
 if TYPE_CHECKING:
     from shared.engine.engine import LLMEngine
@@ -89,7 +89,8 @@ class RemoteKV:
         e = self._e
         bs = e.config.block_size
         # at least one prompt token is computed here: its step samples the first token
-        num_pool_blocks = min(slots.num_leading_hits, (request.num_prompt_tokens - 1) // bs)
+        num_pool_blocks = usable_pool_prefix(e.layout, slots.present, request.num_prompt_tokens,
+                                             (request.num_prompt_tokens - 1) // bs)
         local = e.kv.find_cached_prefix(request)
         if num_pool_blocks > len(local) and e.pool.enable_prefix_caching:  # imports land in the prefix cache
             holder = Request(f"import:{request.request_id}", list(request.prompt_token_ids), request.params,
@@ -97,8 +98,8 @@ class RemoteKV:
             if e.kv.allocate_slots(holder, num_pool_blocks * bs, local, host_writes=True):
                 num_read_tokens = (num_pool_blocks - len(local)) * bs
                 self._imports[holder.request_id] = _Import(holder, request, address, slots, num_read_tokens)
-                self.puller.start(holder.request_id, address, PullSource(e.layout, slots, num_pool_blocks * bs),
-                                  e.kv.block_ids(holder.request_id), len(local) * bs)
+                source = PullSource(e.layout, slots, num_pool_blocks * bs, handoff_tokens=request.num_prompt_tokens)
+                self.puller.start(holder.request_id, address, source, e.kv.tables(holder.request_id), len(local) * bs)
                 return
         self._admit_pushed(request, address, slots)
 
@@ -127,7 +128,7 @@ class RemoteKV:
             hidden_states.shape[-1] if hidden_states is not None else 0,
             hidden_states.shape[0] if hidden_states is not None else 0,
         )
-        self.pusher.finish(out.request_id, self._e.kv.block_ids(out.request_id), result, hidden_states)
+        self.pusher.finish(out.request_id, self._e.kv.tables(out.request_id), result, hidden_states)
         self._withheld[out.request_id] = out
         return True
 
@@ -165,7 +166,7 @@ class RemoteKV:
             source = PullSource(pull.claimed.spec.layout, pull.claimed.slots, request.num_prompt_tokens,
                                 (result.num_hidden_tokens, result.hidden_width))
             self._pulling[request.request_id] = pull
-            self.puller.start(request.request_id, pull.address, source, e.kv.block_ids(request.request_id),
+            self.puller.start(request.request_id, pull.address, source, e.kv.tables(request.request_id),
                               request.num_cached_tokens)
 
     def _pull_over(self, pull: _Pull, outcome: PullOutcome) -> None:

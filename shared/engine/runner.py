@@ -33,8 +33,7 @@ from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
 from shared.engine.scheduler import SchedulerPlan, StepResult
 from shared.kv.layout import KVLayout, cdiv
-from shared.models.common import LayerDoneFn
-from shared.models.decoder import DecoderLM
+from shared.models.common import LayerDoneFn, PagedCausalLM
 from shared.ops.attention import AttentionMetadata
 from shared.ops.host_copy import tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
@@ -67,6 +66,9 @@ class StepInputs:
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # with trees: what to subtract from each token's planned (slot) position to get its RoPE position
     rope_offsets: torch.Tensor | None = None
+    # further KV layer groups: each group's [num_seqs, max_blocks] table, and each token's sequence
+    group_tables: list[torch.Tensor] = field(default_factory=list)
+    token_seq: torch.Tensor | None = None  # [num_tokens] int64
     # request id -> its row of the step's outputs: plain sampling chunks first, then verifications
     rows: dict[str, int] = field(default_factory=dict)
     # the four index lists above as device tensors (indexing with a list copies it to the device
@@ -178,7 +180,7 @@ class ExecutorClock:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, layout: KVLayout, device: str = "cpu", seed: int = 0,
+    def __init__(self, model: PagedCausalLM, layout: KVLayout, device: str = "cpu", seed: int = 0,
                  aux_hidden_layers: tuple[int, ...] = ()) -> None:
         """`aux_hidden_layers`: layers whose outputs follow the final hidden states in handed-out hidden
         states, as an EAGLE-3 head reads them: [num_tokens, hidden * (1 + len(aux_hidden_layers))]."""
@@ -187,6 +189,8 @@ class ModelRunner:
         self.layout = layout
         self.device = torch.device(device)
         self.kv_cache = layout.allocate(self.device)  # KVLayout.shape
+        # what the model's forward reads: the 6-D cache itself, or each layer's (keys, values) views of it
+        self.model_kv = layout.model_cache(self.kv_cache)
         self.sampler = Sampler(seed=seed)
         self._generators: dict[str, torch.Generator | None] = {}
         self._logits: dict[str, RequestLogits] = {}  # requests with logits processing (shared/engine/logits/)
@@ -201,7 +205,7 @@ class ModelRunner:
         block_size = self.layout.block_size
         max_blocks = cdiv(max_model_len + 1, block_size)
         graphs = DecodeGraphs(capture_sizes(max_num_seqs), max_blocks, block_size, scratch_block, self.device)
-        graphs.capture(lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta))
+        graphs.capture(lambda ids, pos, meta: self.model.forward(ids, pos, self.model_kv, meta))
         self.graphs = graphs
 
     def add_request(self, request_id: str, seed: int | None, num_steps_done: int = 0,
@@ -290,6 +294,8 @@ class ModelRunner:
             spec_hidden_spans=spec_spans,
             logits_states=logits_states,
         )
+        if plan.chunks and plan.chunks[0].group_block_ids:
+            self._group_inputs(inputs, plan, query_lens)
         if trees:  # node j of a tree sits at slot start + j and RoPE position start + depth(j)
             inputs.tree_masks = {i: tree.ancestor_mask(dev) for i, tree in trees.items()}
             offsets = [0] * len(ids)
@@ -307,6 +313,17 @@ class ModelRunner:
         if not inputs.continues_previous:
             self.finish(inputs, None)
         return inputs
+
+    def _group_inputs(self, inputs: StepInputs, plan: SchedulerPlan, query_lens: list[int]) -> None:
+        """Block tables of the further layer groups (hybrid_kv.py), and which sequence each token is of."""
+        for g in range(len(plan.chunks[0].group_block_ids)):
+            tables = [c.group_block_ids[g] for c in plan.chunks]
+            padded = torch.zeros((len(tables), max(max(len(t) for t in tables), 1)), dtype=torch.int32)
+            for i, table in enumerate(tables):
+                padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            inputs.group_tables.append(tensor_to_device(padded, self.device))
+        seqs = [i for i, q in enumerate(query_lens) for _ in range(q)]
+        inputs.token_seq = to_device(seqs, dtype=torch.int64, device=self.device)
 
     def finish(self, inputs: StepInputs, prev: StepOutput | None) -> None:
         """Device half of the inputs: the previous step's tokens and accepted counts, and the KV slots."""
@@ -330,6 +347,11 @@ class ModelRunner:
             positions=positions,
             tree_masks=inputs.tree_masks,
         )
+        if inputs.group_tables:  # each group's slot of each token, from the same (slot) positions
+            bs, slot_pos = self.layout.block_size, out.positions
+            inputs.meta.group_tables = [
+                (table, table[inputs.token_seq, slot_pos // bs].long() * bs + slot_pos % bs)
+                for table in inputs.group_tables]
 
     def execute(self, inputs: StepInputs, prev: StepOutput | None = None,
                 on_layer_done: LayerDoneFn | None = None) -> StepOutput:
@@ -349,7 +371,7 @@ class ModelRunner:
         if self.graphs is not None and on_layer_done is None and captured is None and self.graphs.fits(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, on_layer_done, captured)
+            hidden = self.model.forward(input_ids, positions, self.model_kv, meta, on_layer_done, captured)
         out = StepOutput(plan, inputs.rows, PrevOutputs.empty(self.device))
         for request_id, (lo, hi) in inputs.hidden_spans.items():
             parts = [hidden[lo:hi], *(captured[layer][lo:hi] for layer in self.aux_hidden_layers)] if captured \

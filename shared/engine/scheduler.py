@@ -120,6 +120,7 @@ class ScheduledChunk:
     # start_pos assumes every draft of that step is accepted (the runner corrects both on the device)
     continues: bool = False
     epoch: int = 0  # the request's preemption count when planned: a result from an older epoch is stale
+    group_block_ids: list[list[int]] = field(default_factory=list)  # its tables in the other layer groups
     # logits processing that reads the output so far (penalties, grammars): the request's output list
     # (appended to, never rewritten) and how much of it was known when planned. The history before this
     # chunk's first sampled position is its first num_known_outputs tokens, plus (continuing chunks) what
@@ -334,6 +335,7 @@ class Scheduler:
             token_ids=([PLACEHOLDER_TOKEN_ID] if continues else request.all_token_ids[start:end]) + drafts,
             start_pos=start,
             block_ids=list(self.kv.block_ids(request.request_id)),
+            group_block_ids=[list(t) for t in self.kv.group_block_ids(request.request_id)],
             sample=sample,
             params=params,
             suppress_token_ids=suppress,

@@ -1,12 +1,14 @@
 """KV blocks held in kv_transfer's slots: what a handoff is, and the descriptors that move it.
 
 kv_transfer registers one host buffer with its transport agent and cuts it
-into equal slots. A slot holds one KV block of every layer, layer-major, so
-that one (layer, block) pair is one contiguous span in both places::
+into equal slots. A slot holds one handoff unit (KVLayout.handoff_units: a block
+of one layer group, every stored layer of the group, layer-major; with one group,
+a block of every layer), so that one (layer, block) pair is one contiguous span
+in both places::
 
-    engine cache  kv[layer, block_id, 2, block_size, heads, dim]   (KVLayout)
-    store slot    slot[layer, 2, block_size, heads, dim]           at base + slot * slot_nbytes
-                  (layer l at offset l * block_nbytes)
+    engine cache  layer l: [block_id, T_l, block_size, H_l, D_l]     (KVLayout; block ids per layer group)
+    store slot    one unit: a block of one group, its stored layers  at base + slot * slot_nbytes
+                  in order (layer l at KVLayout.slot_offset(l); KV-shared layers take no room)
 
 Hidden states ([num_tokens, hidden_width] in the layout dtype) fill a list of
 slots as one byte string cut at slot boundaries.
@@ -19,7 +21,8 @@ A handoff, seen from both ends::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.request import TokenLogprobs
@@ -29,13 +32,12 @@ from shared.transport.base import Descriptor, MemoryRegion
 
 def layout_key(model: str, layout: KVLayout) -> str:
     """Names a block format: prefix-pool entries only match within one key."""
-    return (f"{model}|{str(layout.dtype).removeprefix('torch.')}|bs{layout.block_size}|"
-            f"L{layout.num_layers}|H{layout.num_kv_heads}|D{layout.head_dim}")
+    return f"{model}|{str(layout.dtype).removeprefix('torch.')}|bs{layout.block_size}|{layout.describe()}"
 
 
 def slot_nbytes_for(layout: KVLayout) -> int:
     """Bytes one slot needs to hold one block of every layer of `layout`."""
-    return layout.num_layers * layout.block_nbytes
+    return layout.slot_nbytes
 
 
 @dataclass(frozen=True)
@@ -146,16 +148,19 @@ class TransferPlan:
 
 def block_plan(
     layout: KVLayout, region: MemoryRegion, block_ids: Sequence[int], space: SlotSpace, slots: Sequence[int],
-    layers: Sequence[int],
+    layers: Iterable[int], group: int = 0,
 ) -> TransferPlan:
-    """Descriptors of `block_ids` in the local cache (`region`, `layout`) paired with `slots`, per layer."""
+    """Descriptors of `group`'s `block_ids` in the local cache (`region`, `layout`) paired with `slots`, per
+    layer of that group among `layers` (KV-shared layers have nothing to move)."""
     assert len(block_ids) == len(slots), (len(block_ids), len(slots))
     plan = TransferPlan()
-    nbytes = layout.block_nbytes
     for layer in layers:
+        nbytes, slot_offset = layout.layer_block_nbytes(layer), layout.slot_offset(layer)
+        if not nbytes or layout.group_of(layer) != group:
+            continue
         for block_id, slot in zip(block_ids, slots, strict=True):
             plan.local.append(region.descriptor(layout.block_range(layer, block_id).offset, nbytes))
-            plan.remote.append(space.span(slot, layer * nbytes, nbytes))
+            plan.remote.append(space.span(slot, slot_offset, nbytes))
     return plan
 
 
@@ -184,3 +189,28 @@ def whole_slots_plan(region: MemoryRegion, block_nbytes: int, space: SlotSpace, 
         plan.local.append(region.descriptor(i * block_nbytes, block_nbytes))
         plan.remote.append(space.span(slot, 0, block_nbytes))
     return plan
+
+
+def usable_pool_prefix(layout: KVLayout, present: Sequence[bool], num_tokens: int, limit: int) -> int:
+    """How many leading blocks of a handoff of `num_tokens` a prefill may read from the pool instead of computing
+    (at most `limit`): group 0's blocks present from the start, with, in each sliding group, every block the
+    next query after them sees also present (among the handoff's units)."""
+    units = {u: i for i, u in enumerate(layout.handoff_units(num_tokens))}
+    leading = 0
+    while leading < limit and present[units[(0, leading)]]:
+        leading += 1
+    bs = layout.block_size
+
+    def window_present(n: int) -> bool:
+        return all((g, i) in units and present[units[(g, i)]] for g, group in enumerate(layout.groups[1:], 1)
+                   for i in range(group.first_kept_block(n * bs, bs), n))
+
+    return next((n for n in range(leading, 0, -1) if window_present(n)), 0)
+
+
+def unit_hashes(layout: KVLayout, block_hashes: Sequence[bytes], num_tokens: int) -> list[bytes]:
+    """The prefix-pool names of a prompt's hashed units (KVLayout.handoff_units), from its full blocks' chained
+    hashes: group 0's units are named by the block hash itself, a sliding group's by the hash and the group."""
+    units = layout.handoff_units(num_tokens)[: layout.num_hashed_units(num_tokens)]
+    return [block_hashes[i] if g == 0 else hashlib.blake2b(b"group%d:" % g + block_hashes[i], digest_size=16).digest()
+            for g, i in units]

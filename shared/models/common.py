@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.errors import ConfigError
+from shared.kv.layout import LayerKV
 from shared.ops.attention import AttentionMetadata
 
 # attention(query, key, value, k_cache, v_cache, meta, scale, sliding_window) -> out
@@ -22,22 +23,36 @@ AttentionFn = Callable[..., torch.Tensor]
 LayerDoneFn = Callable[[int], None]
 
 
+class ModelSpec(Protocol):
+    """What the engine reads from a model's spec (`DecoderSpec`, `Gemma4Spec`)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+
+    @property
+    def kv_layers(self) -> tuple[LayerKV, ...]: ...  # what each layer keeps in the paged cache
+
+
 class PagedCausalLM(Protocol):
     """What the runner needs from a model written against the paged KV cache."""
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
     hidden_size: int
     vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_cache: torch.Tensor,  # KVLayout.shape
+        kv_cache: Any,  # KVLayout's 6-D tensor where uniform, else each layer's (keys, values) views
         meta: AttentionMetadata,
         on_layer_done: LayerDoneFn | None = None,
+        captured: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...  # [num_tokens, hidden] final-norm hidden states
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, vocab] fp32
@@ -68,10 +83,13 @@ def rms_norm_offset(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) 
 class RotaryEmbedding:
     """Rotate-half RoPE with a cos/sin table precomputed for every position."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device | str) -> None:
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim)
-        )
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device | str,
+                 inv_freq: torch.Tensor | None = None) -> None:
+        """`inv_freq` ([head_dim / 2]): frequencies of another RoPE type (default: the original RoPE's)."""
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (
+                torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim))
+        inv_freq = inv_freq.to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

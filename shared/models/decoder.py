@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shared.kv.layout import LayerKV
 from shared.models.common import (
     AttentionFn,
     LayerDoneFn,
@@ -68,6 +69,12 @@ class DecoderSpec:
     embed_scale: float | None = None
     tie_word_embeddings: bool = True
     final_logit_softcap: float | None = None
+
+    @property
+    def kv_layers(self) -> tuple[LayerKV, ...]:
+        """What each layer keeps in the paged cache: K and V of one shape everywhere, every block (a sliding
+        layer's old blocks are kept too: one block table serves all layers)."""
+        return (LayerKV(self.num_kv_heads, self.head_dim),) * self.num_layers
 
 
 @dataclass

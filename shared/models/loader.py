@@ -2,7 +2,8 @@
 
     spec ──resolve──► GGUF file ──convert once (transformers, dequantize)──► HF dir cache
          └──────────► HF directory ───────────────────────────────────────┘
-    HF dir ──► config + tokenizer (transformers) + safetensors ──► DecoderLM
+    HF dir ──► architecture, config + tokenizer (transformers) + safetensors (checkpoint.py) ──► model
+               (families.py: DecoderLM for Llama / Gemma 3, Gemma4TextLM for Gemma 4)
 
 transformers is used to read configs, tokenizers and to dequantize GGUF once;
 its modeling code never runs when serving. The converted HF directory reloads
@@ -23,10 +24,18 @@ from typing import Any
 
 import torch
 
-from shared.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from shared.errors import InvalidRequestError, ModelNotFoundError
+from shared.kv.layout import KVLayout
+from shared.models.checkpoint import (
+    Architecture,
+    architecture_of,
+    check_shapes,
+    read_text_shapes,
+    read_text_weights,
+    text_config,
+)
 from shared.models.common import AttentionFn
-from shared.models.decoder import DecoderLM, DecoderSpec
-from shared.models.families import spec_from_config
+from shared.models.families import build_model, expected_shapes, spec_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +66,8 @@ class LoadedModel:
     name: str  # what the API calls the model
     hf_dir: Path
     hf_config: Any
-    spec: DecoderSpec
-    model: DecoderLM
+    spec: Any  # DecoderSpec | Gemma4Spec (`ModelSpec`)
+    model: Any  # DecoderLM | Gemma4TextLM (`PagedCausalLM`)
     tokenizer: Any
     eos_token_ids: frozenset[int]
 
@@ -74,7 +83,9 @@ class LoadedModel:
     def identity(self) -> str:
         """What a handoff's KV must come from: same architecture and shapes (weights are trusted)."""
         s = self.spec
-        return f"{s.model_type}:{s.num_layers}L:{s.hidden_size}H:{s.num_kv_heads}KV:{s.head_dim}D:{s.vocab_size}V"
+        kv = KVLayout.of(s.kv_layers, 1, 1, torch.float32)
+        geometry = f"{kv.num_kv_heads}KV:{kv.head_dim}D" if kv.is_uniform else kv.describe()
+        return f"{s.model_type}:{s.num_layers}L:{s.hidden_size}H:{geometry}:{s.vocab_size}V"
 
 
 def resolve_model(spec: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
@@ -146,6 +157,24 @@ def _eos_ids(hf_dir: Path, config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def read_config(hf_dir: Path) -> tuple[str, Architecture, Any]:
+    """(architecture name, its storage, the text model's HF config) of a checkpoint directory."""
+    from transformers import AutoConfig
+
+    arch_name, arch = architecture_of(hf_dir)
+    return arch_name, arch, text_config(AutoConfig.from_pretrained(hf_dir), arch_name, arch)
+
+
+def check_checkpoint(spec: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
+    """The model's HF directory, after checking its architecture and every tensor's shape against its config
+    from the shards' headers (seconds even for a large checkpoint): `baton up` fails here, before any
+    service starts, naming what is wrong."""
+    hf_dir = resolve_model(spec, cache_dir)
+    _, arch, config = read_config(hf_dir)
+    check_shapes(expected_shapes(spec_from_config(config)), read_text_shapes(hf_dir, arch))
+    return hf_dir
+
+
 def load_model(
     spec: str,
     attention: AttentionFn,
@@ -155,27 +184,19 @@ def load_model(
     max_model_len: int | None = None,
     decodes: bool = True,  # False for a prefill engine (see DecoderLM)
 ) -> LoadedModel:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     hf_dir = resolve_model(spec, cache_dir)
     t0 = time.monotonic()
-    config = AutoConfig.from_pretrained(hf_dir)
-    config = getattr(config, "text_config", config)
+    arch_name, arch, config = read_config(hf_dir)
     limit = config.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise InvalidRequestError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
     decoder_spec = spec_from_config(config, max_model_len or limit)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{hf_dir} holds no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        logger.info("loading weights %s", f.name)
-        weights.update(load_file(f))
-    model = DecoderLM(decoder_spec, weights, attention, device=device, dtype=dtype, decodes=decodes)
-    logger.info("loaded %s (%s, %d layers) in %.2f s", spec, decoder_spec.model_type,
+    weights = read_text_weights(hf_dir, arch)
+    model = build_model(decoder_spec, weights, attention, device=device, dtype=dtype, decodes=decodes)
+    logger.info("loaded %s (%s, %s, %d layers) in %.2f s", spec, arch_name, decoder_spec.model_type,
                 decoder_spec.num_layers, time.monotonic() - t0)
     return LoadedModel(
         name=spec,

@@ -45,6 +45,8 @@ class AttentionMetadata:
     # draft-tree verification chunks: sequence index -> [query_len, query_len] bool, True where query i may
     # see the chunk's key j (j is i or an ancestor); `positions` holds the tree depths, not consecutive ones
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (block_tables, slot_mapping) of each further KV layer group (shared/engine/hybrid_kv.py), as above
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # per-step values every layer shares (index tensors, masks), built once by the first layer
     step_cache: dict[object, object] = field(default_factory=dict, repr=False)
 

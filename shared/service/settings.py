@@ -49,10 +49,12 @@ class EngineServiceSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = "INFO"
     # speculative decoding (decode / colocated roles; a prefill engine ignores these)
-    spec: Literal["none", "ngram", "draft", "eagle"] = Field(default="none", description="proposer")
+    spec: Literal["none", "ngram", "draft", "eagle", "gemma4_assistant"] = Field(default="none",
+                                                                               description="proposer")
     num_speculative_tokens: int = Field(default=3, ge=1, le=16, description="draft tokens verified per step")
     spec_draft_model: str | None = Field(default=None, description="draft: model sharing the tokenizer; "
-                                         "unset = the target's first spec_draft_num_layers layers")
+                                         "unset = the target's first spec_draft_num_layers layers; "
+                                         "gemma4_assistant: the assistant's HF directory")
     spec_draft_num_layers: int = Field(default=4, ge=1, description="layers of a truncated-target draft")
     spec_eagle_head: Path | None = Field(default=None, description="eagle: head from `baton train-draft`")
     spec_eagle_window: int = Field(default=16, ge=1, description="eagle: hidden-state rows the head drafts over")

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shared.errors import ConfigError
+from shared.models.decoder import DecoderSpec
 from shared.spec.grammar_drafts import MAX_FORCED_DRAFTS, GrammarDrafter
 from shared.spec.ngram import NgramProposer
 from shared.spec.proposer import ProposalInput, Proposer
@@ -52,12 +54,19 @@ def build_speculator(
         return Speculator(NoProposer(), MAX_FORCED_DRAFTS, max_model_len, loaded.spec.vocab_size,
                           grammar_drafter=drafter)
     proposer: Proposer
+    if config.spec_method in ("draft", "eagle") and not isinstance(loaded.spec, DecoderSpec):
+        raise ConfigError(f"spec method {config.spec_method!r} drafts for Llama and Gemma 3 models, not "
+                          f"{loaded.spec.model_type}")
     if config.spec_method == "ngram":
         proposer = NgramProposer()
     elif config.spec_method == "draft":
         from shared.spec.draft_model import build_draft_proposer
 
         proposer = build_draft_proposer(config, loaded, num_kv_blocks)
+    elif config.spec_method == "gemma4_assistant":
+        from shared.spec.gemma4_assistant import build_assistant_proposer
+
+        proposer = build_assistant_proposer(config, loaded)
     else:
         from shared.spec.eagle import build_eagle_proposer
 

@@ -20,10 +20,11 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, pick_attention
-from shared.models.decoder import DecoderLM
-from shared.models.families import spec_from_config
+from shared.models.common import PagedCausalLM
+from shared.models.families import build_model, spec_from_config
 from shared.models.loader import LoadedModel, load_model
 from shared.ops.attention import paged_attention_ref
+from tests.helpers.gemma4 import random_gemma4, tiny_gemma4_config
 
 TINY_VOCAB = 256
 TEST_DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
@@ -85,10 +86,14 @@ def random_hf_model(config: Any, seed: int = 0, std: float = 0.2) -> Any:
 def tiny_loaded(family: str = "llama", seed: int = 0, device: str = TEST_DEVICE,
                 **overrides: Any) -> tuple[LoadedModel, Any]:
     """Our model on the same random weights as the returned transformers model."""
-    config = tiny_llama_config(**overrides) if family == "llama" else tiny_gemma3_config(**overrides)
-    hf = random_hf_model(config, seed)
+    if family.startswith("gemma4"):  # "gemma4" (every feature) or "gemma4-<variant>" (tests/helpers/gemma4.py)
+        config = tiny_gemma4_config(family.partition("-")[2] or "all", **overrides)
+        hf = random_gemma4(config, seed)
+    else:
+        config = tiny_llama_config(**overrides) if family == "llama" else tiny_gemma3_config(**overrides)
+        hf = random_hf_model(config, seed)
     spec = spec_from_config(config)
-    model = DecoderLM(spec, hf.state_dict(), pick_attention("auto", device), device=device)
+    model = build_model(spec, hf.state_dict(), pick_attention("auto", device), device=device)
     loaded = LoadedModel(
         name=f"tiny-{family}",
         hf_dir=Path("/nonexistent"),
@@ -132,17 +137,15 @@ def packaged_engine(name: str, serving: bool = False, **config: Any) -> LLMEngin
     return LLMEngine(EngineConfig(**kw), loaded=loaded)
 
 
-def reference_logits(model: DecoderLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+def reference_logits(model: PagedCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     """Our model's logits at every position of one sequence (fresh paged cache, shuffled blocks)."""
     from shared.kv.layout import KVLayout
     from shared.ops.attention import AttentionMetadata
 
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    layout = KVLayout(
-        model.num_layers, num_blocks + 3, block_size, model.num_kv_heads, model.head_dim, model.dtype
-    )
-    kv = layout.allocate(model.device)
+    layout = KVLayout.of(model.spec.kv_layers, num_blocks + 3, block_size, model.dtype)  # type: ignore[attr-defined]
+    kv = layout.model_cache(layout.allocate(model.device))
     blocks = torch.randperm(num_blocks + 3, device=model.device)[:num_blocks]
     pos = torch.arange(n, device=model.device)
     slots = blocks[pos // block_size] * block_size + pos % block_size

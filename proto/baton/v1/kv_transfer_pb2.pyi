@@ -8,20 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayoutDesc(_message.Message):
-    __slots__ = ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+    __slots__ = ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    layers: _containers.RepeatedCompositeFieldContainer[LayerKVDesc]
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerKVDesc, _Mapping]]] = ...) -> None: ...
+
+class LayerKVDesc(_message.Message):
+    __slots__ = ("num_kv_heads", "head_dim", "num_tensors", "reads_layer", "sliding_window")
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    READS_LAYER_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    num_kv_heads: int
+    head_dim: int
+    num_tensors: int
+    reads_layer: int
+    sliding_window: int
+    def __init__(self, num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_tensors: _Optional[int] = ..., reads_layer: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class GetAgentRequest(_message.Message):
     __slots__ = ("kind",)

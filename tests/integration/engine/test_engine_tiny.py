@@ -9,7 +9,7 @@ from shared.engine.request import SamplingParams
 from shared.errors import ContextLengthExceededError, InvalidRequestError
 from tests.helpers.models import reference_logits, tiny_engine, tiny_loaded
 
-FAMILIES = ["llama", "gemma3"]
+FAMILIES = ["llama", "gemma3", "gemma4"]
 
 
 def prompts(n: int, seed: int = 1, lo: int = 3, hi: int = 40) -> list[list[int]]:

@@ -1,0 +1,154 @@
+"""Tiny random Gemma 4 checkpoints, written the way published ones come (`baton make-tiny gemma4`).
+
+No Gemma 4 weights can be downloaded here, so tests, benchmarks and users stand
+the whole stack up on these: transformers' own Gemma 4 code builds the model
+from a small config with every feature asked for, the weights are drawn wide
+(so greedy decoding has clear winners) and `save_pretrained` writes sharded
+safetensors with their index. `multimodal` saves a Gemma4ForConditionalGeneration
+(text config nested, text weights under `model.language_model.`, no vision or
+audio tower), as the published checkpoints are.
+
+The tokenizer is a stand-in: the packaged Gemma 3 tokenizer (the same 262,144
+token vocabulary, but without Gemma 4's control tokens such as `<|turn>`, which
+it splits into ordinary pieces). The chat template is Gemma 4's
+(`chat_template.jinja` next to this file).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+GEMMA_VOCAB = 262_144  # Gemma 3's and Gemma 4's vocabulary
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TinyGemma4:
+    """What `baton make-tiny gemma4` builds; every Gemma4TextConfig branch is a field."""
+
+    num_layers: int = 6  # alternating sliding / full, the last full
+    hidden_size: int = 64
+    moe: bool = False  # enable_moe_block: 8 experts, top 2
+    k_eq_v: bool = False  # attention_k_eq_v on full layers (one KV head there)
+    kv_shared_layers: int = 0  # num_kv_shared_layers
+    ple_size: int = 0  # hidden_size_per_layer_input (0 = no per-layer embeddings)
+    double_wide_mlp: bool = False  # use_double_wide_mlp (KV-shared layers' MLP twice as wide)
+    sliding_window: int = 32
+    vocab_size: int = GEMMA_VOCAB
+    multimodal: bool = False  # save as Gemma4ForConditionalGeneration
+    seed: int = 0
+
+
+def text_config(opts: TinyGemma4) -> Any:
+    from transformers import Gemma4TextConfig
+
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(opts.num_layers)]
+    types[-1] = "full_attention"
+    heads = 4
+    kw: dict[str, Any] = dict(
+        vocab_size=opts.vocab_size, hidden_size=opts.hidden_size, intermediate_size=2 * opts.hidden_size,
+        num_hidden_layers=opts.num_layers, num_attention_heads=heads, num_key_value_heads=2,
+        head_dim=opts.hidden_size // heads, global_head_dim=2 * opts.hidden_size // heads,
+        sliding_window=opts.sliding_window, layer_types=types, max_position_embeddings=8192,
+        final_logit_softcapping=30.0, hidden_size_per_layer_input=opts.ple_size,
+        vocab_size_per_layer_input=opts.vocab_size, num_kv_shared_layers=opts.kv_shared_layers,
+        use_double_wide_mlp=opts.double_wide_mlp, attention_k_eq_v=opts.k_eq_v,
+        eos_token_id=1, bos_token_id=2, pad_token_id=0,
+    )
+    if opts.k_eq_v:
+        kw["num_global_key_value_heads"] = 1
+    if opts.moe:
+        kw |= dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=opts.hidden_size // 2)
+    return Gemma4TextConfig(**kw)
+
+
+def randomize(model: Any, seed: int = 0, std: float = 0.2) -> Any:
+    """Wide random weights and random layer scalars (which transformers' init leaves at 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
+    return model
+
+
+def build(opts: TinyGemma4) -> Any:
+    """The transformers model (Gemma4ForCausalLM, or Gemma4ForConditionalGeneration when multimodal)."""
+    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = text_config(opts)
+    if opts.multimodal:
+        config = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+        model = Gemma4ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(text)
+    return randomize(model.eval(), opts.seed)
+
+
+def write_checkpoint(out_dir: Path, opts: TinyGemma4, tokenizer_dir: Path | None,
+                     max_shard_size: str = "40MB") -> Path:
+    """Write the checkpoint (config, sharded safetensors + index, tokenizer, chat template) to `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = build(opts)
+    logger.info("writing a tiny Gemma 4 (%d layers, hidden %d%s) to %s", opts.num_layers, opts.hidden_size,
+                ", MoE" if opts.moe else "", out_dir)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    if tokenizer_dir is not None:
+        for name in _TOKENIZER_FILES:
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    shutil.copy(CHAT_TEMPLATE, out_dir / "chat_template.jinja")
+    return out_dir
+
+
+def assistant_config(target: Any, hidden_size: int = 32, num_layers: int = 2, ordered_embeddings: bool = False,
+                     num_centroids: int = 64) -> Any:
+    """A `Gemma4AssistantConfig` that drafts for `target` (a Gemma4TextConfig): its layers' head dims and KV head
+    counts are the target's store layers', its rope and window the target's."""
+    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
+
+    full, sliding = target.per_layer_config["full_attention"], target.per_layer_config["sliding_attention"]
+    types = (["sliding_attention"] * (num_layers - 1) + ["full_attention"]) if num_layers > 1 else ["full_attention"]
+    kw: dict[str, Any] = dict(
+        vocab_size=target.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=sliding.num_key_value_heads, head_dim=sliding.head_dim, global_head_dim=full.head_dim,
+        num_global_key_value_heads=full.num_key_value_heads, attention_k_eq_v=True,
+        sliding_window=target.sliding_window, layer_types=types, rope_parameters=target.rope_parameters,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, max_position_embeddings=target.max_position_embeddings,
+    )
+    text = Gemma4TextConfig(**kw)
+    return Gemma4AssistantConfig(text_config=text.to_dict(), backbone_hidden_size=target.hidden_size,
+                                 use_ordered_embeddings=ordered_embeddings, num_centroids=num_centroids,
+                                 centroid_intermediate_top_k=min(8, num_centroids))
+
+
+def build_assistant(config: Any, seed: int = 0) -> Any:
+    """A random `Gemma4AssistantForCausalLM`; with ordered embeddings, a random token order over the centroids."""
+    from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantForCausalLM
+
+    model = randomize(Gemma4AssistantForCausalLM(config).eval(), seed)
+    if config.use_ordered_embeddings:
+        order = torch.randperm(config.text_config.vocab_size, generator=torch.Generator().manual_seed(seed))
+        model.masked_embedding.token_ordering.copy_(order)
+    return model
+
+
+def write_assistant_checkpoint(out_dir: Path, target_dir: Path, seed: int = 0, **options: Any) -> Path:
+    """A random assistant for the checkpoint in `target_dir`, written with `save_pretrained`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_dir)
+    target = getattr(config, "text_config", config)
+    build_assistant(assistant_config(target, **options), seed).save_pretrained(out_dir)
+    return out_dir
