@@ -95,15 +95,22 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         attention = pick_attention(config.attention_backend, config.device)
+        self.precision = config.precision
+        logger.info("precision (--dtype %s, --kv-cache-dtype %s, --quantization %s): %s", config.dtype,
+                    config.kv_cache_dtype, config.quantization, self.precision.describe())
         self.loaded = loaded or load_model(
-            config.model, attention, config.device, config.torch_dtype, config.cache_dir, config.max_model_len,
-            decodes=config.role != "prefill",
+            config.model, attention, config.device, self.precision.compute, config.cache_dir, config.max_model_len,
+            decodes=config.role != "prefill", weight_format=config.weight_format,
         )
+        if self.loaded.model.weight_format != config.weight_format:
+            raise ConfigError(f"the model given holds {self.loaded.model.weight_format.describe()} weights; "
+                              f"--dtype {config.dtype} --quantization {config.quantization} asks for "
+                              f"{config.weight_format.describe()}")
         spec = self.loaded.spec
         self.max_model_len = min(spec.max_positions, config.max_model_len or spec.max_positions)
         num_blocks = config.num_kv_blocks or KVLayout.blocks_for_bytes(
             config.kv_cache_bytes, spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
-            config.torch_dtype,
+            self.precision.kv_cache,
         )
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(
@@ -114,7 +121,7 @@ class LLMEngine:
         # pool never hands out
         use_graphs = config.cuda_graphs and config.device.startswith("cuda") and config.role != "prefill"
         self.layout = KVLayout(spec.num_layers, num_blocks + int(use_graphs), config.block_size, spec.num_kv_heads,
-                               spec.head_dim, config.torch_dtype)
+                               spec.head_dim, self.precision.kv_cache)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         # prefix hashes name the model too: blocks of two models never match, in this process or another
         self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())

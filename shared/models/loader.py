@@ -11,6 +11,7 @@ in well under a second, so every later start (and every test) skips the GGUF.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -27,6 +28,8 @@ from shared.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from shared.models.common import AttentionFn
 from shared.models.decoder import DecoderLM, DecoderSpec
 from shared.models.families import spec_from_config
+from shared.models.gguf_weights import read_gguf_projections
+from shared.models.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,14 @@ class LoadedModel:
         """What a handoff's KV must come from: same architecture and shapes (weights are trusted)."""
         s = self.spec
         return f"{s.model_type}:{s.num_layers}L:{s.hidden_size}H:{s.num_kv_heads}KV:{s.head_dim}D:{s.vocab_size}V"
+
+
+def _gguf_file(spec: str) -> Path:
+    """The GGUF file a model spec names (`--quantization gguf` serves its blocks)."""
+    path = ALIASES[spec]() if spec in ALIASES else Path(spec).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ConfigError(f"--quantization gguf needs a GGUF model (an alias or a .gguf file), not {spec!r}")
+    return path
 
 
 def resolve_model(spec: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
@@ -154,6 +165,7 @@ def load_model(
     cache_dir: Path = DEFAULT_CACHE_DIR,
     max_model_len: int | None = None,
     decodes: bool = True,  # False for a prefill engine (see DecoderLM)
+    weight_format: WeightFormat | None = None,  # how projections are stored (DecoderLM); None = as `dtype`
 ) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -174,7 +186,11 @@ def load_model(
     for f in files:
         logger.info("loading weights %s", f.name)
         weights.update(load_file(f))
-    model = DecoderLM(decoder_spec, weights, attention, device=device, dtype=dtype, decodes=decodes)
+    if weight_format is not None and weight_format.quantization == "gguf":
+        weight_format = dataclasses.replace(
+            weight_format, gguf_codes=read_gguf_projections(_gguf_file(spec), decoder_spec))
+    model = DecoderLM(decoder_spec, weights, attention, device=device, dtype=dtype, decodes=decodes,
+                      weight_format=weight_format)
     logger.info("loaded %s (%s, %d layers) in %.2f s", spec, decoder_spec.model_type,
                 decoder_spec.num_layers, time.monotonic() - t0)
     return LoadedModel(

@@ -23,6 +23,7 @@ from shared.engine.engine import LLMEngine, pick_attention
 from shared.models.decoder import DecoderLM
 from shared.models.families import spec_from_config
 from shared.models.loader import LoadedModel, load_model
+from shared.models.weight_format import WeightFormat
 from shared.ops.attention import paged_attention_ref
 
 TINY_VOCAB = 256
@@ -83,12 +84,14 @@ def random_hf_model(config: Any, seed: int = 0, std: float = 0.2) -> Any:
 
 
 def tiny_loaded(family: str = "llama", seed: int = 0, device: str = TEST_DEVICE,
-                **overrides: Any) -> tuple[LoadedModel, Any]:
-    """Our model on the same random weights as the returned transformers model."""
+                weight_format: WeightFormat | None = None, **overrides: Any) -> tuple[LoadedModel, Any]:
+    """Our model on the same random weights as the returned transformers model (`weight_format`: how its
+    projections are stored, as DecoderLM takes it)."""
     config = tiny_llama_config(**overrides) if family == "llama" else tiny_gemma3_config(**overrides)
     hf = random_hf_model(config, seed)
     spec = spec_from_config(config)
-    model = DecoderLM(spec, hf.state_dict(), pick_attention("auto", device), device=device)
+    model = DecoderLM(spec, hf.state_dict(), pick_attention("auto", device), device=device,
+                      weight_format=weight_format)
     loaded = LoadedModel(
         name=f"tiny-{family}",
         hf_dir=Path("/nonexistent"),
