@@ -17,6 +17,7 @@ from proto.baton.v1 import common_pb2
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import InvalidRequestError
 from shared.registry.base import Load
+from shared.structured.spec import GrammarSpec, ReasoningSpec
 
 if TYPE_CHECKING:  # the engine's load snapshot; importing the engine here would pull in the models
     from shared.engine.async_engine import EngineLoad
@@ -70,7 +71,29 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    _logits_processing_to_proto(params, msg)
     return msg
+
+
+def _logits_processing_to_proto(params: SamplingParams, msg: common_pb2.SamplingParams) -> None:
+    msg.n = params.n
+    msg.presence_penalty = params.presence_penalty
+    msg.frequency_penalty = params.frequency_penalty
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
+    msg.logit_bias.extend(common_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias)
+    msg.min_p = params.min_p
+    if params.structured is not None:
+        g = params.structured
+        msg.structured.CopyFrom(common_pb2.GrammarSpec(kind=g.kind, source=g.source, any_whitespace=g.any_whitespace))
+    if params.reasoning is not None:
+        r = params.reasoning
+        msg.reasoning.CopyFrom(common_pb2.ReasoningSpec(
+            start_token_ids=list(r.start_token_ids), end_token_ids=list(r.end_token_ids),
+            thinking_at_start=r.thinking_at_start, budget=r.budget,
+        ))
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -85,6 +108,26 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        n=msg.n,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias),
+        min_p=msg.min_p,
+        structured=_grammar_from_proto(msg.structured) if msg.HasField("structured") else None,
+        reasoning=_reasoning_from_proto(msg.reasoning) if msg.HasField("reasoning") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+    )
+
+
+def _grammar_from_proto(msg: common_pb2.GrammarSpec) -> GrammarSpec:
+    return GrammarSpec(kind=msg.kind, source=msg.source, any_whitespace=msg.any_whitespace)
+
+
+def _reasoning_from_proto(msg: common_pb2.ReasoningSpec) -> ReasoningSpec:
+    return ReasoningSpec(
+        start_token_ids=tuple(msg.start_token_ids), end_token_ids=tuple(msg.end_token_ids),
+        thinking_at_start=msg.thinking_at_start, budget=msg.budget if msg.HasField("budget") else None,
     )
 
 

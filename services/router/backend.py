@@ -36,6 +36,10 @@ class BackendChunk:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (0 when unknown)
+    index: int = 0  # which choice these tokens belong to (params.n > 1); each choice finishes on its own
+    # params.prompt_logprobs: one entry per prompt token (the first None: nothing scores it), on the
+    # first chunk of choice 0 only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @runtime_checkable

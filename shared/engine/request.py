@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 
 from shared.errors import InvalidRequestError
 from shared.spec.tree import DraftTree
+from shared.structured.spec import GrammarSpec, ReasoningSpec
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +73,17 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; n >= 0 = chosen token plus top-n alternatives
     # draft tokens per step for this request: None = the engine's setting, 0 = speculation off
     num_speculative_tokens: int | None = None
+    # choices generated from one prompt: one prefill, one handoff, the prompt's blocks shared
+    n: int = 1
+    # logits processing, applied wherever a token is sampled (see shared/engine/logits/)
+    presence_penalty: float = 0.0  # [-2, 2], subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0; tokens in the prompt or output: logit / p if > 0 else logit * p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), each in [-100, 100]
+    min_p: float = 0.0  # [0, 1]: drop tokens below min_p times the top token's probability
+    structured: GrammarSpec | None = None  # the output (after any thinking) follows this grammar
+    reasoning: ReasoningSpec | None = None  # where thinking happens; its token budget
+    prompt_logprobs: int | None = None  # None = off; n >= 0 = each prompt token's logprob plus top-n
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -93,10 +107,43 @@ class SamplingParams:
                 f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}",
                 param="num_speculative_tokens",
             )
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        if self.n < 1:
+            raise InvalidRequestError(f"n must be >= 1, got {self.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", param=name)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                      param="repetition_penalty")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(
+                    f"logit_bias needs token ids >= 0 and values in [-100, 100], got {token_id}: {bias}",
+                    param="logit_bias",
+                )
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+                                      param="prompt_logprobs")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the output so far changes the logits (presence, frequency, repetition penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether processing a position's logits reads the tokens emitted before it."""
+        return self.penalizes or self.structured is not None or self.reasoning is not None
 
 
 @dataclass

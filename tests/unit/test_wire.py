@@ -8,6 +8,7 @@ from proto.baton.v1 import common_pb2
 from shared import wire
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import InvalidRequestError
+from shared.structured.spec import GrammarSpec, ReasoningSpec
 
 # --- sampling params and logprobs ---------------------------------------------------------------
 
@@ -19,6 +20,11 @@ from shared.errors import InvalidRequestError
         SamplingParams(max_tokens=7, temperature=0.0, top_k=1, stop_token_ids=(2, 3), ignore_eos=True),
         SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, seed=0, min_tokens=4, logprobs=0),
         SamplingParams(seed=2**63, logprobs=20),
+        SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5,
+                       logit_bias=((7, -100.0), (9, 2.5)), min_p=0.25, prompt_logprobs=2),
+        SamplingParams(structured=GrammarSpec("json_schema", '{"type": "object"}', any_whitespace=True),
+                       reasoning=ReasoningSpec((5,), (6, 7), thinking_at_start=True, budget=0)),
+        SamplingParams(structured=GrammarSpec("json_object"), reasoning=ReasoningSpec((5,), (6,))),
     ],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
@@ -29,8 +35,10 @@ def test_sampling_params_round_trip(params: SamplingParams) -> None:
 def test_unset_optionals_stay_unset() -> None:
     msg = wire.sampling_params_to_proto(SamplingParams())
     assert not msg.HasField("seed") and not msg.HasField("logprobs")
+    assert not msg.HasField("structured") and not msg.HasField("reasoning") and not msg.HasField("prompt_logprobs")
     back = wire.sampling_params_from_proto(msg)
     assert back.seed is None and back.logprobs is None
+    assert back.structured is None and back.reasoning is None and back.repetition_penalty == 1.0
 
 
 @pytest.mark.parametrize(
@@ -42,6 +50,16 @@ def test_unset_optionals_stay_unset() -> None:
         ({"max_tokens": 4, "top_p": 1.0, "temperature": float("nan")}, "temperature"),
         ({"max_tokens": 4, "top_p": 1.0, "min_tokens": 5}, "min_tokens"),
         ({"max_tokens": 4, "top_p": 1.0, "logprobs": 21}, "logprobs"),
+        ({"max_tokens": 4, "top_p": 1.0}, "n"),  # proto3 default: n unset
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "logit_bias": [common_pb2.LogitBias(token_id=1, bias=101)]},
+         "logit_bias"),
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "min_p": 1.5}, "min_p"),
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "structured": common_pb2.GrammarSpec(kind="yaml", source="x")},
+         "structured_outputs"),
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "structured": common_pb2.GrammarSpec(kind="regex")},
+         "structured_outputs"),
     ],
 )
 def test_invalid_sampling_params_are_invalid_requests(fields: dict[str, object], param: str) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/baton/v1/common.proto\x12\x08\x62\x61ton.v1\"\xd7\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"i\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"o\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x04 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/baton/v1/common.proto\x12\x08\x62\x61ton.v1\"\x90\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12\'\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x13.baton.v1.LogitBias\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12)\n\nstructured\x18\x10 \x01(\x0b\x32\x15.baton.v1.GrammarSpec\x12*\n\treasoning\x18\x11 \x01(\x0b\x32\x17.baton.v1.ReasoningSpec\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x03\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"C\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x16\n\x0e\x61ny_whitespace\x18\x03 \x01(\x08\"z\n\rReasoningSpec\x12\x17\n\x0fstart_token_ids\x18\x01 \x03(\r\x12\x15\n\rend_token_ids\x18\x02 \x03(\r\x12\x19\n\x11thinking_at_start\x18\x03 \x01(\x08\x12\x13\n\x06\x62udget\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_budget\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"i\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"o\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x04 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.baton.v1.common_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=257
-  _globals['_TOKENLOGPROB']._serialized_start=259
-  _globals['_TOKENLOGPROB']._serialized_end=308
-  _globals['_TOKENLOGPROBS']._serialized_start=310
-  _globals['_TOKENLOGPROBS']._serialized_end=397
-  _globals['_GENERATEREQUEST']._serialized_start=399
-  _globals['_GENERATEREQUEST']._serialized_end=504
-  _globals['_ABORTREQUEST']._serialized_start=506
-  _globals['_ABORTREQUEST']._serialized_end=540
-  _globals['_ABORTRESPONSE']._serialized_start=542
-  _globals['_ABORTRESPONSE']._serialized_end=572
-  _globals['_LOADREPORT']._serialized_start=574
-  _globals['_LOADREPORT']._serialized_end=685
+  _globals['_SAMPLINGPARAMS']._serialized_end=570
+  _globals['_LOGITBIAS']._serialized_start=572
+  _globals['_LOGITBIAS']._serialized_end=615
+  _globals['_GRAMMARSPEC']._serialized_start=617
+  _globals['_GRAMMARSPEC']._serialized_end=684
+  _globals['_REASONINGSPEC']._serialized_start=686
+  _globals['_REASONINGSPEC']._serialized_end=808
+  _globals['_TOKENLOGPROB']._serialized_start=810
+  _globals['_TOKENLOGPROB']._serialized_end=859
+  _globals['_TOKENLOGPROBS']._serialized_start=861
+  _globals['_TOKENLOGPROBS']._serialized_end=948
+  _globals['_GENERATEREQUEST']._serialized_start=950
+  _globals['_GENERATEREQUEST']._serialized_end=1055
+  _globals['_ABORTREQUEST']._serialized_start=1057
+  _globals['_ABORTREQUEST']._serialized_end=1091
+  _globals['_ABORTRESPONSE']._serialized_start=1093
+  _globals['_ABORTRESPONSE']._serialized_end=1123
+  _globals['_LOADREPORT']._serialized_start=1125
+  _globals['_LOADREPORT']._serialized_end=1236
 # @@protoc_insertion_point(module_scope)
