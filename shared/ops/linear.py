@@ -89,6 +89,7 @@ class LinearWeight:
         self.out_features, self.in_features = weight.shape
         self.gemv: torch.Tensor | None = None
         self.gemv_k_block = 0
+        self.bits = 0  # a quantized weight's code width (LinearWeight.quantized)
         if weight_dtype == torch.bfloat16 and backend == "auto" and weight.device.type == "cpu" and gemv_enabled():
             self.backend = "gemv_bf16"
             self.weight = torch.ops.baton_cpu.gemv_bf16_pack(weight.contiguous())
