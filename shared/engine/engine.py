@@ -123,8 +123,10 @@ class LLMEngine:
         self.layout = KVLayout(spec.num_layers, num_blocks + int(use_graphs), config.block_size, spec.num_kv_heads,
                                spec.head_dim, self.precision.kv_cache)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        # prefix hashes name the model too: blocks of two models never match, in this process or another
-        self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=self.loaded.identity.encode())
+        # prefix hashes name the model and its precision too: blocks of two models, or of one model's bf16 and
+        # fp32 caches, never match, in this process or in kv_transfer's shared pool
+        salt = f"{self.loaded.identity}:{self.layout.dtype}:{self.loaded.model.weight_format.describe()}"
+        self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=salt.encode())
         self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks)
         sched_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role,

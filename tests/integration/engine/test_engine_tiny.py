@@ -247,3 +247,13 @@ def test_a_model_loaded_in_another_dtype_is_refused() -> None:
     loaded, _ = tiny_loaded("llama")
     with pytest.raises(ConfigError, match="bfloat16"):
         tiny_engine(loaded, dtype="bfloat16")
+
+
+def test_prefix_hashes_name_the_precision(engines) -> None:
+    """kv_transfer's pool is shared by every engine of a model: an fp32 and a bf16 cache's blocks must never
+    match each other's prefix hashes."""
+    loaded, _ = tiny_loaded("llama")
+    fp32 = tiny_engine(loaded)
+    bf16_kv = tiny_engine(loaded, kv_cache_dtype="bfloat16")
+    engines.extend([fp32, bf16_kv])
+    assert fp32.kv.hash_salt != bf16_kv.kv.hash_salt
