@@ -45,10 +45,10 @@ def auto_dtype(device: str) -> str:
     """`--dtype auto`'s choice on this device (see the module docstring)."""
     if device.startswith("cuda"):
         return "bfloat16"
-    from shared.ops.cpu_isa import best_isa, isa_supported
+    from shared.ops.cpu_isa import isa_supported
     from shared.ops.cpu_kernels import cpu_kernels_available
 
-    if cpu_kernels_available() and isa_supported("avx512_bf16") and best_isa() in ("avx512_bf16", "amx"):
+    if cpu_kernels_available() and isa_supported("avx512_bf16"):
         return "bfloat16"
     return "float32"
 

@@ -10,7 +10,7 @@ It is built once per model, from the model's own tensors, where every op of a
 layer has its CPU kernel: fp32 activations on the CPU with the fused norm /
 RoPE / SiLU ops, the C++ attention (over an fp32 or bf16 cache), and every
 projection packed for a GEMV kernel: an fp32 GEMV copy (not in prefill engines,
-which keep none) or bf16 weights. A step runs it when the kernels take the step whole:
+which keep none), bf16 weights or quantized blocks. A step runs it when the kernels take the step whole:
 at most `GEMV_MAX_ROWS` tokens, every sequence's rows for the attention kernel
 (decodes and short verify chunks), and nobody asking for per-layer hooks.
 `BATON_CPU_LAYER_LOOP=0` turns it off.

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 def _unpermute_rows(codes: QuantCodes, num_heads: int) -> QuantCodes:
-    """transformers' reverse_permute_weights on the rows: [heads, 2, half, ...] -> [heads, half, 2, ...]."""
+    """transformers' reverse_permute_weights, on whole rows of blocks."""
     n = codes.codes.shape[0]
     # row (h, a, b) of [heads, 2, half] is the file's row (h, b, a) of [heads, half, 2]
     return codes.rows(torch.arange(n).reshape(num_heads, n // num_heads // 2, 2).transpose(1, 2).reshape(n))
@@ -51,7 +51,10 @@ def read_gguf_projections(path: Path, spec: DecoderSpec) -> dict[str, QuantCodes
         if t is None:
             raise ConfigError(f"{path.name} has no tensor {name}")
         k, n = (int(x) for x in t.shape[:2])  # ggml order: [in, out]
-        return from_gguf_blocks(t.tensor_type.name, np.asarray(t.data), (n, k))
+        try:
+            return from_gguf_blocks(t.tensor_type.name, np.asarray(t.data), (n, k))
+        except ValueError as exc:
+            raise ConfigError(f"--quantization gguf: {path.name}'s {name}: {exc}") from None
 
     out: dict[str, QuantCodes] = {}
     for i in range(spec.num_layers):

@@ -56,3 +56,12 @@ def test_gguf_needs_a_gguf_model(tmp_path) -> None:  # type: ignore[no-untyped-d
 
     with pytest.raises(ConfigError, match="GGUF"):
         _gguf_file(str(tmp_path))
+
+
+def test_gguf_block_types_not_served_quantized_are_a_clear_error() -> None:
+    """Gemma 3's file holds Q4_K / Q6_K blocks, which --quantization gguf does not serve yet."""
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="Q[46]_K"):
+        load_model("gemma3-270m", pick_attention("auto", "cpu"), max_model_len=1024,
+                   weight_format=WeightFormat(quantization="gguf"))
