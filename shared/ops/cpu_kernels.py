@@ -31,10 +31,12 @@ _built: bool | None = None
 def _build_dir() -> Path:
     from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
 
-    # keyed by the sources too: two checkouts with different kernels (worktrees, branches) must not
-    # rebuild over each other's library
-    sources = hashlib.sha1(b"".join(src.read_bytes() for src in _SOURCES)).hexdigest()[:10]
-    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{sources}"
+    # keyed by the sources and where they are: two checkouts (worktrees, branches) must not rebuild over each
+    # other's library, and torch's build file names the sources by path, so the same sources elsewhere would
+    # rebuild it too
+    sources = hashlib.sha1(str(_CSRC.resolve()).encode() + b"".join(src.read_bytes() for src in _SOURCES))
+    sources_tag = sources.hexdigest()[:10]
+    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{sources_tag}"
 
 
 def _cpu_flags() -> str:
