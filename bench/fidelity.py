@@ -132,7 +132,7 @@ def readme_table(result: dict[str, Any]) -> str:
              "| precision | weights | KV cache | perplexity | mean KL | top-1 agreement | bound | holds |",
              "|---|---|---|---|---|---|---|---|"]
     for name, m in result["precisions"].items():
-        holds = {True: "yes", False: "**no**", None: "not measured"}.get(m.get("holds"), "-")
+        holds = {True: "yes", False: "**no**", None: "not measured"}.get(m["holds"], "-") if "holds" in m else "-"
         lines.append(f"| {name} | {m['weights']} | {m['kv_cache_dtype']} | {m['perplexity']:.4f} | "
                      f"{m['mean_kl']:.5f} | {m['top1_agreement']:.4f} | {m.get('bound', '-')} | {holds} |")
     return "\n".join(lines)
@@ -169,7 +169,7 @@ def main() -> None:
         metrics, _ = measure(model, windows, kv_dtype, reference)
         metrics.update(check_bound(name, bound, base["perplexity"], metrics["perplexity"], llama))
         metrics["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")
-        metrics["weights"] = fmt.describe() if name != "float32" else "float32"
+        metrics["weights"] = model.weight_format.describe()  # the loaded one: it names the GGUF's block types
         results[name] = metrics
         log(f"{name}: ppl {metrics['perplexity']:.4f}, KL {metrics['mean_kl']:.5f}, top-1 "
             f"{metrics['top1_agreement']:.4f}, bound {metrics.get('bound', '-')}: {metrics.get('holds', '-')} "
