@@ -11,18 +11,33 @@ from shared.errors import InvalidRequestError
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], chat_template: str | None = None
+    tokenizer: Any, messages: Sequence[dict[str, Any]], chat_template: str | None = None, *,
+    tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """Apply the chat template (the model's own unless one is given) with a generation prompt."""
+    """Apply the chat template (the model's own unless one is given), by default with a generation prompt.
+
+    `tools` reach templates that render them; `template_kwargs` are extra template variables
+    (e.g. `enable_thinking`); `continue_final_message` leaves the last (assistant) turn open.
+    """
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError(
             "this model has no chat template (it is a base model): send a plain prompt, or give a template"
         )
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                  param="continue_final_message")
+    reserved = {"messages", "tools", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message"}
+    extra = {k: v for k, v in (template_kwargs or {}).items() if k not in reserved}
     try:
         return tokenizer.apply_chat_template(
-            list(messages), chat_template=template, add_generation_prompt=True, tokenize=False
+            list(messages), chat_template=template, tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False, **extra,
         )
+    except InvalidRequestError:
+        raise
     except Exception as e:  # jinja errors: the messages do not fit the template
         raise InvalidRequestError(f"chat template failed on these messages: {e}") from e
 

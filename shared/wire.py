@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from proto.baton.v1 import common_pb2
+from shared.engine.choices import FirstToken
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import InvalidRequestError
 from shared.registry.base import Load
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # the engine's load snapshot; importing the engine here would
 __all__ = [
     "dtype_from_name",
     "dtype_name",
+    "first_token_from_proto",
+    "first_token_to_proto",
     "load_from_proto",
     "load_report_to_proto",
     "sampling_params_from_proto",
@@ -154,3 +157,14 @@ def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(
         token_id=msg.token_id, logprob=msg.logprob, top=[(alt.token_id, alt.logprob) for alt in msg.top]
     )
+
+
+def first_token_to_proto(token_id: int, logprobs: TokenLogprobs | None) -> common_pb2.FirstToken:
+    msg = common_pb2.FirstToken(token_id=token_id)
+    if logprobs is not None:
+        msg.logprobs.CopyFrom(token_logprobs_to_proto(logprobs))
+    return msg
+
+
+def first_token_from_proto(msg: common_pb2.FirstToken) -> FirstToken:
+    return FirstToken(msg.token_id, token_logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None)

@@ -33,7 +33,12 @@ from shared.telemetry import (
     server_span,
     tracer,
 )
-from shared.wire import load_report_to_proto, sampling_params_from_proto, token_logprobs_to_proto
+from shared.wire import (
+    first_token_from_proto,
+    load_report_to_proto,
+    sampling_params_from_proto,
+    token_logprobs_to_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +82,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         claimed, agent = await self._claim(request)
         released = False
         try:
-            stream = await self.aengine.generate_pulled(req.request_id, params, claimed, agent)
+            more = [first_token_from_proto(m) for m in request.more_choices]
+            stream = await self.aengine.generate_pulled(req.request_id, params, claimed, agent, more)
             async for out in stream:
-                if not released:  # the first output comes after the pull is over: the slots can go
+                # the first tokens come after the pull is over: the slots can go (an output without tokens
+                # may come before it: a choice of n > 1 that its first token from prefill ended)
+                if not released and out.new_token_ids:
                     released = True
                     await self.kv.release(address, request.handoff_id)
                 yield _response(out)
@@ -117,6 +125,8 @@ def _response(out: RequestOutput) -> decode_pb2.DecodeResponse:
     return decode_pb2.DecodeResponse(
         token_ids=out.new_token_ids, logprobs=[token_logprobs_to_proto(lp) for lp in out.new_logprobs],
         finished=out.finished, finish_reason=out.finish_reason or "", num_cached_tokens=out.num_cached_tokens,
+        index=out.index,
+        prompt_logprobs=[token_logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()],
     )
 
 

@@ -7,6 +7,9 @@ Prefill(request, handoff_id, kv_transfer_address)
           states written
   ├ first token ends the request (max_tokens=1, eos): release the slots, reply with finish_reason
   └ else: Commit (the handoff becomes claimable), then reply
+With n > 1 choices the prompt is computed and shipped once, every choice samples its first token
+here (`more_choices` carries choices 1..n-1), and the handoff is always committed: decode tells
+how each choice ends.
 A cancelled call (router gone) or a failed push aborts the request in the engine first, then
 releases the slots, so no write of ours can land in a slot given to someone else.
 """
@@ -43,7 +46,12 @@ from shared.telemetry import (
     server_span,
     tracer,
 )
-from shared.wire import load_report_to_proto, sampling_params_from_proto, token_logprobs_to_proto
+from shared.wire import (
+    first_token_to_proto,
+    load_report_to_proto,
+    sampling_params_from_proto,
+    token_logprobs_to_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,18 +100,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         committed = False
         failed = True  # the slots' content is not to be trusted unless the first token ended the request
         try:
-            final: RequestOutput | None = None
+            finals: dict[int, RequestOutput] = {}  # by choice
             stream = await self.aengine.generate_pushed(req.request_id, list(req.prompt_token_ids), params, agent,
                                                         slots)
             async for out in stream:
-                final = out
-            assert final is not None and final.finished
+                if out.finished:
+                    finals[out.index] = out
+            assert len(finals) == params.n, (req.request_id, sorted(finals))
+            final = finals[0]
             reply = prefill_pb2.PrefillResponse(
                 handoff_id=request.handoff_id, first_token_id=final.new_token_ids[0],
                 num_prompt_tokens=final.num_prompt_tokens, num_cached_tokens=final.num_cached_tokens,
+                more_choices=[first_token_to_proto(finals[i].new_token_ids[0],
+                                                   finals[i].new_logprobs[0] if finals[i].new_logprobs else None)
+                              for i in range(1, params.n)],
             )
             if final.new_logprobs:
                 reply.first_logprobs.CopyFrom(token_logprobs_to_proto(final.new_logprobs[0]))
+            if final.prompt_logprobs:
+                reply.prompt_logprobs.extend(token_logprobs_to_proto(lp) for lp in final.prompt_logprobs)
             span = trace.get_current_span()
             span.set_attributes({CACHED_TOKENS: final.num_cached_tokens, OUTPUT_TOKENS: 1})
             if final.finish_reason != "handoff":  # the first token ended it: nothing to hand over

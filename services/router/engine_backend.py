@@ -98,4 +98,6 @@ def _chunk(out: RequestOutput) -> BackendChunk:
         finished=out.finished,
         finish_reason=out.finish_reason,
         num_cached_tokens=out.num_cached_tokens,
+        index=out.index,
+        prompt_logprobs=[None, *out.prompt_logprobs] if out.prompt_logprobs is not None else None,
     )

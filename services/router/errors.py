@@ -30,7 +30,8 @@ from shared.errors import BatonError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+REQUEST_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl",
+                       "/v1/chat/completions/batch": "chatcmpl", "/v1/responses": "resp"}
 
 StatusRecorder = Callable[[Request, int], None]
 

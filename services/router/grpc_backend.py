@@ -36,6 +36,7 @@ from proto.baton.v1 import (
     prefill_pb2_grpc,
 )
 from services.router.backend import BackendChunk, BackendRequest
+from shared.engine.choices import split_choice_id
 from shared.errors import BatonError, InvalidRequestError, UnavailableError
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
@@ -147,7 +148,13 @@ class GrpcBackend:
                 else [],
                 finished=bool(first.finish_reason), finish_reason=first.finish_reason or None,
                 num_cached_tokens=first.num_cached_tokens,
+                prompt_logprobs=[None, *(token_logprobs_from_proto(lp) for lp in first.prompt_logprobs)]
+                if req.params.prompt_logprobs is not None else None,
             )
+            for index, more in enumerate(first.more_choices, start=1):  # n > 1: decode tells how each ends
+                yield BackendChunk(token_ids=[more.token_id], index=index, num_cached_tokens=first.num_cached_tokens,
+                                   logprobs=[token_logprobs_from_proto(more.logprobs)] if more.HasField("logprobs")
+                                   else [])
             if not first.finish_reason:
                 async for chunk in self._decode(req, state, first_token=first):
                     yield chunk
@@ -197,23 +204,29 @@ class GrpcBackend:
             message.first_token_id = first_token.first_token_id
             if first_token.HasField("first_logprobs"):
                 message.first_logprobs.CopyFrom(first_token.first_logprobs)
+            message.more_choices.extend(first_token.more_choices)
         service = "colocated" if self.mode == "colocated" else "decode"
         tried: set[str] = set()
         while True:
             instance = pick_decode(self._with_inflight(service), exclude=tried)
             state.decode = instance.address
             received = False
+            num_open = req.params.n  # choices not finished yet: each ends with its own finished message
             try:
                 stub = decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address))
                 async for msg in stub.Generate(message, metadata=state.metadata):
                     received = True
-                    if msg.finished:
+                    num_open -= msg.finished
+                    if num_open == 0:
                         state.done = True
                     yield BackendChunk(
                         token_ids=list(msg.token_ids),
                         logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
                         finished=msg.finished, finish_reason=msg.finish_reason or None,
-                        num_cached_tokens=msg.num_cached_tokens,
+                        num_cached_tokens=msg.num_cached_tokens, index=msg.index,
+                        prompt_logprobs=[None, *(token_logprobs_from_proto(lp) for lp in msg.prompt_logprobs)]
+                        if first_token is None and req.params.prompt_logprobs is not None and msg.prompt_logprobs
+                        else None,
                     )
                 return
             except grpc.RpcError as e:
@@ -226,7 +239,12 @@ class GrpcBackend:
                                req.request_id, instance.address)
 
     async def abort(self, request_id: str) -> None:
+        """Abort a request everywhere, or one choice of an n > 1 request by its choice id (on its decode)."""
         state = self._inflight.get(request_id)
+        choice = split_choice_id(request_id) if state is None else None
+        if choice is not None:
+            await self._abort_choice(request_id, self._inflight.get(choice[0]))
+            return
         if state is None or state.done:
             return
         state.done = True
@@ -242,6 +260,15 @@ class GrpcBackend:
         for r in results:
             if isinstance(r, Exception):
                 logger.info("request %s: abort call failed: %s", request_id, r)
+
+    async def _abort_choice(self, choice_id: str, state: _InFlight | None) -> None:
+        if state is None or state.done or not state.decode:
+            return  # not decoding yet: the caller drops the choice's tokens until it is
+        try:
+            await decode_pb2_grpc.DecodeServiceStub(self._channel(state.decode)).Abort(
+                common_pb2.AbortRequest(request_id=choice_id), timeout=5, metadata=state.metadata)
+        except grpc.RpcError as e:
+            logger.info("abort of choice %s failed: %s", choice_id, e.code())  # type: ignore[attr-defined]
 
     async def _release(self, state: _InFlight) -> None:
         if state.kv_transfer and state.handoff_id:

@@ -21,6 +21,7 @@ from services.router.grpc_backend import GrpcBackend, InstanceCache
 from services.router.settings import RouterSettings
 from services.router.static_registry import StaticRegistryPoller, parse_targets
 from shared.errors import ConfigError
+from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
 from shared.registry import make_registry
 from shared.registry.base import Registry
@@ -38,6 +39,7 @@ class RouterParts:
     poller: StaticRegistryPoller | None
 
     async def stop(self) -> None:
+        await self.app.state.router.close()
         await self.cache.stop()
         if self.poller is not None:
             await self.poller.stop()
@@ -50,6 +52,7 @@ async def build(settings: RouterSettings) -> RouterParts:
 
     hf_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, hf_dir)
+    defaults = load_generation_defaults(settings.generation_config, settings.model, hf_dir)
     poller = None
     if settings.redis_url:
         registry: Registry = make_registry(settings.redis_url, settings.registry_namespace)
@@ -62,7 +65,7 @@ async def build(settings: RouterSettings) -> RouterParts:
     cache = InstanceCache(registry)
     await cache.start()
     backend = GrpcBackend(cache, settings.mode)
-    app = create_app(settings, backend, tokenizer, settings.model_name)
+    app = create_app(settings, backend, tokenizer, settings.model_name, defaults)
     return RouterParts(app, backend, cache, registry, poller)
 
 

@@ -1,37 +1,21 @@
-"""Deltas to OpenAI's response and stream-chunk shapes, for completions and chat.
+"""What every OpenAI response format shares: collected choices, token strings, usage.
 
-Streams, both kinds:   [chat: role chunk] → content chunks → finish chunk (empty delta/text,
-finish_reason) → [usage chunk: choices [] when stream_options.include_usage] → [DONE].
-Logprobs travel with the chunk of the tokens they belong to; text may lag its tokens
-(held back while a character or a possible stop string is incomplete).
+Streams, all kinds:   [chat: role chunk per choice] → content chunks (each with its choice's
+index) → a finish chunk per choice (finish_reason) → [usage chunk: choices [] when
+stream_options.include_usage] → [DONE]. Logprobs travel with the chunk of the tokens they
+belong to; text may lag its tokens (held back while a character or a possible stop string
+is incomplete).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from services.router.generation import Delta, PreparedRequest
-from services.router.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatLogprobs,
-    ChatStreamChoice,
-    Completion,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionLogprobs,
-    DeltaMessage,
-    PromptTokensDetails,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
+from services.router.shapes import PromptTokensDetails, Usage
 from shared.engine.request import TokenLogprobs
 from shared.tokenizer import token_bytes
 
@@ -39,21 +23,37 @@ MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf
 
 
 @dataclass
-class Collected:
-    """A whole (non-streamed) generation."""
+class CollectedChoice:
+    """One choice of a whole (non-streamed) generation."""
 
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_cached_tokens: int = 0
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class Collected:
+    """A whole (non-streamed) generation: its choices by index and token counts."""
+
+    choices: dict[int, CollectedChoice] = field(default_factory=dict)
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
 
     def add(self, delta: Delta) -> None:
-        self.text += delta.text
+        choice = self.choices.setdefault(delta.index, CollectedChoice())
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
+        choice.logprobs.extend(delta.logprobs)
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         self.num_tokens += len(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        self.finish_reason = delta.finish_reason or self.finish_reason
+
+    def in_order(self) -> list[tuple[int, CollectedChoice]]:
+        return sorted(self.choices.items())
 
 
 class TokenStrings:
@@ -71,12 +71,12 @@ class TokenStrings:
         return entry
 
 
-def _logprob(value: float) -> float:
+def clamp_logprob(value: float) -> float:
     return value if value > MIN_LOGPROB else MIN_LOGPROB
 
 
 def usage(prepared: PreparedRequest, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
-    num_prompt_tokens = len(prepared.prompt_token_ids)
+    num_prompt_tokens = prepared.num_prompt_tokens
     return Usage(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
@@ -85,100 +85,31 @@ def usage(prepared: PreparedRequest, num_completion_tokens: int, num_cached_toke
     )
 
 
-class _Format:
-    def __init__(self, prepared: PreparedRequest, model_name: str, strings: TokenStrings) -> None:
-        self.prepared = prepared
-        self.model_name = model_name
-        self.strings = strings
-        self.wants_logprobs = prepared.params.logprobs is not None
-
-    def _head(self) -> dict[str, Any]:
-        return {"id": self.prepared.request_id, "created": self.prepared.created, "model": self.model_name}
-
-
-class CompletionFormat(_Format):
-    """/v1/completions: `text_completion` objects, legacy logprobs (tokens, token_logprobs, ...)."""
-
-    def __init__(self, prepared: PreparedRequest, model_name: str, strings: TokenStrings) -> None:
-        super().__init__(prepared, model_name, strings)
-        self._text_offset = 0
-
-    def _logprobs(self, entries: Sequence[TokenLogprobs]) -> CompletionLogprobs | None:
-        if not self.wants_logprobs:
-            return None
-        out = CompletionLogprobs()
-        for entry in entries:
-            text = self.strings.get(entry.token_id)[0]
-            top = {self.strings.get(t)[0]: _logprob(lp) for t, lp in entry.top}
-            top.setdefault(text, _logprob(entry.logprob))  # vLLM: the chosen token is always listed
-            out.tokens.append(text)
-            out.token_logprobs.append(_logprob(entry.logprob))
-            out.top_logprobs.append(top)
-            out.text_offset.append(self._text_offset)
-            self._text_offset += len(text)
-        return out
-
-    def response(self, result: Collected) -> Completion:
-        choice = CompletionChoice(text=result.text, logprobs=self._logprobs(result.logprobs),
-                                  finish_reason=result.finish_reason)
-        return Completion(**self._head(), choices=[choice],
-                          usage=usage(self.prepared, result.num_tokens, result.num_cached_tokens))
-
-    def start_chunks(self) -> list[BaseModel]:
-        return []
-
-    def chunks(self, delta: Delta) -> list[BaseModel]:
-        out: list[BaseModel] = []
-        if delta.text or (self.wants_logprobs and delta.logprobs):
-            choice = CompletionChoice(text=delta.text, logprobs=self._logprobs(delta.logprobs))
-            out.append(CompletionChunk(**self._head(), choices=[choice]))
-        if delta.finish_reason is not None:
-            out.append(CompletionChunk(**self._head(), choices=[
-                CompletionChoice(text="", finish_reason=delta.finish_reason)]))
-        return out
-
-    def usage_chunk(self, value: Usage) -> BaseModel:
-        return CompletionChunk(**self._head(), choices=[], usage=value)
+def prompt_logprobs_json(entries: list[TokenLogprobs | None] | None, strings: TokenStrings
+                         ) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked: dict[int, tuple[float, int | None]] = {entry.token_id: (clamp_logprob(entry.logprob), None)}
+        for rank, (token_id, lp) in enumerate(entry.top, start=1):
+            ranked.setdefault(token_id, (clamp_logprob(lp), rank))
+        out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": strings.get(t)[0]}
+                    for t, (lp, rank) in ranked.items()})
+    return out
 
 
-class ChatFormat(_Format):
-    """/v1/chat/completions: `chat.completion[.chunk]` objects, `logprobs.content[]` entries."""
+class ResponseFormat(Protocol):
+    """Deltas to one endpoint's response body and stream chunks."""
 
-    def _entry(self, entry: TokenLogprobs) -> TokenLogprob:
-        text, raw = self.strings.get(entry.token_id)
-        top = []
-        for token_id, lp in entry.top:
-            top_text, top_raw = self.strings.get(token_id)
-            top.append(TopLogprob(token=top_text, logprob=_logprob(lp), bytes=top_raw))
-        return TokenLogprob(token=text, logprob=_logprob(entry.logprob), bytes=raw, top_logprobs=top)
+    def response(self, result: Collected) -> BaseModel: ...
 
-    def _logprobs(self, entries: Sequence[TokenLogprobs]) -> ChatLogprobs | None:
-        if not self.wants_logprobs:
-            return None
-        return ChatLogprobs(content=[self._entry(e) for e in entries])
+    def start_chunks(self) -> list[BaseModel]: ...
 
-    def response(self, result: Collected) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=result.text), logprobs=self._logprobs(result.logprobs),
-                            finish_reason=result.finish_reason)
-        return ChatCompletion(**self._head(), choices=[choice],
-                              usage=usage(self.prepared, result.num_tokens, result.num_cached_tokens))
+    def chunks(self, delta: Delta) -> list[BaseModel]: ...
 
-    def start_chunks(self) -> list[BaseModel]:
-        choice = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-        return [ChatCompletionChunk(**self._head(), choices=[choice])]
-
-    def chunks(self, delta: Delta) -> list[BaseModel]:
-        out: list[BaseModel] = []
-        if delta.text or (self.wants_logprobs and delta.logprobs):
-            choice = ChatStreamChoice(delta=DeltaMessage(content=delta.text), logprobs=self._logprobs(delta.logprobs))
-            out.append(ChatCompletionChunk(**self._head(), choices=[choice]))
-        if delta.finish_reason is not None:
-            out.append(ChatCompletionChunk(**self._head(), choices=[
-                ChatStreamChoice(delta=DeltaMessage(), finish_reason=delta.finish_reason)]))
-        return out
-
-    def usage_chunk(self, value: Usage) -> BaseModel:
-        return ChatCompletionChunk(**self._head(), choices=[], usage=value)
-
-
-ResponseFormat = CompletionFormat | ChatFormat
+    def usage_chunk(self, value: Usage) -> BaseModel: ...

@@ -1,17 +1,16 @@
-"""OpenAI request and response bodies, as pydantic models.
+"""OpenAI request bodies (completions, chat, tokenize), as pydantic models.
 
 Requests accept what OpenAI's API and vLLM's extensions send; unknown fields are
 ignored, as OpenAI does. Support for a field is decided when a request is prepared
-(generation.py), so that each refusal carries a clear message and `param`.
-Responses mirror OpenAI's shapes field for field (`logprobs: null`, `finish_reason:
-null` included), so the official client parses them.
+(sampling.py, endpoints/), so that each refusal carries a clear message and `param`.
+Response bodies live in shapes.py.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -24,18 +23,32 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` extra body: exactly one of the constraint fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class SamplingRequest(_Request):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the one model served
-    temperature: float | None = None
+    temperature: float | None = None  # None: the model's generation_config, else 1
     top_p: float | None = None
     top_k: int | None = None  # vLLM: 0 or -1 disables
+    min_p: float | None = None  # vLLM
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM
+    include_stop_str_in_output: bool = False  # vLLM
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     max_tokens: int | None = None
     presence_penalty: float | None = None
@@ -44,6 +57,11 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # vLLM
     min_tokens: int = 0  # vLLM
+    prompt_logprobs: int | None = None  # vLLM
+    return_token_ids: bool = False  # vLLM: the choices' token_ids and the prompt_token_ids
+    skip_special_tokens: bool = True  # vLLM
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM
     user: str | None = None
 
 
@@ -57,14 +75,44 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(_Request):
+    """One part of a message's content; only text parts reach a text-only model."""
+
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": which call this result answers
+    reasoning: str | None = None  # an assistant turn's thinking (vLLM's field)
+    reasoning_content: str | None = None  # the older name of the same
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -72,132 +120,30 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True  # vLLM
+    continue_final_message: bool = False  # vLLM
+    include_reasoning: bool = True  # vLLM: False drops the reasoning from the answer
+    thinking_token_budget: int | None = None  # vLLM: at most this many thinking tokens
 
 
-# ---- responses ------------------------------------------------------------------------------------
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a plain prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    return_token_strs: bool = False
 
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    """A streamed message fragment: only the fields it sets (OpenAI sends `{}` on the last chunk)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer
-    def _only_set(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionChunk(BaseModel):
-    """OpenAI streams completions with the same `text_completion` object as the full response."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "baton"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]

@@ -40,6 +40,20 @@ class RouterSettings(BaseSettings):
     max_stop_strings: int = Field(default=16, ge=0, le=256, description="most stop strings one request may give")
     max_stop_string_chars: int = Field(default=256, ge=1, description="longest stop string accepted")
     max_logprobs: int = Field(default=20, ge=0, le=20, description="most top logprobs one token may ask for")
+    max_n: int = Field(default=8, ge=1, le=128, description="most choices (n) one request may ask for")
+    max_prompts: int = Field(
+        default=64, ge=1, le=1024, description="most prompts (completions) or conversations (batch) in one request"
+    )
+    generation_config: str = Field(
+        default="auto", description="sampling defaults: auto (the model's generation_config), vllm (none) or a dir"
+    )
+    tool_call_parser: str = Field(
+        default="", description="how tool_choice=auto reads calls: hermes, llama3_json, pythonic, gemma4 (empty: hermes)"
+    )
+    reasoning_parser: str = Field(default="", description="think or gemma4: split reasoning from the answer (empty: off)")
+    responses_ttl_s: float = Field(default=3600.0, gt=0, description="how long /v1/responses answers stay "
+                                   "continuable by previous_response_id")
+    responses_max_stored: int = Field(default=10000, ge=1, description="without Redis: most responses kept")
     abort_timeout_s: float = Field(default=10.0, gt=0, description="time allowed for a backend abort call")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = Field(default="INFO", description="logging level name")

@@ -78,6 +78,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    p.add_argument("--tool-call-parser", default="", help="how tool_choice=auto reads calls: hermes (default), "
+                   "llama3_json, pythonic, gemma4")
+    p.add_argument("--reasoning-parser", default="", help="think or gemma4: split reasoning from answers")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: auto (the model's generation_config), vllm (none) or a directory")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per engine instance")
     p.add_argument("--kv-transfer-capacity-bytes", type=int, default=2 << 30, help="handoff store size")
@@ -145,6 +150,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     static = ",".join(f"{c.service}={c.address}" for c in stack.children)
     add("router", "router", "ROUTER", {
         **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),
+        "TOOL_CALL_PARSER": args.tool_call_parser, "REASONING_PARSER": args.reasoning_parser,
+        "GENERATION_CONFIG": args.generation_config,
         "STATIC_INSTANCES": "" if args.redis_url else static,
     }, http_port=args.port)
     return stack

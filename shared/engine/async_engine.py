@@ -5,9 +5,10 @@
          └──── per-request asyncio.Queue ◄── outputs ───────┘ (call_soon_threadsafe)
 
 One thread owns the `LLMEngine`; nothing else touches it. A caller's stream
-ends with a finished output, or raises the error that ended it. Leaving a
-stream early (client gone, task cancelled) aborts the request, which frees its
-blocks on the engine thread exactly once.
+ends with a finished output (with n > 1 choices, one per choice, each with its
+index), or raises the error that ended it. Leaving a stream early (client gone,
+task cancelled) aborts the request, which frees its blocks on the engine thread
+exactly once; aborting one choice by its own id ends that choice with "abort".
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shared.engine.choices import FirstToken
 from shared.engine.engine import LLMEngine
 from shared.engine.handoff import KVHandoff
 from shared.engine.request import RequestOutput, SamplingParams
@@ -43,9 +45,10 @@ class EngineLoad:
 class _Stream:
     """Where one request's outputs go: an asyncio queue on the caller's loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.num_open = num_choices  # choices not finished yet (engine thread's count)
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -88,7 +91,7 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last one has `finished` set."""
-        return self._run(request_id, lambda: self.engine.add_request(request_id, prompt_token_ids, params))
+        return self._run(request_id, params, lambda: self.engine.add_request(request_id, prompt_token_ids, params))
 
     async def generate_from_handoff(
         self, request_id: str, params: SamplingParams, handoff: KVHandoff
@@ -100,35 +103,37 @@ class AsyncEngine:
             if done is not None:  # the first token already ended it
                 self._deliver([done])
 
-        return self._run(request_id, admit)
+        return self._run(request_id, params, admit)
 
     async def generate_pushed(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, address: AgentAddress,
         slots: HandoffSlots,
     ) -> AsyncIterator[RequestOutput]:
         """Prefill through kv_transfer: the final output's `handoff` is the push's `PushOutcome`."""
-        return self._run(
-            request_id, lambda: self.engine.add_pushed_request(request_id, prompt_token_ids, params, address, slots))
+        return self._run(request_id, params,
+                         lambda: self.engine.add_pushed_request(request_id, prompt_token_ids, params, address, slots))
 
     async def generate_pulled(
-        self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff, address: AgentAddress
+        self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff, address: AgentAddress,
+        more_choices: Sequence[FirstToken] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Continue a request whose KV waits in kv_transfer (decode role); the stream fails if the pull does."""
+        """Continue a request whose KV waits in kv_transfer (decode role); the stream fails if the pull does.
+
+        `more_choices`: with params.n > 1, what prefill sampled for choices 1..n-1."""
 
         def admit() -> None:
-            done = self.engine.add_pulled_handoff(request_id, params, claimed, address)
-            if done is not None:
-                self._deliver([done])
+            self._deliver(self.engine.add_pulled_handoff(request_id, params, claimed, address, more_choices))
 
-        return self._run(request_id, admit)
+        return self._run(request_id, params, admit)
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self._abort_now(request_id))
 
-    def _run(self, request_id: str, admit: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    def _run(self, request_id: str, params: SamplingParams, admit: Callable[[], None]
+             ) -> AsyncIterator[RequestOutput]:
         if self._stop.is_set():
             raise UnavailableError("engine is shutting down")
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), params.n)
 
         def add() -> None:
             if request_id in self._streams:
@@ -140,19 +145,23 @@ class AsyncEngine:
                 del self._streams[request_id]
                 raise
 
-        return self._consume(request_id, stream, self._call(add))
+        return self._consume(request_id, stream, params, add)
 
     async def _consume(
-        self, request_id: str, stream: _Stream, admitted: Any
+        self, request_id: str, stream: _Stream, params: SamplingParams, add: Callable[[], None]
     ) -> AsyncIterator[RequestOutput]:
-        await admitted  # raises the engine's validation error, if any
+        if params.structured is not None:  # compiling takes a while: here, off the engine thread
+            await asyncio.to_thread(self.engine.prepare, params)
+        await self._call(add)  # raises the engine's validation error, if any
         try:
+            num_open = params.n
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
+                num_open -= item.finished
+                if num_open == 0:
                     stream.finished = True
                     return
         finally:
@@ -170,6 +179,13 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------
     def _abort_now(self, request_id: str) -> bool:
+        choice = self.engine.choices.parent_of(request_id)
+        if choice is not None:  # one choice of an n > 1 request: it ends, its siblings go on
+            found = self.engine.abort(request_id)
+            if found:
+                parent, index = choice
+                self._deliver([RequestOutput(parent, [], [], True, "abort", 0, 0, index=index)])
+            return found
         stream = self._streams.pop(request_id, None)
         found = self.engine.abort(request_id)
         if stream is not None and not stream.finished:
@@ -182,7 +198,9 @@ class AsyncEngine:
             if stream is None:
                 continue
             if out.finished:
-                del self._streams[out.request_id]
+                stream.num_open -= 1
+                if stream.num_open == 0:
+                    del self._streams[out.request_id]
             stream.put(out)
 
     def _loop(self) -> None:

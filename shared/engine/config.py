@@ -58,6 +58,9 @@ class EngineConfig:
     # None = on with CUDA, off on the CPU, where the executor needs every core for its own math and
     # the host's work between steps is ~1% of a step (bench/spec_decode.py measures both)
     async_scheduling: bool | None = None
+    # grammar fast-forward: the tokens a request's grammar forces next are drafted for free and verified in
+    # one pass (shared/spec/grammar_drafts.py); works with spec_method "none" too
+    grammar_fast_forward: bool = True
     # CUDA: replay decode steps from CUDA graphs captured at start (one per padded batch size; one KV
     # block more is allocated for padding rows). False = launch every kernel eagerly (vLLM's --enforce-eager)
     cuda_graphs: bool = True

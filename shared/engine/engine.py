@@ -38,9 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.block_pool import BlockPool
+from shared.engine.choices import ChoiceGroups, FirstToken, child_params, choice_request_id
 from shared.engine.config import EngineConfig
 from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
 from shared.engine.kv_manager import KVCacheManager
+from shared.engine.logits.grammars import GrammarCache
+from shared.engine.logits.request_state import RequestLogits
 from shared.engine.remote_kv import RemoteKV
 from shared.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from shared.engine.runner import ModelRunner, StepInputs, StepOutput
@@ -127,7 +130,9 @@ class LLMEngine:
         # fp32 caches, never match, in this process or in kv_transfer's shared pool
         salt = f"{self.loaded.identity}:{self.layout.dtype}:{self.loaded.model.weight_format.describe()}"
         self.kv = KVCacheManager(self.pool, config.block_size, hash_salt=salt.encode())
-        self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks)
+        self.grammars = GrammarCache(self.loaded.tokenizer, spec.vocab_size, self.loaded.eos_token_ids)
+        self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks,
+                                                              self.grammars)
         sched_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role,
             spec_needs_hidden=self.speculator is not None and self.speculator.uses_hidden_states,
@@ -139,6 +144,7 @@ class LLMEngine:
                                   tuple(config.aux_hidden_layers))
         if use_graphs:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
+        self.choices = ChoiceGroups()  # requests with n > 1 (shared/engine/choices.py)
         self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()
         self.remote: RemoteKV | None = None  # handoffs through kv_transfer, when a service enables them
         self._hidden: dict[str, list[torch.Tensor]] = {}
@@ -188,19 +194,52 @@ class LLMEngine:
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.scheduler.requests or any(r.request_id == request_id for r, _ in self._pending_handoffs) \
-                or (self.remote is not None and self.remote.has(request_id)):
+                or (self.remote is not None and self.remote.has(request_id)) or request_id in self.choices:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         if self.config.role == "decode":
             raise InvalidRequestError("a decode engine admits requests with their KV (add_handoff)")
         self._check_new_id(request_id)
-        self.admit_new(self._new_request(request_id, prompt_token_ids, params))
+        if params.n == 1:
+            self.admit_new(self._new_request(request_id, prompt_token_ids, params))
+            return
+        holder, followers = self._new_choices(request_id, prompt_token_ids, params)
+        self.admit_new(holder)
+        self.choices.hold(request_id, holder.request_id, followers)
+        self._release_followers()
 
-    def admit_new(self, request: Request) -> None:
-        """Hand a validated new request to the runner and the scheduler."""
-        self.runner.add_request(request.request_id, request.params.seed)
+    def _new_choices(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     first_tokens: Sequence[FirstToken] = ()) -> tuple[Request, list[Request]]:
+        """The validated requests of params.n choices: choice 0 (the holder), then its followers."""
+        requests = [self._new_request(choice_id, prompt_token_ids, child_params(params, i),
+                                      [first_tokens[i].token_id] if first_tokens else [])
+                    for i, choice_id in enumerate(self.choices.add(request_id, params.n))]
+        return requests[0], requests[1:]
+
+    def _release_followers(self) -> None:
+        """Admit the followers of n > 1 requests whose holder has entered the scheduler (or left)."""
+        def pending(holder_id: str) -> bool:
+            return holder_id not in self.scheduler.requests and (self.remote is not None and self.remote.has(holder_id))
+
+        for follower in self.choices.release(pending):
+            self.admit_new(follower, num_steps_done=len(follower.output_token_ids))
+
+    def admit_new(self, request: Request, num_steps_done: int = 0) -> None:
+        """Hand a validated new request to the runner and the scheduler (`num_steps_done`: its first tokens
+        were sampled elsewhere)."""
+        self.runner.add_request(request.request_id, request.params.seed, num_steps_done,
+                                logits=self._logits_state(request))
         self.scheduler.add_request(request)
+
+    def _logits_state(self, request: Request) -> RequestLogits | None:
+        """The request's logits-processing state (its grammar compiled now unless `prepare` did)."""
+        return self.grammars.new_state(request.request_id, request.params, request.prompt_token_ids)
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Work a request needs before it can be added, done on the caller's thread (compiling its
+        grammar); raises InvalidRequestError for what cannot be served. Thread-safe."""
+        self.grammars.prepare(params)
 
     # ---- handoffs through kv_transfer (see remote_kv.py) ----------------------------------
     def enable_remote_kv(self, push_mode: str = "layerwise", host: str = "127.0.0.1",
@@ -214,27 +253,80 @@ class LLMEngine:
         """Prefill role: compute the prompt, writing its KV into `slots` layer by layer."""
         assert self.remote is not None, "enable_remote_kv first"
         self._check_new_id(request_id)
-        self.remote.add_pushed(self._new_request(request_id, prompt_token_ids, params), address, slots)
+        if params.n == 1:
+            self.remote.add_pushed(self._new_request(request_id, prompt_token_ids, params), address, slots)
+            return
+        # n > 1: the holder ships the prompt's KV once; the followers only sample their first tokens
+        holder, followers = self._new_choices(request_id, prompt_token_ids, params)
+        holder.hand_off_always = True
+        for follower in followers:
+            follower.ships_kv = False
+        self.remote.add_pushed(holder, address, slots)
+        self.choices.hold(request_id, holder.request_id, followers)
+        self._release_followers()
 
     def add_pulled_handoff(self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff,
-                           address: AgentAddress) -> RequestOutput | None:
+                           address: AgentAddress, more_choices: Sequence[FirstToken] = ()) -> list[RequestOutput]:
         """Decode role: admit a request whose KV waits in kv_transfer's slots (pulled before it runs).
 
-        Returns its final output if the first token already ended it (nothing is pulled then).
+        `more_choices`: with params.n > 1, the first tokens prefill sampled for choices 1..n-1 (choice 0's
+        travels with the handoff). Returns the final outputs of choices their first token already ended.
         """
         assert self.remote is not None, "enable_remote_kv first"
         self._check_new_id(request_id)
         self.remote.check_compatible(claimed)
-        first = claimed.result
-        request, done = self._continue_from_first_token(request_id, claimed.spec.prompt_token_ids, params,
-                                                        first.first_token_id, first.first_logprobs)
-        if done is None:
-            self.remote.add_pulled(request, claimed, address)
+        result = claimed.result
+        firsts = [FirstToken(result.first_token_id, result.first_logprobs), *more_choices]
+        if len(firsts) != params.n:
+            raise InvalidRequestError(f"n={params.n} choices need {params.n} first tokens, got {len(firsts)}",
+                                      param="n")
+        prompt = claimed.spec.prompt_token_ids
+        if params.n == 1:
+            request, done = self._continue_from_first_token(request_id, prompt, params, firsts[0].token_id,
+                                                            firsts[0].logprobs)
+            if done is None:
+                self.remote.add_pulled(request, claimed, address)
+            return [done] if done is not None else []
+        holder, followers = self._new_choices(request_id, prompt, params, firsts)
+        return self._admit_pulled_choices(request_id, claimed, address, [holder, *followers], firsts)
+
+    def _admit_pulled_choices(self, request_id: str, claimed: ClaimedHandoff, address: AgentAddress,
+                              requests: list[Request], firsts: list[FirstToken]) -> list[RequestOutput]:
+        """The first choice that goes on pulls the KV; the other ones that go on follow it."""
+        done: list[RequestOutput] = []
+        going_on: list[Request] = []
+        for request, first in zip(requests, firsts, strict=True):
+            if first.logprobs is not None:
+                request.output_logprobs.append(first.logprobs)
+            status = request.check_stop()
+            if status is None:
+                going_on.append(request)
+                continue
+            request.status = status
+            done.append(self.choices.to_request_output(RequestOutput(
+                request.request_id, [], [], True, request.finish_reason, request.num_prompt_tokens, 0)))
+        if not going_on:
+            return done
+        holder, followers = going_on[0], going_on[1:]
+        self.runner.add_request(holder.request_id, holder.params.seed, num_steps_done=1,
+                                logits=self._logits_state(holder))
+        assert self.remote is not None
+        self.remote.add_pulled(holder, claimed, address)
+        self.choices.hold(request_id, holder.request_id, followers)
+        self._release_followers()
         return done
 
     def take_failures(self) -> list[tuple[str, BatonError]]:
-        """Requests that failed outside a step's outputs (a KV pull broke), each reported once."""
-        return self.remote.take_failures() if self.remote is not None else []
+        """Requests that failed outside a step's outputs (a KV pull broke), each reported once; a choice's
+        failure fails its whole request (its other choices are aborted)."""
+        failures = self.remote.take_failures() if self.remote is not None else []
+        out = []
+        for engine_id, error in failures:
+            request_id, _ = self.choices.failed_request_id(engine_id)
+            if request_id != engine_id:
+                self.abort(request_id)
+            out.append((request_id, error))
+        return out
 
     @property
     def hidden_width(self) -> int:
@@ -281,7 +373,7 @@ class LLMEngine:
             request.status = status
             return request, RequestOutput(request_id, [], [], True, request.finish_reason,
                                           request.num_prompt_tokens, 0)
-        self.runner.add_request(request_id, params.seed, num_steps_done=1)
+        self.runner.add_request(request_id, params.seed, num_steps_done=1, logits=self._logits_state(request))
         return request, None
 
     def _admit_handoffs(self) -> None:
@@ -298,7 +390,15 @@ class LLMEngine:
             self.scheduler.add_running(request)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request wherever it is; its blocks are freed exactly once."""
+        """Abort a request wherever it is (every choice of it, or one choice by its own id); its blocks are
+        freed exactly once."""
+        child_ids, dropped_held = self.choices.abort(request_id)
+        if not child_ids:
+            return self._abort_one(request_id)
+        found = [self._abort_one(child_id) for child_id in child_ids]
+        return any(found) or dropped_held
+
+    def _abort_one(self, request_id: str) -> bool:
         self.runner.remove_request(request_id)
         self._spec_remove(request_id)
         self._hidden.pop(request_id, None)
@@ -313,10 +413,15 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step of the loop; outputs of n > 1 requests come under the request's id with their index."""
+        return [self.choices.to_request_output(out) for out in self._step()]
+
+    def _step(self) -> list[RequestOutput]:
         released = self.remote.poll() if self.remote is not None else []
         self._admit_handoffs()
         if self.remote is not None:
             self.remote.admit_pulls()
+        self._release_followers()
         self._spec_propose()
         plan = self.scheduler.schedule()
         for request_id in plan.preempted_ids:
@@ -380,6 +485,9 @@ class LLMEngine:
                 self.remote.pusher.abort(out.request_id)  # the first token ended it: nothing to hand over
             return False
         request = self.scheduler.handoff_pending[out.request_id]
+        if not request.ships_kv:  # a follower of n > 1 choices: the holder ships the prompt's KV
+            self.scheduler.release_handoff(out.request_id)
+            return False
         hidden_states = torch.cat(hidden) if hidden else None
         if self.remote is not None and self.remote.withhold(out, request, hidden_states):
             return True
@@ -419,11 +527,12 @@ class LLMEngine:
     # ---- conveniences ---------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_handoffs) or self._in_flight is not None or (
-            self.remote is not None and self.remote.busy)
+            self.remote is not None and self.remote.busy) or self.choices.num_held > 0
 
     def run_to_completion(self, on_output: Callable[[RequestOutput], None] | None = None
                           ) -> dict[str, GenerationResult]:
-        """Step until every request has finished; results keyed by request id.
+        """Step until every request has finished; results keyed by request id (choice i > 0 of an n > 1
+        request: `choice_request_id(request_id, i)`).
 
         `on_output` sees every output as it comes (progress of long batches).
         """
@@ -432,8 +541,9 @@ class LLMEngine:
             for out in self.step():
                 if on_output is not None:
                     on_output(out)
+                key = out.request_id if out.index == 0 else choice_request_id(out.request_id, out.index)
                 res = results.setdefault(
-                    out.request_id,
+                    key,
                     GenerationResult(out.request_id, [], None, num_prompt_tokens=out.num_prompt_tokens,
                                      num_cached_tokens=out.num_cached_tokens),
                 )
@@ -448,13 +558,15 @@ class LLMEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[GenerationResult]:
-        """Run a batch of prompts to completion (continuous batching inside)."""
+        """Run a batch of prompts to completion (continuous batching inside): a result per prompt, or per
+        choice with n > 1 (a prompt's choices in a row)."""
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, param_list, strict=True):
             self.add_request(request_id, prompt, p)
         results = self.run_to_completion(on_output)
-        return [results[i] for i in ids]
+        return [results[choice_request_id(i, k) if k else i] for i, p in zip(ids, param_list, strict=True)
+                for k in range(p.n)]
 
     # ---- stats ----------------------------------------------------------------------
     @property
@@ -481,6 +593,7 @@ class LLMEngine:
 
     def check_no_leaks(self) -> None:
         assert not self.has_unfinished(), "requests still in flight"
+        self.choices.check_no_leaks()
         self.kv.check_no_leaks()
         if self.speculator is not None:
             self.speculator.check_no_leaks()

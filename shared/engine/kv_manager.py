@@ -36,8 +36,8 @@ class KVCacheManager:
         At least one token is always left to compute: the step that computes it
         samples the next token.
         """
-        if not self.pool.enable_prefix_caching:
-            return [], None
+        if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return [], None  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hit: list[int] = []

@@ -145,6 +145,11 @@ class SamplingParams:
         """Whether processing a position's logits reads the tokens emitted before it."""
         return self.penalizes or self.structured is not None or self.reasoning is not None
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits pipeline (shared/engine/logits/) has anything to do for this request."""
+        return bool(self.logit_bias) or self.needs_history
+
 
 @dataclass
 class TokenLogprobs:
@@ -195,6 +200,13 @@ class Request:
     spec_assumed_accepted: int = 0
     # one entry per planned sampling chunk whose result has not been read
     inflight: list[InFlight] = field(default_factory=list)
+    # prefill role, n > 1 (shared/engine/choices.py): the holder hands its KV off even when its first token
+    # ends it (the other choices go on from it); a follower hands off its first token only
+    hand_off_always: bool = False
+    ships_kv: bool = True
+    # params.prompt_logprobs: the logprobs of prompt tokens 1 .. P-1 (what scores token 0?), as computed
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -258,3 +270,6 @@ class RequestOutput:
     num_cached_tokens: int
     # prefill role only: the request's KV and hidden states, set when it finishes
     handoff: object | None = None
+    index: int = 0  # the choice these tokens belong to (params.n > 1; see shared/engine/choices.py)
+    # params.prompt_logprobs, on the request's first output: prompt tokens 1 .. P-1 (token 0 has none)
+    prompt_logprobs: list[TokenLogprobs] | None = None

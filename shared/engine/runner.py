@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from shared.engine.logits.processor import LogitsRows, RowGroup
+from shared.engine.logits.request_state import RequestLogits
+from shared.engine.prompt_logprobs import prompt_logprobs
 from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
 from shared.engine.scheduler import SchedulerPlan, StepResult
@@ -69,6 +72,8 @@ class StepInputs:
     # the four index lists above as device tensors (indexing with a list copies it to the device
     # and waits for that copy)
     device_index: dict[str, torch.Tensor] = field(default_factory=dict)
+    # index into plan.chunks -> the logits state of a sampling chunk's request, taken when planned
+    logits_states: dict[int, RequestLogits] = field(default_factory=dict)
     # set by `finish`: the true inputs
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -94,10 +99,12 @@ class StepOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # prefill role
     spec_hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)  # chunks with return_spec_hidden
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # chunks that asked
 
     # CUDA: pinned host copies of (emitted, num_emitted) and the event that marks them done
     _host: tuple[torch.Tensor, torch.Tensor] | None = None
     _copied: torch.cuda.Event | None = None
+    _result: StepResult | None = None  # read once; the next step's logits processing may read it first
 
     def stage_to_host(self) -> None:
         """Queue the copy of the emitted tokens to the host right behind this step's kernels (CUDA).
@@ -111,7 +118,16 @@ class StepOutput:
         self._host = (emitted, counts)
 
     def result(self) -> StepResult:
-        """Read the emitted tokens to the host: the one device-to-host copy of a step."""
+        """Read the emitted tokens to the host: the one device-to-host copy of a step.
+
+        Both threads of the zero-bubble loop may ask (the next step's logits processing and the engine);
+        whichever comes second finds it read.
+        """
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> StepResult:
         emitted_t, counts_t = self.device.emitted, self.device.num_emitted
         if self._host is not None and self._copied is not None:
             self._copied.synchronize()
@@ -123,6 +139,7 @@ class StepOutput:
             logprobs=self.logprobs,
             hidden_states=self.hidden_states,
             spec_hidden_states=self.spec_hidden_states,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -172,6 +189,7 @@ class ModelRunner:
         self.kv_cache = layout.allocate(self.device)  # KVLayout.shape
         self.sampler = Sampler(seed=seed)
         self._generators: dict[str, torch.Generator | None] = {}
+        self._logits: dict[str, RequestLogits] = {}  # requests with logits processing (shared/engine/logits/)
         self.clock = ExecutorClock()
         self.graphs: DecodeGraphs | None = None
 
@@ -186,8 +204,9 @@ class ModelRunner:
         graphs.capture(lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_cache, meta))
         self.graphs = graphs
 
-    def add_request(self, request_id: str, seed: int | None, num_steps_done: int = 0) -> None:
-        """Give a request its generator; `num_steps_done` replays draws made elsewhere.
+    def add_request(self, request_id: str, seed: int | None, num_steps_done: int = 0,
+                    logits: RequestLogits | None = None) -> None:
+        """Give a request its generator (and its logits state); `num_steps_done` replays draws made elsewhere.
 
         A seeded request that was prefilled by another engine has already taken
         one step of draws there; replaying them keeps its tokens identical to a
@@ -197,9 +216,12 @@ class ModelRunner:
         if gen is not None:
             skip_draws(gen, self.model.vocab_size, num_steps_done, self.device)
         self._generators[request_id] = gen
+        if logits is not None:
+            self._logits[request_id] = logits
 
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._logits.pop(request_id, None)  # a step in flight holds its own reference
 
     def prepare(self, plan: SchedulerPlan, prev_rows: dict[str, int] | None = None) -> StepInputs:
         """Host half of a step. `prev_rows`: the previous step's output rows, for chunks that continue it.
@@ -219,6 +241,7 @@ class ModelRunner:
         verify_rows: list[int] = []
         verify_chunks: list[int] = []
         trees: dict[int, DraftTree] = {}
+        logits_states: dict[int, RequestLogits] = {}
         max_blocks = max((len(c.block_ids) for c in plan.chunks), default=1)
         tables = torch.zeros((len(plan.chunks), max_blocks), dtype=torch.int32)
         for i, chunk in enumerate(plan.chunks):
@@ -232,6 +255,8 @@ class ModelRunner:
             assert not chunk.continues or prev_row[-1] >= 0, f"{chunk.request_id} continues no known step"
             if chunk.draft_tree is not None:
                 trees[i] = chunk.draft_tree
+            if chunk.sample and chunk.request_id in self._logits:
+                logits_states[i] = self._logits[chunk.request_id]
             if chunk.num_draft_tokens:
                 verify_rows.extend(range(len(ids) - chunk.num_draft_tokens - 1, len(ids)))
                 verify_chunks.append(i)
@@ -263,6 +288,7 @@ class ModelRunner:
             verify_rows=verify_rows,
             verify_chunks=verify_chunks,
             spec_hidden_spans=spec_spans,
+            logits_states=logits_states,
         )
         if trees:  # node j of a tree sits at slot start + j and RoPE position start + depth(j)
             inputs.tree_masks = {i: tree.ancestor_mask(dev) for i, tree in trees.items()}
@@ -331,6 +357,15 @@ class ModelRunner:
             out.hidden_states[request_id] = torch.cat(parts, dim=-1).to("cpu")  # cat copies: no view kept
         for request_id, (lo, hi) in inputs.spec_hidden_spans.items():
             out.spec_hidden_states[request_id] = hidden[lo:hi].clone()
+        lo = 0
+        for chunk, num_tokens in zip(plan.chunks, inputs.query_lens_host, strict=True):
+            if chunk.prompt_logprob_targets:
+                targets = chunk.prompt_logprob_targets
+                out.prompt_logprobs[chunk.request_id] = prompt_logprobs(
+                    self.model.compute_logits, hidden[lo : lo + len(targets)], targets, chunk.params.prompt_logprobs or 0)
+            lo += num_tokens
+        if inputs.logits_states:
+            _sync_logits_states(inputs, prev)
         below_min = self._positions_below_min(inputs, prev)
         rows: list[torch.Tensor] = []  # [n, width] blocks of emitted ids, in row order
         counts: list[torch.Tensor] = []
@@ -374,12 +409,19 @@ class ModelRunner:
         """One token per plain sampling chunk, [num_sample] on the device."""
         logits = self.model.compute_logits(hidden[inputs.device_index["sample_rows"]])  # [num_sample, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.sample_chunks]
+        rows = LogitsRows.build([RowGroup(inputs.logits_states.get(i)) for i in inputs.sample_chunks],
+                                self.model.vocab_size) if inputs.logits_states else None
+        suppress_ids = [c.suppress_token_ids for c in chunks]
+        if rows is not None:  # a grammar or a forced token decides instead of min_tokens
+            suppress_ids = [frozenset() if constrained else ids
+                            for ids, constrained in zip(suppress_ids, rows.is_constrained, strict=True)]
         sampled = self.sampler(
-            logits,
+            rows.apply(logits) if rows is not None else logits,
             [c.params for c in chunks],
             [inputs.generators[i] for i in inputs.sample_chunks],
-            [c.suppress_token_ids for c in chunks],
+            suppress_ids,
             suppress_active,
+            raw_logits=logits,
         )
         for chunk, lp in zip(chunks, sampled.logprobs, strict=True):
             if lp is not None:
@@ -391,18 +433,25 @@ class ModelRunner:
         """Rejection-sample every verification chunk's drafts against the target's logits."""
         logits = self.model.compute_logits(hidden[inputs.device_index["verify_rows"]])  # [num_verify_rows, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
+        drafts = [c.token_ids[c.num_tokens - c.num_draft_tokens :] for c in chunks]
+        rows = LogitsRows.build([RowGroup(inputs.logits_states.get(i), d, c.draft_tree)
+                                 for i, c, d in zip(inputs.verify_chunks, chunks, drafts, strict=True)],
+                                self.model.vocab_size) if inputs.logits_states else None
+        constrained = _constrained_chunks(rows, [len(d) + 1 for d in drafts])
         verify_inputs = [
             VerifyInput(
-                draft_token_ids=c.token_ids[c.num_tokens - c.num_draft_tokens :],
+                draft_token_ids=d,
                 params=c.params,
                 generator=inputs.generators[i],
-                suppress_token_ids=c.suppress_token_ids,
+                # a grammar or a forced token decides instead of min_tokens
+                suppress_token_ids=frozenset() if is_constrained else c.suppress_token_ids,
                 num_suppressed_positions=c.num_suppressed_positions,
                 tree=c.draft_tree,
             )
-            for i, c in zip(inputs.verify_chunks, chunks, strict=True)
+            for i, c, d, is_constrained in zip(inputs.verify_chunks, chunks, drafts, constrained, strict=True)
         ]
-        verified = verify_drafts(logits, verify_inputs, self.sampler, num_suppressed)
+        verified = verify_drafts(rows.apply(logits) if rows is not None else logits, verify_inputs, self.sampler,
+                                 num_suppressed, raw_logits=logits)
         for chunk, lps in zip(chunks, verified.logprobs, strict=False):  # [] when no chunk asked
             if lps:
                 out.logprobs[chunk.request_id] = lps
@@ -439,6 +488,35 @@ class ModelRunner:
             if request_id in inputs.spec_hidden_spans:
                 lo, _ = inputs.spec_hidden_spans[request_id]
                 out.spec_hidden_states[request_id] = hidden[lo + branch[n]]  # the first accepted + 1 rows count
+
+
+def _sync_logits_states(inputs: StepInputs, prev: StepOutput | None) -> None:
+    """Bring each sampling chunk's logits state to the output before its first sampled position.
+
+    A chunk that continues the previous step also follows what that step emitted: read from its
+    outputs here, after this step's forward was queued (on a GPU the read waits for that step alone).
+    """
+    for i, state in inputs.logits_states.items():
+        chunk = inputs.plan.chunks[i]
+        if not chunk.params.needs_history:
+            continue
+        history = chunk.output_token_ids[: chunk.num_known_outputs]
+        if chunk.continues:
+            assert prev is not None, f"{chunk.request_id} continues no known step"
+            history += prev.result().emitted[chunk.request_id]
+        state.sync(history)
+
+
+def _constrained_chunks(rows: LogitsRows | None, sizes: list[int]) -> list[bool]:
+    """Per chunk of `sizes` rows: whether a grammar or a forced token constrains any of its rows."""
+    if rows is None:
+        return [False] * len(sizes)
+    flags = rows.is_constrained
+    out, lo = [], 0
+    for size in sizes:
+        out.append(any(flags[lo : lo + size]))
+        lo += size
+    return out
 
 
 def _prepare_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,

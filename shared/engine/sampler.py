@@ -67,11 +67,12 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         suppress_token_ids: Sequence[Collection[int]] | None = None,
         suppress_active: torch.Tensor | None = None,
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
-            logits: raw model logits, one row per sequence.
+            logits: model logits, one row per sequence, after the logits pipeline (shared/engine/logits/).
             params: sampling parameters, one per row.
             generators: per-row generator (see `make_generator`); None uses the default generator.
             suppress_token_ids: per row, token ids forced to -inf before greedy/sampled selection
@@ -79,6 +80,7 @@ class Sampler:
                 At least one token per row must stay unsuppressed.
             suppress_active: [num_seqs] bool on the device, the rows suppress_token_ids applies to
                 (None = all).
+            raw_logits: the model's logits before the pipeline, which logprobs report (None: `logits`).
         """
         num_seqs = logits.shape[0]
         if logits.dim() != 2 or len(params) != num_seqs or len(generators) != num_seqs:
@@ -88,7 +90,8 @@ class Sampler:
             )
         if suppress_token_ids is not None and len(suppress_token_ids) != num_seqs:
             raise ValueError(f"expected {num_seqs} suppress_token_ids entries, got {len(suppress_token_ids)}")
-        logits = logits.float()  # no-op for fp32; raw logprobs below must see these unmodified values
+        logits = logits.float()  # no-op for fp32
+        raw = logits if raw_logits is None else raw_logits.float()  # logprobs report these, unmodified
 
         masked = suppress(logits, suppress_token_ids, suppress_active)
         # argmax's first-max tie rule gives the lowest id; with nothing suppressed this is torch.argmax(logits)
@@ -104,7 +107,7 @@ class Sampler:
             )
             token_ids[to_device(sampled_rows, device=logits.device)] = sampled
 
-        return SamplerOutput(token_ids=token_ids, logprobs=raw_logprobs(logits, token_ids, params))
+        return SamplerOutput(token_ids=token_ids, logprobs=raw_logprobs(raw, token_ids, params))
 
     def default_generator(self, device: torch.device) -> torch.Generator:
         """The stream unseeded rows draw from on `device` (speculative verification shares it)."""
@@ -150,12 +153,27 @@ def processed_probs(
     logits: torch.Tensor,  # [n, vocab], suppressed ids already -inf
     params: Sequence[SamplingParams],  # one per row, none greedy
 ) -> torch.Tensor:  # [n, vocab] float32
-    """The distribution plain sampling draws from: temperature, top-k, top-p, softmax."""
+    """The distribution plain sampling draws from: temperature, min-p, top-k, top-p, softmax."""
     temperature = to_device([p.temperature for p in params], dtype=torch.float32, device=logits.device)
     scaled = logits / temperature.unsqueeze(1)  # [n, vocab]
+    if any(p.min_p > 0.0 for p in params):
+        scaled = _apply_min_p(scaled, params)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         scaled = _apply_top_k_top_p(scaled, list(params))
     return torch.softmax(scaled, dim=-1)
+
+
+def _apply_min_p(
+    logits: torch.Tensor,  # [n, vocab] temperature-scaled
+    params: Sequence[SamplingParams],
+) -> torch.Tensor:  # [n, vocab] with tokens below min_p * p_max at -inf
+    """Drop tokens less likely than min_p times the most likely one (vLLM applies it after temperature).
+
+    In log space: log p_i < log min_p + log p_max  <=>  logit_i < logit_max + log(min_p).
+    """
+    min_p = to_device([p.min_p for p in params], dtype=torch.float32, device=logits.device)  # [n]
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p).unsqueeze(1)  # -inf where min_p = 0
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def suppress(

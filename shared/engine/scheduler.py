@@ -114,10 +114,18 @@ class ScheduledChunk:
     # for a chunk that continues the previous step, plus the drafts that step rejects
     num_suppressed_positions: int = 0
     return_spec_hidden: bool = False  # the proposer wants this chunk's last-layer hidden states
+    # params.prompt_logprobs: the prompt tokens this chunk's rows predict (row i scores token start_pos + i + 1)
+    prompt_logprob_targets: list[int] = field(default_factory=list)
     # zero-bubble loop: token_ids[0] is a placeholder for what the previous step emits last, and
     # start_pos assumes every draft of that step is accepted (the runner corrects both on the device)
     continues: bool = False
     epoch: int = 0  # the request's preemption count when planned: a result from an older epoch is stale
+    # logits processing that reads the output so far (penalties, grammars): the request's output list
+    # (appended to, never rewritten) and how much of it was known when planned. The history before this
+    # chunk's first sampled position is its first num_known_outputs tokens, plus (continuing chunks) what
+    # the previous step emits. Empty when the request's params do not need it.
+    output_token_ids: list[int] = field(default_factory=list)
+    num_known_outputs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -149,6 +157,8 @@ class StepResult:
     hidden_states: dict[str, Any] = field(default_factory=dict)
     # chunks with return_spec_hidden: [num_tokens, hidden], drafts included
     spec_hidden_states: dict[str, Any] = field(default_factory=dict)
+    # chunks with prompt_logprob_targets: one entry per target
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -334,6 +344,10 @@ class Scheduler:
             return_spec_hidden=self.config.spec_needs_hidden,
             continues=continues,
             epoch=request.num_preemptions,
+            prompt_logprob_targets=request.prompt_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
+            if params.prompt_logprobs is not None else [],
+            output_token_ids=request.output_token_ids if params.needs_history else [],
+            num_known_outputs=request.num_output_tokens,
         )
         request.num_computed_tokens = end + len(drafts)
         if sample:
@@ -350,6 +364,10 @@ class Scheduler:
             if not self.is_current(chunk):
                 continue  # aborted, finished or preempted since it was planned: its work is dropped
             request = self.requests[chunk.request_id]
+            prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
+            # in position order, once (a preempted request computes its prompt again)
+            if prompt_logprobs and chunk.start_pos == len(request.prompt_logprobs):
+                request.prompt_logprobs.extend(prompt_logprobs)
             if chunk.sample:
                 outputs.append(self._update_sampled(request, chunk, result))
             else:
@@ -392,7 +410,7 @@ class Scheduler:
         status = request.check_stop()
         if status is None and request.num_tokens >= self.config.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
-        if status is None and self.config.role == "prefill":
+        if self.config.role == "prefill" and (status is None or request.hand_off_always):
             status = RequestStatus.FINISHED_HANDOFF
         return status
 
@@ -407,6 +425,10 @@ class Scheduler:
 
     @staticmethod
     def _output(request: Request, token_ids: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = request.prompt_logprobs
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -415,6 +437,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- introspection ------------------------------------------------------------

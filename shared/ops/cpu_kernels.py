@@ -31,12 +31,10 @@ _built: bool | None = None
 def _build_dir() -> Path:
     from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
 
-    # keyed by the sources and where they are: two checkouts (worktrees, branches) must not rebuild over each
-    # other's library, and torch's build file names the sources by path, so the same sources elsewhere would
-    # rebuild it too
-    sources = hashlib.sha1(str(_CSRC.resolve()).encode() + b"".join(src.read_bytes() for src in _SOURCES))
-    sources_tag = sources.hexdigest()[:10]
-    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{sources_tag}"
+    # keyed by the sources and where they live too: the build files name the sources' paths, so two
+    # checkouts (worktrees, branches) sharing a directory would rebuild over each other's library in turn
+    key = hashlib.sha1(str(_CSRC.resolve()).encode() + b"".join(src.read_bytes() for src in _SOURCES + _HEADERS))
+    return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{key.hexdigest()[:10]}"
 
 
 def _cpu_flags() -> str:

@@ -71,6 +71,8 @@ class EngineServiceSettings(BaseSettings):
                                           "loop); unset = on with CUDA, off on the CPU")
     cuda_graphs: bool = Field(default=True, description="CUDA: replay decode steps from captured CUDA graphs; "
                               "false = launch kernels eagerly")
+    grammar_fast_forward: bool = Field(default=True, description="draft the tokens a request's grammar forces "
+                                       "next and verify them in one pass (structured outputs)")
 
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(
@@ -85,6 +87,7 @@ class EngineServiceSettings(BaseSettings):
             spec_disable_batch_size=self.spec_disable_batch_size, spec_tree=self.spec_tree,
             aux_hidden_layers=self.aux_hidden_layers,
             async_scheduling=self.async_scheduling, cuda_graphs=self.cuda_graphs,
+            grammar_fast_forward=self.grammar_fast_forward,
         )
 
     @property

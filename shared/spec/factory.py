@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shared.spec.grammar_drafts import MAX_FORCED_DRAFTS, GrammarDrafter
 from shared.spec.ngram import NgramProposer
-from shared.spec.proposer import Proposer
+from shared.spec.proposer import ProposalInput, Proposer
 from shared.spec.speculator import Speculator
 from shared.spec.tree import DraftTree
 
 if TYPE_CHECKING:
     from shared.engine.config import EngineConfig
+    from shared.engine.logits.grammars import GrammarCache
     from shared.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -19,12 +22,35 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_speculator"]
 
 
+class NoProposer:
+    """Proposes nothing: the speculator of an engine that drafts only what grammars force."""
+
+    proposes_ahead = True
+    proposes_nothing = True
+
+    def propose(self, requests: Sequence[ProposalInput]) -> list[list[int]]:
+        return [[] for _ in requests]
+
+
 def build_speculator(
-    config: EngineConfig, loaded: LoadedModel, max_model_len: int, num_kv_blocks: int
+    config: EngineConfig, loaded: LoadedModel, max_model_len: int, num_kv_blocks: int,
+    grammars: GrammarCache | None = None,
 ) -> Speculator | None:
-    """None when speculation is off or the role never decodes (prefill)."""
-    if config.spec_method == "none" or config.role == "prefill":
+    """None when nothing drafts (speculation and grammar fast-forward off) or the role never decodes (prefill).
+
+    `grammars`: the engine's compiled grammars, for fast-forward drafts (shared/spec/grammar_drafts.py).
+    """
+    if config.role == "prefill":
         return None
+    drafter = None
+    if config.grammar_fast_forward and grammars is not None and loaded.tokenizer is not None:
+        drafter = GrammarDrafter(grammars, loaded.tokenizer)
+    if config.spec_method == "none":
+        if drafter is None:
+            return None
+        logger.info("speculative decoding: grammar fast-forward drafts only")
+        return Speculator(NoProposer(), MAX_FORCED_DRAFTS, max_model_len, loaded.spec.vocab_size,
+                          grammar_drafter=drafter)
     proposer: Proposer
     if config.spec_method == "ngram":
         proposer = NgramProposer()
@@ -42,4 +68,4 @@ def build_speculator(
         logger.info("greedy requests draft a tree of %d nodes, %d deep", tree.num_drafts, tree.max_depth)
     return Speculator(proposer, config.num_speculative_tokens, max_model_len, loaded.spec.vocab_size,
                       hidden_window=config.spec_eagle_window, disable_batch_size=config.spec_disable_batch_size,
-                      tree=tree)
+                      tree=tree, grammar_drafter=drafter)

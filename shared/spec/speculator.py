@@ -43,6 +43,7 @@ import torch
 from shared.engine.request import Request, RequestStatus
 from shared.engine.scheduler import SchedulerPlan, StepResult
 from shared.errors import ConfigError
+from shared.spec.grammar_drafts import MAX_FORCED_DRAFTS, GrammarDrafter
 from shared.spec.proposer import ProposalInput, Proposer
 from shared.spec.tree import DraftTree
 
@@ -63,6 +64,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: accepted drafts at position j
     num_fallbacks: int = 0  # requests whose proposer failed (decoded plainly from then on)
     num_steps_over_batch_limit: int = 0  # steps run without drafts: more requests decoding than disable_batch_size
+    num_forced_drafts: int = 0  # drafts a grammar forced (fast-forward), counted in num_draft_tokens too
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -92,12 +94,16 @@ class Speculator:
         hidden_window: int = 64,
         disable_batch_size: int | None = None,
         tree: DraftTree | None = None,
+        grammar_drafter: GrammarDrafter | None = None,
     ) -> None:
+        """`grammar_drafter`: drafts what a request's grammar forces (shared/spec/grammar_drafts.py) before
+        the proposer is asked; None = off."""
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if tree is not None and not getattr(proposer, "drafts_trees", False):
             raise ConfigError(f"{type(proposer).__name__} drafts chains only: a draft tree needs an EAGLE head")
         self.proposer = proposer
+        self.grammar_drafter = grammar_drafter
         self.tree = tree
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -108,7 +114,9 @@ class Speculator:
         self.uses_hidden_states: bool = getattr(proposer, "uses_hidden_states", False)
         # reads only token ids, so it can propose past a token not read yet (the zero-bubble loop)
         self.proposes_ahead: bool = getattr(proposer, "proposes_ahead", False)
-        depth = max(num_speculative_tokens, tree.max_depth if tree is not None else 0)
+        self.proposes_nothing: bool = getattr(proposer, "proposes_nothing", False)  # grammar drafts only
+        depth = max(num_speculative_tokens, tree.max_depth if tree is not None else 0,
+                    MAX_FORCED_DRAFTS if grammar_drafter is not None else 0)
         self.stats = SpecStats(accepted_per_position=[0] * depth)
         self._hidden: dict[str, _Hidden] = {}
         self._accepted_avg: dict[str, float] = {}  # per request: running average of drafts accepted per step
@@ -160,6 +168,8 @@ class Speculator:
             return
         batch: list[tuple[Request, ProposalInput]] = []
         for request in decoding:
+            if self._grammar_drafts(request) or self.proposes_nothing:
+                continue
             if request.spec_disabled:
                 continue
             k = self.num_tokens_for(request)
@@ -185,6 +195,17 @@ class Speculator:
                 drafts = drafts[1:]
             request.spec_token_ids = drafts
             request.spec_tree = inp.tree.prefix(len(drafts)) if inp.tree is not None and drafts else None
+
+    def _grammar_drafts(self, request: Request) -> bool:
+        """Draft what the request's grammar forces next; True when it forced something."""
+        if self.grammar_drafter is None or request.params.structured is None:
+            return False
+        forced = self.grammar_drafter.propose(request, min(self._room(request)))
+        if not forced:
+            return False
+        request.spec_token_ids = forced
+        self.stats.num_forced_drafts += len(forced)
+        return True
 
     @staticmethod
     def _plan_ahead(request: Request) -> list[int]:
@@ -270,6 +291,8 @@ class Speculator:
 
     # ---- lifecycle --------------------------------------------------------------------
     def remove_request(self, request_id: str) -> None:
+        if self.grammar_drafter is not None:
+            self.grammar_drafter.remove_request(request_id)
         self._hidden.pop(request_id, None)
         self._accepted_avg.pop(request_id, None)
         remove = getattr(self.proposer, "remove_request", None)
@@ -282,3 +305,5 @@ class Speculator:
         check = getattr(self.proposer, "check_no_leaks", None)
         if check is not None:
             check()
+        if self.grammar_drafter is not None:
+            self.grammar_drafter.check_no_leaks()

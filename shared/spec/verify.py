@@ -83,18 +83,22 @@ def verify_drafts(
     inputs: Sequence[VerifyInput],
     sampler: Sampler,
     num_suppressed: torch.Tensor | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Per chunk: the emitted token ids (num_accepted + 1 of them) and their logprobs when asked.
 
-    `num_suppressed` ([num_chunks] int64 on the device) overrides `num_suppressed_positions`, when
-    only the device knows how many positions are still below min_tokens (the zero-bubble loop).
+    `logits` have been through the logits pipeline (shared/engine/logits/); `raw_logits`, the model's
+    own, are what logprobs report (None: `logits`). `num_suppressed` ([num_chunks] int64 on the device)
+    overrides `num_suppressed_positions`, when only the device knows how many positions are still below
+    min_tokens (the zero-bubble loop).
     """
     sizes = [len(v.draft_token_ids) + 1 for v in inputs]
     num_rows, vocab = logits.shape
     assert num_rows == sum(sizes), (num_rows, sizes)
     has_trees = any(v.tree is not None for v in inputs)
+    raw = logits if raw_logits is None else raw_logits
     if has_trees and not all(v.params.is_greedy for v in inputs):
-        return _verify_apart(logits, inputs, sizes, sampler, num_suppressed)
+        return _verify_apart(logits, inputs, sizes, sampler, num_suppressed, raw)
     device = logits.device
     num_seqs, max_k = len(inputs), max(sizes) - 1
     seq_of_row = to_device([i for i, size in enumerate(sizes) for _ in range(size)], device=device)
@@ -135,7 +139,7 @@ def verify_drafts(
         out = VerifyOutput(rs.token_ids, rs.num_accepted)
     if any(v.params.logprobs is not None for v in inputs):  # reads the results: a host sync
         branches = out.branch.tolist() if out.branch is not None else None
-        out.logprobs = _logprobs(logits, inputs, sizes, out.emitted(), branches)
+        out.logprobs = _logprobs(raw, inputs, sizes, out.emitted(), branches)
     return out
 
 
@@ -145,6 +149,7 @@ def _verify_apart(
     sizes: list[int],
     sampler: Sampler,
     num_suppressed: torch.Tensor | None,
+    raw_logits: torch.Tensor,
 ) -> VerifyOutput:
     """Greedy chunks (trees among them) and sampled ones verified as two batches, merged back in order."""
     device = logits.device
@@ -155,7 +160,8 @@ def _verify_apart(
         rows = to_device([starts[i] + j for i in group for j in range(sizes[i])], device=device)
         index = to_device(group, device=device)
         parts.append((index, verify_drafts(logits[rows], [inputs[i] for i in group], sampler,
-                                           num_suppressed[index] if num_suppressed is not None else None)))
+                                           num_suppressed[index] if num_suppressed is not None else None,
+                                           raw_logits[rows])))
     width = max(p.token_ids.shape[1] for _, p in parts)
     token_ids = torch.full((len(inputs), width), -1, dtype=torch.int64, device=device)
     branch = torch.zeros((len(inputs), width), dtype=torch.int64, device=device)

@@ -26,7 +26,9 @@ from typing import Any
 import xgrammar as xgr
 
 from shared.errors import InvalidRequestError
+from shared.structured.schema_fixes import bounded_strings_as_patterns
 from shared.structured.spec import GrammarSpec
+from shared.structured.utf8 import Utf8Guard
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,15 @@ class GrammarCompiler:
                                                                  stop_token_ids=stops)
         self.vocab_size = self.tokenizer_info.vocab_size
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
+        self._utf8_guard: Utf8Guard | None = None
+
+    @property
+    def utf8_guard(self) -> Utf8Guard:
+        """Masks that keep the output valid UTF-8 beside the grammar's (see utf8.py); built on first use."""
+        if self._utf8_guard is None:
+            words = xgr.get_bitmask_shape(1, self.vocab_size)[1]
+            self._utf8_guard = Utf8Guard(self.tokenizer_info.decoded_vocab, words)
+        return self._utf8_guard
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar; a spec the compiler rejects is an InvalidRequestError with its message."""
@@ -79,8 +90,8 @@ class GrammarCompiler:
         if spec.any_whitespace:
             json_options["max_whitespace_cnt"] = MAX_WHITESPACE
         if spec.kind == "json_schema":
-            _check_json(spec.source, "json_schema")
-            return self._compiler.compile_json_schema(spec.source, **json_options)
+            schema = bounded_strings_as_patterns(_check_json(spec.source, "json_schema"))
+            return self._compiler.compile_json_schema(json.dumps(schema), **json_options)
         if spec.kind == "json_object":
             return self._compiler.compile_json_schema('{"type": "object"}', **json_options)
         if spec.kind == "regex":

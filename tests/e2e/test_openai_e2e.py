@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import httpx
 import openai
@@ -123,3 +124,41 @@ def test_no_healthy_backend_is_503(disagg_stack: BatonStack, tmp_path: object) -
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_api_surface_through_the_split_path(disagg_stack: BatonStack) -> None:
+    """Content parts, the developer role, tokenize, a batch, tools (auto) and the Responses API, disaggregated."""
+    c = client(disagg_stack)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    root = disagg_stack.base_url.removesuffix("/v1")
+    parts: list[Any] = [{"role": "developer", "content": "Answer in one word."},
+                        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    plain = chat_text(c, "x", max_tokens=1)  # the model's own defaults: no sampling fields given
+    assert plain.choices[0].finish_reason == "length"
+    out = c.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    counted = httpx.post(f"{root}/tokenize", json={"messages": parts}, headers=headers, timeout=30).json()["count"]
+    assert out.usage is not None and out.usage.prompt_tokens == counted
+    conversations = [parts, [{"role": "user", "content": "Name three colors."}]]
+    batch = httpx.post(f"{disagg_stack.base_url}/chat/completions/batch", headers=headers, timeout=120, json={
+        "model": MODEL, "messages": conversations, "max_tokens": 8, "temperature": 0}).json()
+    assert [ch["message"]["content"] for ch in batch["choices"]][0] == out.choices[0].message.content
+    tools: Any = [WEATHER_TOOL]
+    called = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=tools, max_tokens=60, temperature=0)
+    for call in called.choices[0].message.tool_calls or []:
+        assert isinstance(json.loads(call.function.arguments), dict)  # type: ignore[union-attr]
+    response = c.responses.create(model=MODEL, input="What is the capital of France?", instructions="Be brief.",
+                                  max_output_tokens=12, temperature=0)
+    streamed = [e for e in c.responses.create(model=MODEL, input="What is the capital of France?",
+                                              instructions="Be brief.", max_output_tokens=12, temperature=0,
+                                              stream=True)]
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == response.output_text
+    follow = c.responses.create(model=MODEL, input="And of Spain?", previous_response_id=response.id,
+                                max_output_tokens=4, temperature=0)
+    assert follow.usage is not None and response.usage is not None
+    assert follow.usage.input_tokens > response.usage.input_tokens

@@ -104,6 +104,16 @@ def tiny_loaded(family: str = "llama", seed: int = 0, device: str = TEST_DEVICE,
     return loaded, hf
 
 
+def tiny_loaded_with_tokenizer(family: str = "llama", seed: int = 0, **overrides: Any) -> tuple[LoadedModel, Any]:
+    """A tiny model over the byte-level test tokenizer (tests/helpers/tokenizers.py): grammars and templates
+    need real token strings. Its vocabulary is the tokenizer's 259 ids, eos id 1."""
+    from tests.helpers.tokenizers import BYTE_VOCAB, byte_tokenizer
+
+    loaded, hf = tiny_loaded(family, seed, vocab_size=BYTE_VOCAB, **overrides)
+    loaded.tokenizer = byte_tokenizer()
+    return loaded, hf
+
+
 def tiny_engine(loaded: LoadedModel, **config: Any) -> LLMEngine:
     kw: dict[str, Any] = dict(model=loaded.name, block_size=4, num_kv_blocks=256, max_model_len=512,
                               device=TEST_DEVICE)

@@ -24,10 +24,12 @@ MODEL = "baton-test"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 DONE_CHUNK = BackendChunk([28], finished=True, finish_reason="length")
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 def make_app(tokenizer: Any, backend: Any, **settings: Any) -> Any:
-    return create_app(RouterSettings(max_model_len=64, **settings), backend, tokenizer, MODEL)
+    return create_app(RouterSettings(**{"max_model_len": 64, **settings}), backend, tokenizer, MODEL)
 
 
 def client(app: Any) -> httpx.AsyncClient:
@@ -46,8 +48,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 BAD_BODIES = [
-    ("/v1/completions", {**COMPLETION, "n": 2}, "n"),
-    ("/v1/chat/completions", {**CHAT, "n": 3}, "n"),
+    ("/v1/completions", {**COMPLETION, "n": 0}, "n"),
     ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature"),
     ("/v1/completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {**COMPLETION, "top_p": 0}, "top_p"),
@@ -58,18 +59,38 @@ BAD_BODIES = [
     ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, "stop"),
     ("/v1/completions", {**COMPLETION, "stop": ["x"] * 17}, "stop"),
-    ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 65}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, -2]}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [10**12]}, "prompt"),
     ("/v1/completions", {"model": MODEL}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {**COMPLETION, "presence_penalty": 5}, "presence_penalty"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 200}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {str(10**9): 1}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "min_p": 2}, "min_p"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
+        "name": "not_there"}}}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "n": 9}, "n"),
+    ("/v1/chat/completions", {**CHAT, "thinking_token_budget": 10}, "thinking_token_budget"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 100}, "max_completion_tokens"),  # 100 > context 64
     ("/v1/completions", {**COMPLETION, "prompt": "word " * 80}, "prompt"),  # prompt alone overflows
 ]
@@ -174,7 +195,7 @@ async def test_metrics_count_statuses(smol_tokenizer: Any) -> None:
     async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:
         await http.post("/v1/chat/completions", json=CHAT)
         await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
-        await http.post("/v1/chat/completions", json={**CHAT, "n": 2})
+        await http.post("/v1/chat/completions", json={**CHAT, "n": 9})  # over max_n
         text = (await http.get("/metrics")).text
     assert 'baton_requests_total{status="200"} 2.0' in text
     assert 'baton_requests_total{status="400"} 1.0' in text
@@ -199,3 +220,41 @@ def test_client_disconnect_aborts_backend_request(smol_tokenizer: Any, stream: b
             wait_until(lambda: len(backend.requests) == 1, 5.0)
             request_id = backend.requests[0].request_id
         wait_until(lambda: request_id in backend.aborted, 5.0, lambda: f"aborted: {backend.aborted}")
+
+
+def scripted_text(tokenizer: Any, text: str, pieces: int = 7) -> ScriptedBackend:
+    """A backend that writes `text` (in token chunks) and stops as if on eos."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    size = max(1, len(ids) // pieces)
+    chunks = [BackendChunk(ids[i:i + size]) for i in range(0, len(ids), size)]
+    chunks[-1] = BackendChunk(chunks[-1].token_ids, finished=True, finish_reason="stop")
+    return ScriptedBackend(chunks)
+
+
+async def test_reasoning_and_tool_call_stream_in_openai_shape(smol_tokenizer: Any) -> None:
+    """The parsers behind the HTTP layer: reasoning deltas, a call's id/type/name first, then arguments."""
+    text = '<think>The user wants weather.</think>\n\nChecking.<tool_call>\n{"name": "get_weather", ' \
+           '"arguments": {"city": "Lund"}}\n</tool_call>'
+    body = {**CHAT, "max_tokens": 60, "tools": [TOOL]}
+    app = make_app(smol_tokenizer, scripted_text(smol_tokenizer, text), reasoning_parser="think", max_model_len=512)
+    async with client(app) as http:
+        full = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        events = [json.loads(line[6:]) for line in (await http.post(
+            "/v1/chat/completions", json={**body, "stream": True})).text.splitlines()
+            if line.startswith("data: {")]
+        hidden = (await http.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()
+    assert full["finish_reason"] == "tool_calls"
+    message = full["message"]
+    assert message["reasoning"] == "The user wants weather." and message["content"] == "Checking."
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+            ] == [("function", "get_weather", {"city": "Lund"})]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert calls[0]["id"] and calls[0]["type"] == "function" and calls[0]["function"] == {
+        "name": "get_weather", "arguments": ""}
+    assert all("id" not in tc and "name" not in tc["function"] for tc in calls[1:])
+    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"city": "Lund"}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert "reasoning" not in hidden["choices"][0]["message"]

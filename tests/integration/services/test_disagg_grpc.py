@@ -81,6 +81,29 @@ def run(coro_fn: Any) -> Any:
     return asyncio.run(main())
 
 
+async def backend_for(stack: Stack, dead_prefill: str | None = None) -> Any:
+    """The router's gRPC backend over the stack's instances (and a dead prefill listed first, if given)."""
+    import time
+
+    from services.router.grpc_backend import GrpcBackend, InstanceCache
+    from shared.registry.base import InstanceInfo, Load
+    from shared.registry.memory_registry import MemoryRegistry
+
+    registry = MemoryRegistry()
+
+    def info(service: str, instance_id: str, address: str) -> InstanceInfo:
+        return InstanceInfo(service, instance_id, address, "", MODEL, Load(0, 0, 100, 100), time.time())
+
+    if dead_prefill is not None:
+        await registry.register(info("prefill", "a-dead", dead_prefill), 60)
+    await registry.register(info("prefill", "b-live", stack.prefill.address), 60)
+    await registry.register(info("decode", "d", stack.decode.address), 60)
+    await registry.register(info("kv_transfer", "kv", stack.kv.address), 60)
+    cache = InstanceCache(registry)
+    await cache.refresh()
+    return GrpcBackend(cache)
+
+
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about rain.",
              "What is 12 times 12?"]
 
@@ -162,12 +185,7 @@ def test_errors_are_grpc_statuses() -> None:
 
 def test_router_backend_retries_a_dead_prefill_elsewhere() -> None:
     """The registry lists a dead prefill first; the request still succeeds on the live one."""
-    import time
-
     from services.router.backend import BackendRequest
-    from services.router.grpc_backend import GrpcBackend, InstanceCache
-    from shared.registry.base import InstanceInfo, Load
-    from shared.registry.memory_registry import MemoryRegistry
     from tests.helpers.redis_server import free_port
 
     prompt = encode_prompt(packaged(MODEL).tokenizer, "What is the capital of France?", chat=True)
@@ -175,18 +193,7 @@ def test_router_backend_retries_a_dead_prefill_elsewhere() -> None:
     expected = packaged_engine(MODEL, max_model_len=1024).generate([prompt], params)[0].token_ids
 
     async def body(stack: Stack) -> list[int]:
-        registry = MemoryRegistry()
-
-        def info(service: str, instance_id: str, address: str) -> InstanceInfo:
-            return InstanceInfo(service, instance_id, address, "", MODEL, Load(0, 0, 100, 100), time.time())
-
-        await registry.register(info("prefill", "a-dead", f"127.0.0.1:{free_port()}"), 60)
-        await registry.register(info("prefill", "b-live", stack.prefill.address), 60)
-        await registry.register(info("decode", "d", stack.decode.address), 60)
-        await registry.register(info("kv_transfer", "kv", stack.kv.address), 60)
-        cache = InstanceCache(registry)
-        await cache.refresh()
-        backend = GrpcBackend(cache)
+        backend = await backend_for(stack, dead_prefill=f"127.0.0.1:{free_port()}")
         tokens: list[int] = []
         async for chunk in backend.generate(BackendRequest("retry-1", prompt, params)):
             tokens.extend(chunk.token_ids)

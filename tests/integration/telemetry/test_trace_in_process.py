@@ -123,7 +123,7 @@ def test_one_trace_spans_router_prefill_kv_transfer_decode(spans: InMemorySpanEx
         # one trace, one request id, four services (one instrumentation scope each)
         assert {a[name][REQUEST_ID] for name in (ROUTER_SPAN, *SERVICE_SPANS)} == {request_id}
         assert {s.instrumentation_scope.name for s in trace_spans if s.instrumentation_scope} == {
-            "services.router.app", "services.prefill.server", "services.kv_transfer.server",
+            "services.router.serving", "services.prefill.server", "services.kv_transfer.server",
             "services.decode.server",
         }
         assert {s.kind for s in (router, prefill, put, decode, claim)} == {SpanKind.SERVER}

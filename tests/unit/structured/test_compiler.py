@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import xgrammar as xgr
 
 from shared.errors import InvalidRequestError
@@ -81,3 +82,28 @@ def test_spec_validation() -> None:
         GrammarSpec("yaml", "x")
     with pytest.raises(InvalidRequestError, match="non-empty source"):
         GrammarSpec("regex")
+
+
+def test_length_bounded_strings_never_hold_raw_control_characters(compiler: GrammarCompiler) -> None:
+    """xgrammar's own bounded strings admit a raw form feed (mlc-ai/xgrammar#800): ours must not."""
+    spec = GrammarSpec("json_schema", '{"type": "object", "properties": {"s": {"type": "string", "minLength": 1, '
+                                      '"maxLength": 3}}, "required": ["s"]}')
+    matcher = _walk(compiler, spec, '{"s": "')
+    for byte in range(0x20):
+        assert not matcher.accept_token(3 + byte), hex(byte)
+    matcher = _walk(compiler, spec, '{"s": "abc')
+    assert not matcher.accept_token(3 + ord("d"))  # the bound still holds
+    assert matcher.accept_token(3 + ord('"'))
+
+
+def test_utf8_guard_refuses_overlong_and_surrogate_forms(compiler: GrammarCompiler) -> None:
+    """xgrammar takes E0 8B B7 (overlong) and ED A0 80 (a surrogate) for characters; the guard does not."""
+    guard = compiler.utf8_guard
+    for lead, bad, good in [(0xE0, 0x8B, 0xA0), (0xED, 0xA0, 0x9F), (0xF0, 0x8F, 0x90), (0xF4, 0x90, 0x8F)]:
+        row = torch.full((xgr.get_bitmask_shape(1, compiler.vocab_size)[1],), -1, dtype=torch.int32)
+        guard.restrict(3 + lead, row)
+        allowed = {i for i in range(compiler.vocab_size) if (int(row[i // 32]) >> (i % 32)) & 1}
+        assert 3 + good in allowed and 3 + bad not in allowed and 3 + ord("a") not in allowed, hex(lead)
+    row = torch.full((8,), -1, dtype=torch.int32)
+    guard.restrict(3 + 0xC3, row)  # an ordinary lead byte: the grammar's own mask stands
+    assert row.tolist() == [-1] * 8

@@ -1,0 +1,99 @@
+"""Chat messages as the API sends them, to the dicts chat templates read, and the prompt's tokens.
+
+    content: "text" | [{"type": "text", "text": ...}, ...]   text parts joined with "\\n";
+             an image, audio or file part is a 400 (this model reads text only)
+    role "developer" ──► "system" (what OpenAI's newer clients send for instructions)
+    assistant tool_calls ──► [{"id", "type": "function", "function": {"name", "arguments": {object}}}]
+             (templates iterate the arguments as a mapping; a JSON string is parsed)
+    assistant reasoning / reasoning_content ──► "reasoning_content" (the name templates read)
+
+A template that does not render tools gets baton's default tool prompt (tool_prompt.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from services.router.model_context import ModelContext
+from services.router.protocol import ChatMessage, ContentPart, ToolCall
+from services.router.tool_prompt import template_supports_tools, with_default_tool_prompt
+from shared.errors import InvalidRequestError
+from shared.tokenizer import render_chat
+
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def content_text(content: str | Sequence[ContentPart] | None, param: str = "messages") -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type not in TEXT_PART_TYPES:
+            raise InvalidRequestError(
+                f"this model reads text only: a {part.type!r} content part cannot be given to it", param=param)
+        if part.text is None:
+            raise InvalidRequestError(f"a {part.type!r} content part needs its text", param=param)
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _arguments(call: ToolCall) -> dict[str, Any]:
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"tool call {call.function.name!r} has arguments that are not JSON: {e}",
+                                      param="messages") from None
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"tool call {call.function.name!r} arguments must be a JSON object",
+                                  param="messages")
+    return arguments
+
+
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                             "content": content_text(message.content)}
+    if message.name:
+        entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {"id": call.id or f"call_{i}", "type": "function",
+             "function": {"name": call.function.name, "arguments": _arguments(call)}}
+            for i, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if reasoning is not None:
+        entry["reasoning_content"] = reasoning
+    return entry
+
+
+def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    return [message_dict(m) for m in messages]
+
+
+def render_prompt(
+    model: ModelContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
+    add_generation_prompt: bool = True, continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The conversation as the model's template writes it (tools through the default prompt if need be)."""
+    template = getattr(model.tokenizer, "chat_template", None)
+    has_tool_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if (tools or has_tool_history) and template and not template_supports_tools(template):
+        messages, tools = with_default_tool_prompt(messages, tools), None
+    return render_chat(model.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+
+
+def encode_rendered(model: ModelContext, text: str) -> list[int]:
+    token_ids = list(model.tokenizer(text, add_special_tokens=False).input_ids)
+    if not token_ids:
+        raise InvalidRequestError("the rendered conversation is empty", param="messages")
+    return token_ids
