@@ -232,7 +232,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/cuda_loop.py needs a CUDA device (or --device cpu for a smoke run)")
-    from shared.engine.config import DTYPES
+    from shared.engine.precision import DTYPES
 
     loaded = random_loaded(DTYPES[args.dtype], args.layers, args.device)
     args.out.mkdir(parents=True, exist_ok=True)

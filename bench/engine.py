@@ -14,6 +14,11 @@ run right after it, is less exposed to the machine drifting between repeats.
 Writes JSON to bench/results/ and prints it as the last line.
 
     python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 5] [--quick]
+                           [--dtype float32|bfloat16] [--kv-cache-dtype auto|float32|bfloat16]
+                           [--quantization none|int8|gguf]
+
+The roofline counts the bytes baton's decode step reads in the precision run (bf16 weights: half of fp32's;
+quantized: the packed blocks); transformers always runs fp32.
 """
 
 from __future__ import annotations
@@ -118,6 +123,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timings of each system per batch, alternating")
     parser.add_argument("--quick", action="store_true", help="32 new tokens, one timing each")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     new_tokens = 32 if args.quick else args.new_tokens
@@ -126,7 +134,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     log(f"loading {args.model} ...")
-    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=512 << 20))
+    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=512 << 20,
+                                    dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                    quantization=args.quantization))
     tokenizer = engine.loaded.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(engine.loaded.hf_dir, dtype=torch.float32).eval()
     chat = engine.loaded.chat_template is not None
@@ -163,7 +173,9 @@ def main() -> None:
     bandwidth = statistics.median(bandwidths) if bandwidths else read_bandwidth_gbs()
     roofline = bandwidth * 1e9 / wbytes
     result = {
-        "bench": "engine", "model": args.model, "dtype": "float32", "machine": machine(),
+        "bench": "engine", "model": args.model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization, "precision": engine.precision.describe(),
+        "weights": engine.loaded.model.weight_format.describe(), "machine": machine(),
         "read_bandwidth_gbs": bandwidth, "read_bandwidth_runs_gbs": bandwidths, "weight_bytes": wbytes,
         "roofline_batch1_tok_s": roofline,
         "rows": rows,

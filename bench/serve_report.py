@@ -130,20 +130,25 @@ def experiment_tables(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(result: dict[str, Any], readme: Path) -> None:
-    """Replace the tables this run has between their markers (appended, with the markers, when absent)."""
+def write_block(readme: Path, marker: str, body: str) -> None:
+    """Replace the text between `<!-- {marker}:begin -->` and `end -->` (appended, with the markers, when
+    absent); the rest of the README is left as written."""
     text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    readme.write_text(text)
+    logger.info("updated %s (%s)", readme, marker)
+
+
+def update_readme(result: dict[str, Any], readme: Path) -> None:
+    """Replace the tables this run has between their markers."""
     blocks = {"compare": compare_tables(result) if result["systems"] else None,
               "goodput": experiment_tables(result) if "goodput_experiment" in result else None}
     for name, body in blocks.items():
-        if body is None:
-            continue
-        begin, end = f"<!-- serve:{name}:begin -->", f"<!-- serve:{name}:end -->"
-        block = f"{begin}\n{body}\n{end}"
-        if begin in text and end in text:
-            head, rest = text.split(begin, 1)
-            text = head + block + rest.split(end, 1)[1]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block + "\n"
-    readme.write_text(text)
-    logger.info("updated %s", readme)
+        if body is not None:
+            write_block(readme, f"serve:{name}", body)

@@ -27,8 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.engine.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, resolve_precision
 from shared.errors import ConfigError, UnavailableError
 from shared.models.loader import DEFAULT_CACHE_DIR, check_checkpoint
+from shared.models.weight_format import QUANTIZATIONS
 
 HOST = "127.0.0.1"
 
@@ -88,6 +90,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per engine instance")
     p.add_argument("--kv-transfer-capacity-bytes", type=int, default=2 << 30, help="handoff store size")
     p.add_argument("--torch-threads", type=int, default=0, help="per engine process; 0 = cores / engines")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="weights (CPU: activations stay fp32); auto = the fastest whose fidelity bound holds")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                   help="KV cache and handoffs; auto = the weights' dtype")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="int8 per channel, or gguf: a GGUF model's projections in the file's own blocks")
     p.add_argument("--state-dir", type=Path, default=Path(".baton"))
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -112,7 +120,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
     common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
               "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir)}
-    engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads)}
+    engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads),
+                     "DTYPE": args.dtype, "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANTIZATION": args.quantization}
     stack = Stack()
 
     def add(name: str, service: str, prefix: str, values: dict[str, str], http_port: int | None = None) -> Child:
@@ -218,6 +227,14 @@ def stop_children(stack: Stack, grace_s: float = 20.0) -> None:
 def run_up(args: argparse.Namespace) -> int:
     # convert a GGUF once here, not in every child at once; a checkpoint that cannot load fails here
     check_checkpoint(args.model, args.cache_dir)
+    try:
+        precision = resolve_precision(args.dtype, args.kv_cache_dtype, "cpu")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    weights = precision.describe() if args.quantization == "none" else \
+        f"{args.quantization} projections; {precision.describe()}"
+    print(f"baton: precision (--dtype {args.dtype}, --kv-cache-dtype {args.kv_cache_dtype}, --quantization "
+          f"{args.quantization}): {weights}", flush=True)
     stack = plan_stack(args)
     stopping = False
 

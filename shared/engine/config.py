@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from shared.engine.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, Precision, resolve_precision
 from shared.models.loader import DEFAULT_CACHE_DIR
+from shared.models.weight_format import QUANTIZATIONS, WeightFormat
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPEC_METHODS = ("none", "ngram", "draft", "eagle", "gemma4_assistant")
 
@@ -29,7 +30,9 @@ class EngineConfig:
     max_model_len: int | None = 8192  # capped at the model's own limit
     enable_prefix_caching: bool = True
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # vLLM's --dtype: auto | float32 | bfloat16 | float16 (shared/engine/precision.py)
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (= the weights') | float32 | bfloat16
+    quantization: str = "none"  # vLLM's --quantization: none | int8 | gguf (shared/models/weight_format.py)
     attention_backend: str = "auto"  # auto: Triton on CUDA, C++ decode kernel + torch reference on the CPU
     seed: int = 0
     cache_dir: Path = field(default=DEFAULT_CACHE_DIR)
@@ -70,8 +73,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization != "none" and self.device.startswith("cuda"):
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU kernels only")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}")
         if self.spec_method not in SPEC_METHODS:
@@ -90,5 +99,16 @@ class EngineConfig:
             raise ValueError(f"spec_draft_num_layers must be >= 1, got {self.spec_draft_num_layers}")
 
     @property
+    def precision(self) -> Precision:
+        """Weights, KV cache and activations' dtypes, `auto` resolved for the device."""
+        return resolve_precision(self.dtype, self.kv_cache_dtype, self.device)
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """How the projections are stored (the GGUF codes themselves are read by the loader)."""
+        return WeightFormat(self.precision.weights, self.quantization)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The dtype the model computes in (activations)."""
+        return self.precision.compute

@@ -97,18 +97,28 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         attention = pick_attention(config.attention_backend, config.device)
+        self.precision = config.precision
+        logger.info("precision (--dtype %s, --kv-cache-dtype %s, --quantization %s): %s", config.dtype,
+                    config.kv_cache_dtype, config.quantization, self.precision.describe())
         self.loaded = loaded or load_model(
-            config.model, attention, config.device, config.torch_dtype, config.cache_dir, config.max_model_len,
-            decodes=config.role != "prefill",
+            config.model, attention, config.device, self.precision.compute, config.cache_dir, config.max_model_len,
+            decodes=config.role != "prefill", weight_format=config.weight_format,
         )
+        if self.loaded.model.weight_format != config.weight_format:
+            raise ConfigError(f"the model given holds {self.loaded.model.weight_format.describe()} weights; "
+                              f"--dtype {config.dtype} --quantization {config.quantization} asks for "
+                              f"{config.weight_format.describe()}")
         spec = self.loaded.spec
         self.max_model_len = min(spec.max_positions, config.max_model_len or spec.max_positions)
         # decode batches replay CUDA graphs whose padding rows write into one more block, which the
         # pool never hands out; layer groups (Gemma 4) replay none
         use_graphs = config.cuda_graphs and config.device.startswith("cuda") and config.role != "prefill" \
             and (len(kv_groups(spec.kv_layers)) == 1 or not config.kv_layer_groups)
-        self.layout, self.pool, self.kv = build_kv_cache(config, spec.kv_layers, self.loaded.identity,
-                                                         self.max_model_len, int(use_graphs))
+        # prefix hashes name the model and its precision too: blocks of two models, or of one model's bf16 and
+        # fp32 caches, never match, in this process or in kv_transfer's shared pool
+        salt = f"{self.loaded.identity}:{self.precision.kv_cache}:{self.loaded.model.weight_format.describe()}"
+        self.layout, self.pool, self.kv = build_kv_cache(config, spec.kv_layers, salt, self.max_model_len,
+                                                         int(use_graphs))
         num_blocks = self.pool.num_blocks
         self.grammars = GrammarCache(self.loaded.tokenizer, spec.vocab_size, self.loaded.eos_token_ids)
         self.speculator: Speculator | None = build_speculator(config, self.loaded, self.max_model_len, num_blocks,

@@ -35,7 +35,7 @@ def _window_blocks(config: EngineConfig, group: KVGroup) -> int:
 def group_blocks(config: EngineConfig, layers: tuple[LayerKV, ...]) -> list[int]:
     """Blocks of each group's pool (NULL blocks not counted) for the config's KV budget."""
     groups = kv_groups(layers)
-    one = KVLayout.of(layers, 1, config.block_size, config.torch_dtype)
+    one = KVLayout.of(layers, 1, config.block_size, config.precision.kv_cache)
     unit = [one.unit_nbytes(g) for g in range(len(groups))]
     wanted = [_window_blocks(config, g) for g in groups[1:]]
     if config.num_kv_blocks:
@@ -47,16 +47,16 @@ def group_blocks(config: EngineConfig, layers: tuple[LayerKV, ...]) -> list[int]
     return [n0, *(min(n0, n) for n in wanted)]
 
 
-def build_kv_cache(config: EngineConfig, layers: tuple[LayerKV, ...], identity: str, max_model_len: int,
+def build_kv_cache(config: EngineConfig, layers: tuple[LayerKV, ...], salt: str, max_model_len: int,
                    scratch_blocks: int = 0) -> tuple[KVLayout, BlockPool, KVCacheManager]:
     """(layout, group 0's pool, the manager). `scratch_blocks`: blocks past group 0's pool that no request
-    owns (CUDA graphs' padding rows write there)."""
+    owns (CUDA graphs' padding rows write there). `salt`: what prefix hashes name besides the tokens."""
     if not config.kv_layer_groups:
         layers = tuple(replace(g, sliding_window=None) for g in layers)
     groups = kv_groups(layers)
     if len(groups) == 1:
         n0 = config.num_kv_blocks or KVLayout.blocks_for_bytes_of(layers, config.kv_cache_bytes, config.block_size,
-                                                                  config.torch_dtype)
+                                                                  config.precision.kv_cache)
         counts = [n0]
     else:
         counts = group_blocks(config, layers)
@@ -65,15 +65,13 @@ def build_kv_cache(config: EngineConfig, layers: tuple[LayerKV, ...], identity: 
         raise ConfigError(f"KV cache holds {n0 * config.block_size} tokens, less than max_model_len "
                           f"{max_model_len}: raise kv_cache_bytes or lower max_model_len")
     pools = [BlockPool(n, config.enable_prefix_caching) for n in counts]
-    # prefix hashes name the model too: blocks of two models never match, in this process or another
-    salt = identity.encode()
     if len(groups) == 1:
-        layout = KVLayout.of(layers, n0 + scratch_blocks, config.block_size, config.torch_dtype)
-        return layout, pools[0], KVCacheManager(pools[0], config.block_size, hash_salt=salt)
+        layout = KVLayout.of(layers, n0 + scratch_blocks, config.block_size, config.precision.kv_cache)
+        return layout, pools[0], KVCacheManager(pools[0], config.block_size, hash_salt=salt.encode())
     # each sliding pool has one more block: NULL, what a table names before the window
     layout = KVLayout.of(layers, [n0 + scratch_blocks, *(n + 1 for n in counts[1:])], config.block_size,
-                         config.torch_dtype)
+                         config.precision.kv_cache)
     logger.info("KV layer groups: %s", ", ".join(
         f"{len(g.layers)} layers {'keeping every block' if g.sliding_window is None else f'of window {g.sliding_window}'}"
         f" x {n} blocks" for g, n in zip(groups, counts, strict=True)))
-    return layout, pools[0], HybridKVCacheManager(pools, groups, config.block_size, hash_salt=salt)
+    return layout, pools[0], HybridKVCacheManager(pools, groups, config.block_size, hash_salt=salt.encode())

@@ -8,7 +8,7 @@ formula) so our logits match theirs for the same weights.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from shared.errors import ConfigError
 from shared.kv.layout import LayerKV
 from shared.ops.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from shared.models.weight_format import WeightFormat
 
 # attention(query, key, value, k_cache, v_cache, meta, scale, sliding_window) -> out
 AttentionFn = Callable[..., torch.Tensor]
@@ -44,6 +47,7 @@ class PagedCausalLM(Protocol):
     vocab_size: int
     device: torch.device
     dtype: torch.dtype
+    weight_format: WeightFormat  # how the projections are stored (--dtype, --quantization)
 
     def forward(
         self,

@@ -7,9 +7,10 @@ the same tensors, so it changes no bit (tested against `DecoderLM._layer`); it
 is to the CPU what CUDA graphs are to a GPU's launches.
 
 It is built once per model, from the model's own tensors, where every op of a
-layer has its CPU kernel: fp32 on the CPU with the fused norm / RoPE / SiLU ops,
-the C++ attention, and a GEMV copy of every projection (so not in prefill
-engines, which keep none). A step runs it when the kernels take the step whole:
+layer has its CPU kernel: fp32 activations on the CPU with the fused norm /
+RoPE / SiLU ops, the C++ attention (over an fp32 or bf16 cache), and every
+projection packed for a GEMV kernel: an fp32 GEMV copy (not in prefill engines,
+which keep none), bf16 weights or quantized blocks. A step runs it when the kernels take the step whole:
 at most `GEMV_MAX_ROWS` tokens, every sequence's rows for the attention kernel
 (decodes and short verify chunks), and nobody asking for per-layer hooks.
 `BATON_CPU_LAYER_LOOP=0` turns it off.
@@ -46,8 +47,8 @@ class CpuLayerLoop:
         none = torch.empty(0)
         for layer in model.layers:
             for w in _projections(layer):
-                assert w.gemv is not None
-                packed.append(w.gemv)
+                assert w.packed is not None
+                packed.append(w.packed)
                 out_features.append(w.out_features)
                 k_blocks.append(w.gemv_k_block)
             # in DecoderLayers::Norm's order
@@ -73,7 +74,7 @@ class CpuLayerLoop:
                 or model.attention is not paged_attention_cpu or not cpu_kernel_available()
                 or model._act_mul not in (silu_mul_cpu, gelu_tanh_mul)):
             return None
-        if any(w.gemv is None for layer in model.layers for w in _projections(layer)):
+        if any(w.packed is None for layer in model.layers for w in _projections(layer)):
             return None
         return CpuLayerLoop(model, gelu_tanh=model._act_mul is gelu_tanh_mul)
 

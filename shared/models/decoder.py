@@ -34,6 +34,7 @@ from shared.models.common import (
     take,
 )
 from shared.models.cpu_layer_loop import CpuLayerLoop
+from shared.models.weight_format import WeightFormat
 from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
 from shared.ops.cpu_attention import write_kv_cpu
 from shared.ops.cpu_kernels import cpu_kernels_available
@@ -102,6 +103,7 @@ class DecoderLM:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         decodes: bool = True,  # False (a prefill engine): projections only ever see prompt chunks
+        weight_format: WeightFormat | None = None,  # how projections are stored; None = as `dtype`
     ) -> None:
         self.spec = spec
         self.attention = attention
@@ -121,11 +123,14 @@ class DecoderLM:
             w = take(weights, name).to(device=self.device, dtype=torch.float32)
             return ((1.0 + w) if spec.norm_offset else w).to(dtype).contiguous()
 
-        def lin(weight: torch.Tensor) -> LinearWeight:  # a prefill engine keeps no small-batch copy
-            return LinearWeight(weight, small_batches=decodes)
+        self.weight_format = weight_format or WeightFormat(dtype)
+
+        def lin(name: str, weight: torch.Tensor, small_batches: bool = decodes) -> LinearWeight:
+            # a prefill engine keeps no small-batch copy of its layers' fp32 weights
+            return self.weight_format.linear(name, weight, small_batches)
 
         self.embed = get("model.embed_tokens.weight")
-        self.lm_head = LinearWeight(self.embed if spec.tie_word_embeddings else get("lm_head.weight"))
+        self.lm_head = lin("lm_head", self.embed if spec.tie_word_embeddings else get("lm_head.weight"), True)
         self.norm_final = get_norm("model.norm.weight")
         self.layers = [self._load_layer(get, get_norm, lin, i) for i in range(spec.num_layers)]
         self.ropes = {
@@ -152,10 +157,10 @@ class DecoderLM:
         w_qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         return _LayerWeights(
-            w_qkv=lin(w_qkv),
-            w_o=lin(get(p + "self_attn.o_proj.weight")),
-            w_gate_up=lin(w_gate_up),
-            w_down=lin(get(p + "mlp.down_proj.weight")),
+            w_qkv=lin(p + "qkv", w_qkv),
+            w_o=lin(p + "o", get(p + "self_attn.o_proj.weight")),
+            w_gate_up=lin(p + "gate_up", w_gate_up),
+            w_down=lin(p + "down", get(p + "mlp.down_proj.weight")),
             norm_in=get_norm(p + "input_layernorm.weight"),
             # Llama names its pre-MLP norm "post_attention_layernorm"; Gemma's is a true post-norm
             norm_ffn_in=get_norm(p + ("pre_feedforward_layernorm" if s.sandwich_norm

@@ -15,6 +15,7 @@ from shared.models.gemma3 import gemma3_spec
 from shared.models.gemma4 import Gemma4Spec, Gemma4TextLM, gemma4_spec
 from shared.models.gemma4.weights import expected_shapes as gemma4_shapes
 from shared.models.llama import llama_spec
+from shared.models.weight_format import WeightFormat
 
 SPEC_BUILDERS: dict[str, Callable[[Any, int], Any]] = {
     "llama": llama_spec,
@@ -42,14 +43,17 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     decodes: bool = True,
+    weight_format: WeightFormat | None = None,  # how projections are stored; None = as `dtype`
 ) -> PagedCausalLM:
     """The model class of `spec` on these weights (names as the HF *ForCausalLM checkpoints have them), which
     are checked first: a missing or misshapen tensor is a ConfigError naming it."""
     check_shapes(expected_shapes(spec), weights)
     if isinstance(spec, Gemma4Spec):
-        return Gemma4TextLM(spec, weights, attention, device=device, dtype=dtype, decodes=decodes)
+        return Gemma4TextLM(spec, weights, attention, device=device, dtype=dtype, decodes=decodes,
+                            weight_format=weight_format)
     assert isinstance(spec, DecoderSpec), type(spec)
-    return DecoderLM(spec, weights, attention, device=device, dtype=dtype, decodes=decodes)
+    return DecoderLM(spec, weights, attention, device=device, dtype=dtype, decodes=decodes,
+                     weight_format=weight_format)
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

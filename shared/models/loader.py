@@ -12,6 +12,7 @@ in well under a second, so every later start (and every test) skips the GGUF.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import InvalidRequestError, ModelNotFoundError
+from shared.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from shared.kv.layout import KVLayout
 from shared.models.checkpoint import (
     Architecture,
@@ -36,6 +37,8 @@ from shared.models.checkpoint import (
 )
 from shared.models.common import AttentionFn
 from shared.models.families import build_model, expected_shapes, spec_from_config
+from shared.models.gguf_weights import read_gguf_projections
+from shared.models.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,14 @@ class LoadedModel:
         kv = KVLayout.of(s.kv_layers, 1, 1, torch.float32)
         geometry = f"{kv.num_kv_heads}KV:{kv.head_dim}D" if kv.is_uniform else kv.describe()
         return f"{s.model_type}:{s.num_layers}L:{s.hidden_size}H:{geometry}:{s.vocab_size}V"
+
+
+def _gguf_file(spec: str) -> Path:
+    """The GGUF file a model spec names (`--quantization gguf` serves its blocks)."""
+    path = ALIASES[spec]() if spec in ALIASES else Path(spec).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ConfigError(f"--quantization gguf needs a GGUF model (an alias or a .gguf file), not {spec!r}")
+    return path
 
 
 def resolve_model(spec: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
@@ -183,6 +194,7 @@ def load_model(
     cache_dir: Path = DEFAULT_CACHE_DIR,
     max_model_len: int | None = None,
     decodes: bool = True,  # False for a prefill engine (see DecoderLM)
+    weight_format: WeightFormat | None = None,  # how projections are stored (DecoderLM); None = as `dtype`
 ) -> LoadedModel:
     from transformers import AutoTokenizer
 
@@ -195,7 +207,11 @@ def load_model(
     decoder_spec = spec_from_config(config, max_model_len or limit)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     weights = read_text_weights(hf_dir, arch)
-    model = build_model(decoder_spec, weights, attention, device=device, dtype=dtype, decodes=decodes)
+    if weight_format is not None and weight_format.quantization == "gguf":
+        weight_format = dataclasses.replace(
+            weight_format, gguf_codes=read_gguf_projections(_gguf_file(spec), decoder_spec))
+    model = build_model(decoder_spec, weights, attention, device=device, dtype=dtype, decodes=decodes,
+                        weight_format=weight_format)
     logger.info("loaded %s (%s, %s, %d layers) in %.2f s", spec, arch_name, decoder_spec.model_type,
                 decoder_spec.num_layers, time.monotonic() - t0)
     return LoadedModel(

@@ -82,8 +82,9 @@ def write_kv(
     captures the forward recomputes it from the slots of each replay."""
     if index is None:
         index = kv_write_index(slot_mapping, k_cache.shape[1])
-    k_cache.index_put_(index, key)
-    v_cache.index_put_(index, value)
+    # a cache of narrower dtype (a bf16 KV cache under fp32 activations) stores the keys rounded
+    k_cache.index_put_(index, key.to(k_cache.dtype))
+    v_cache.index_put_(index, value.to(v_cache.dtype))
 
 
 def _gather_keys(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -148,8 +149,9 @@ def _sdpa_grouped(
     group = num_heads // num_kv_heads
     q = query.reshape(b, lq, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     q = q.reshape(b, num_kv_heads, lq * group, head_dim)
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
+    # keys and values from a bf16 cache under fp32 queries are widened, as the CPU kernel reads them
+    k = key.transpose(1, 2).to(query.dtype)
+    v = value.transpose(1, 2).to(query.dtype)
     m = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [B, 1, Lq*group, Lk]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
     out = out.reshape(b, num_kv_heads, lq, group, head_dim).permute(0, 2, 1, 3, 4)
@@ -219,9 +221,9 @@ def paged_attention_split(
     for i in long_seqs:
         q_len, s_len = meta.query_lens_host[i], meta.seq_lens_host[i]
         lo, hi = starts[i], starts[i] + q_len
-        if s_len == q_len:
+        if s_len == q_len and k_cache.dtype == key.dtype:
             keys, values = key[lo:hi], value[lo:hi]
-        else:
+        else:  # also a chunk's own keys when the cache rounds them (bf16): every later read sees those
             keys = _gather_keys(k_cache, meta.block_tables[i], s_len)
             values = _gather_keys(v_cache, meta.block_tables[i], s_len)
         mask = _chunk_mask(meta, i, q_len, s_len, sliding_window, query.device)

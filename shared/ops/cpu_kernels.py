@@ -20,7 +20,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode_cpu.cpp", "gemv_cpu.cpp", "norm_rope_cpu.cpp",
+_SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "gemv_cpu.cpp", "gemv_bf16_cpu.cpp",
+                                      "qgemv_cpu.cpp", "norm_rope_cpu.cpp",
                                       "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _lock = threading.Lock()
@@ -46,14 +47,25 @@ def _cpu_flags() -> str:
 
 
 def cpu_has_avx512() -> bool:
-    """The kernels are built with -march=native: on AVX-512 they take wider paths (see gemv_cpu.cpp)."""
+    """Whether the CPU has AVX-512 (the kernels then pick wider paths; see csrc/cpu_isa.h)."""
     return "avx512f" in _cpu_flags().split()
 
 
+def _x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _arch_flags() -> list[str]:
+    """On x86-64 the library is built for the baseline, tuned for this CPU: the kernels that use newer
+    instructions are compiled per level inside it (csrc/isa_variants.h) and picked at load. Elsewhere
+    -march=native builds the portable loops for what the CPU has."""
+    return ["-mtune=native"] if _x86_64() else ["-march=native"]
+
+
 def _cpu_tag() -> str:
-    """Which instruction sets the build may use: it is compiled with -march=native, so a home directory
-    shared between an AVX-512 and an AVX2 machine must not hand one's library to the other."""
-    return "isa-" + hashlib.sha1((_cpu_flags() or platform.processor()).encode()).hexdigest()[:10]
+    """The build is tuned for the CPU (or, off x86-64, built for it): a home directory shared between two
+    machines keeps one library per CPU."""
+    return "cpu-" + hashlib.sha1((_cpu_flags() or platform.processor()).encode()).hexdigest()[:10]
 
 
 def cpu_kernels_available() -> bool:
@@ -77,9 +89,10 @@ def _build() -> bool:
         # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
         # torch rebuilds when a source or a flag changes, never for a header: the headers' hash is a flag
         headers = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
-        load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", "-march=native",
+        load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *_arch_flags(),
              "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"], build_directory=str(build_dir), is_python_module=False,
              verbose=False)
+        logger.info("CPU kernels: instruction set %s (the best this CPU runs)", torch.ops.baton_cpu.active_isa())
         return True
     except Exception as exc:  # no compiler, headers, ...: serve with the torch paths
         logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)

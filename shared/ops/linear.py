@@ -23,17 +23,31 @@ head only); `BATON_CPU_GEMV=0` turns it off.
 
 The reference is `F.linear` on the original weight; results agree to fp32
 accumulation-order noise (tested).
+
+bf16 weights (`weight_dtype=torch.bfloat16`, on the CPU) keep only a packed
+bf16 copy (`csrc/gemv_bf16_cpu.cpp`) that serves every batch size: half the
+bytes a decode step streams, vdpbf16ps where the CPU has AVX512-BF16 (rows
+rounded to bf16), weights widened to fp32 in registers below it. Its reference
+is `F.linear` against the bf16-rounded weight.
+
+Quantized weights (`LinearWeight.quantized`: GGUF Q4_0 / Q4_1 / Q8_0 blocks as
+the file holds them, or int8 per channel; `shared/ops/quant.py`) keep only the
+kernel's packed blocks (`csrc/qgemv_cpu.cpp`), for every batch size.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from shared.ops.cpu_kernels import cpu_has_avx512, cpu_kernels_available
+
+if TYPE_CHECKING:
+    from shared.ops.quant import QuantCodes
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +78,25 @@ def gemv_enabled() -> bool:
 class LinearWeight:
     """`y = x @ W.T` for a fixed weight W [out_features, in_features]."""
 
-    def __init__(self, weight: torch.Tensor, backend: str = "auto", small_batches: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, backend: str = "auto", small_batches: bool = True,
+                 weight_dtype: torch.dtype = torch.float32) -> None:
         """`small_batches`: keep the GEMV copy (where the kernel runs); False where the weight only ever
-        sees large batches (prefill engines' projections), which saves the memory at no change in result."""
+        sees large batches (prefill engines' projections), which saves the memory at no change in result.
+        `weight_dtype` bfloat16: store the weight as bf16 for the bf16 kernel (CPU; elsewhere, or where the
+        kernels did not build, the weight stays as given)."""
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D, got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
+        self.gemv: torch.Tensor | None = None
+        self.gemv_k_block = 0
+        self.bits = 0  # a quantized weight's code width (LinearWeight.quantized)
+        if weight_dtype == torch.bfloat16 and backend == "auto" and weight.device.type == "cpu" and gemv_enabled():
+            self.backend = "gemv_bf16"
+            self.weight = torch.ops.baton_cpu.gemv_bf16_pack(weight.contiguous())
+            return
+        if weight_dtype not in (torch.float32, weight.dtype):
+            logger.warning("no %s kernel for a [%d, %d] weight here: keeping it as %s", weight_dtype,
+                           self.out_features, self.in_features, weight.dtype)
         use_onednn = backend == "onednn" or (
             backend == "auto" and weight.dtype == torch.float32 and onednn_available(weight.device)
         )
@@ -80,10 +107,21 @@ class LinearWeight:
             else weight.contiguous()
         )
         # the GEMV copy for small batches, only beside oneDNN (whose sums it reproduces)
-        self.gemv: torch.Tensor | None = None
-        self.gemv_k_block = 0
         if use_onednn and backend == "auto" and small_batches and gemv_enabled():
             self._pack_gemv(weight)
+
+    @classmethod
+    def quantized(cls, codes: QuantCodes) -> LinearWeight:
+        """A weight served in its block format by the quantized GEMV kernel (needs the CPU kernels)."""
+        if not cpu_kernels_available():
+            raise RuntimeError("quantized weights need the C++ CPU kernels, which did not build (see the log)")
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = codes.codes.shape
+        self.gemv, self.gemv_k_block = None, 0
+        self.backend = "qgemv"
+        self.weight = codes.pack()
+        self.bits = codes.bits
+        return self
 
     def _pack_gemv(self, weight: torch.Tensor) -> None:
         packed = torch.ops.baton_cpu.gemv_pack(weight.contiguous())
@@ -105,6 +143,10 @@ class LinearWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features]
         assert x.dim() == 2 and x.shape[1] == self.in_features, f"got {tuple(x.shape)}"
+        if self.backend == "gemv_bf16":
+            return torch.ops.baton_cpu.gemv_bf16(x.float().contiguous(), self.weight, self.out_features)
+        if self.backend == "qgemv":
+            return torch.ops.baton_cpu.qgemv(x.float().contiguous(), self.weight, self.out_features, self.bits)
         if self.backend == "onednn":
             if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32:
                 return torch.ops.baton_cpu.gemv(x.contiguous(), self.gemv, self.out_features, self.gemv_k_block)
@@ -112,5 +154,13 @@ class LinearWeight:
         return F.linear(x, self.weight)
 
     @property
+    def packed(self) -> torch.Tensor | None:
+        """The weight as the C++ layer loop's projections take it: the bf16 pack, or the fp32 GEMV copy."""
+        return self.weight if self.backend in ("gemv_bf16", "qgemv") else self.gemv
+
+    @property
     def nbytes(self) -> int:
+        """Bytes a pass over the weight reads (codes and block scales for a quantized one)."""
+        if self.backend == "qgemv":
+            return self.weight.numel()
         return self.out_features * self.in_features * self.weight.element_size()

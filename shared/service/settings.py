@@ -38,7 +38,13 @@ class EngineServiceSettings(BaseSettings):
     max_model_len: int = Field(default=4096, ge=16)
     enable_prefix_caching: bool = True
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="float32", description="vLLM's --dtype: on the CPU how weights are stored (activations stay "
+        "fp32), on CUDA what the model computes in; auto = the fastest whose fidelity bound holds")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="vLLM's --kv-cache-dtype; auto = the weights' dtype")
+    quantization: Literal["none", "int8", "gguf"] = Field(
+        default="none", description="vLLM's --quantization: int8 per channel, or a GGUF model's own blocks")
     torch_threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = torch's default")
     cache_dir: Path = DEFAULT_CACHE_DIR
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20)
@@ -75,7 +81,8 @@ class EngineServiceSettings(BaseSettings):
             model=self.model, role=role, block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-            device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
+            device=self.device, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, cache_dir=self.cache_dir,
+            quantization=self.quantization,
             spec_method=self.spec, num_speculative_tokens=self.num_speculative_tokens,
             spec_draft_model=self.spec_draft_model, spec_draft_num_layers=self.spec_draft_num_layers,
             spec_eagle_head=self.spec_eagle_head, spec_eagle_window=self.spec_eagle_window,

@@ -154,7 +154,7 @@ def build_draft_proposer(config: EngineConfig, loaded: LoadedModel, num_kv_block
         from shared.models.loader import load_model
 
         draft = load_model(config.spec_draft_model, target.attention, config.device, config.torch_dtype,
-                           config.cache_dir, config.max_model_len).model
+                           config.cache_dir, config.max_model_len, weight_format=config.weight_format).model
         if draft.vocab_size != target.vocab_size:
             raise ConfigError(f"draft model {config.spec_draft_model} has vocabulary {draft.vocab_size}, "
                               f"the target {target.vocab_size}: they must share a tokenizer")

@@ -23,6 +23,7 @@ from shared.engine.engine import LLMEngine, pick_attention
 from shared.models.common import PagedCausalLM
 from shared.models.families import build_model, spec_from_config
 from shared.models.loader import LoadedModel, load_model
+from shared.models.weight_format import WeightFormat
 from shared.ops.attention import paged_attention_ref
 from tests.helpers.gemma4 import random_gemma4, tiny_gemma4_config
 
@@ -84,8 +85,9 @@ def random_hf_model(config: Any, seed: int = 0, std: float = 0.2) -> Any:
 
 
 def tiny_loaded(family: str = "llama", seed: int = 0, device: str = TEST_DEVICE,
-                **overrides: Any) -> tuple[LoadedModel, Any]:
-    """Our model on the same random weights as the returned transformers model."""
+                weight_format: WeightFormat | None = None, **overrides: Any) -> tuple[LoadedModel, Any]:
+    """Our model on the same random weights as the returned transformers model (`weight_format`: how its
+    projections are stored, as DecoderLM takes it)."""
     if family.startswith("gemma4"):  # "gemma4" (every feature) or "gemma4-<variant>" (tests/helpers/gemma4.py)
         config = tiny_gemma4_config(family.partition("-")[2] or "all", **overrides)
         hf = random_gemma4(config, seed)
@@ -93,7 +95,8 @@ def tiny_loaded(family: str = "llama", seed: int = 0, device: str = TEST_DEVICE,
         config = tiny_llama_config(**overrides) if family == "llama" else tiny_gemma3_config(**overrides)
         hf = random_hf_model(config, seed)
     spec = spec_from_config(config)
-    model = build_model(spec, hf.state_dict(), pick_attention("auto", device), device=device)
+    model = build_model(spec, hf.state_dict(), pick_attention("auto", device), device=device,
+                        weight_format=weight_format)
     loaded = LoadedModel(
         name=f"tiny-{family}",
         hf_dir=Path("/nonexistent"),

@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from shared.errors import ConfigError
 from shared.kv.layout import LayerKV, group_of_layer
 from shared.models.common import AttentionFn, LayerDoneFn, RotaryEmbedding, rms_norm_offset, rotate
 from shared.models.gemma4.moe import norm_no_scale
@@ -35,6 +36,7 @@ from shared.models.gemma4.one_tensor_kv import DeriveKeys, attend_one_tensor
 from shared.models.gemma4.rope import rotary_embedding
 from shared.models.gemma4.spec import Gemma4Spec
 from shared.models.gemma4.weights import Gemma4LayerWeights, load_weights
+from shared.models.weight_format import WeightFormat
 from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
 from shared.ops.cpu_attention import write_kv_cpu
 from shared.ops.cpu_kernels import cpu_kernels_available
@@ -59,7 +61,12 @@ class Gemma4TextLM:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         decodes: bool = True,  # False (a prefill engine): projections only ever see prompt chunks
+        weight_format: WeightFormat | None = None,  # how projections are stored; None = as `dtype`
     ) -> None:
+        self.weight_format = weight_format or WeightFormat(dtype)
+        if self.weight_format.quantization == "gguf":  # GGUF names tensors by llama.cpp's Gemma 4 map, not read yet
+            raise ConfigError("--quantization gguf serves Llama and Gemma 3 models; Gemma 4 takes --dtype "
+                              "float32 or bfloat16, or --quantization int8")
         self.spec = spec
         self.attention = attention
         self.device = torch.device(device)
@@ -68,7 +75,7 @@ class Gemma4TextLM:
         self.hidden_size = spec.hidden_size
         self.vocab_size = spec.vocab_size
         self.kv_layers: tuple[LayerKV, ...] = spec.kv_layers
-        self.w = load_weights(spec, weights, self.device, dtype, decodes)
+        self.w = load_weights(spec, weights, self.device, dtype, self.weight_format, decodes)
         self.ropes: dict[str, RotaryEmbedding] = {
             layer_type: rotary_embedding(rope, spec.max_positions, self.device) for layer_type, rope in spec.ropes
         }

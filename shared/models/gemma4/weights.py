@@ -15,6 +15,7 @@ import torch
 from shared.models.common import take
 from shared.models.gemma4.moe import Experts, Router, load_moe
 from shared.models.gemma4.spec import Gemma4Spec
+from shared.models.weight_format import WeightFormat
 from shared.ops.linear import LinearWeight
 
 
@@ -113,22 +114,22 @@ def expected_shapes(spec: Gemma4Spec) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(spec: Gemma4Spec, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 decodes: bool = True) -> Gemma4Weights:
-    """Device-resident weights (shapes checked by the caller against `expected_shapes`). `decodes`:
-    projections keep their small-batch copy (LinearWeight)."""
+                 weight_format: WeightFormat, decodes: bool = True) -> Gemma4Weights:
+    """Device-resident weights (shapes checked by the caller against `expected_shapes`); projections stored as
+    `weight_format` says (MoE experts stay in `dtype`). `decodes`: projections keep their small-batch copy."""
 
     def get(name: str) -> torch.Tensor:
         return take(weights, name).to(device=device, dtype=dtype).contiguous()
 
     def lin(*names: str) -> LinearWeight:
-        return LinearWeight(torch.cat([get(n) for n in names]), small_batches=decodes)
+        return weight_format.linear(names[0], torch.cat([get(n) for n in names]), decodes)
 
     embed = get("model.embed_tokens.weight")
     layers = [_load_layer(spec, i, get, lin) for i in range(spec.num_layers)]
     ple = spec.per_layer_input_size > 0
     return Gemma4Weights(
         embed=embed,
-        lm_head=LinearWeight(embed if spec.tie_word_embeddings else get("lm_head.weight")),
+        lm_head=weight_format.linear("lm_head", embed if spec.tie_word_embeddings else get("lm_head.weight"), True),
         norm_final=get("model.norm.weight"),
         layers=layers,
         ple_embed=get("model.embed_tokens_per_layer.weight") if ple else None,

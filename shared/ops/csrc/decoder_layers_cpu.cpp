@@ -16,15 +16,21 @@
 #include <vector>
 
 #include "kernels_cpu.h"
+#include "qgemv_layout.h"
 
 namespace {
 
-// A projection as gemv takes it: the weight packed by gemv_pack, its output width and its K blocking.
+// A projection as the GEMV kernels take it: the weight packed by gemv_pack (fp32; with its K blocking), by
+// gemv_bf16_pack (bf16) or by qgemv_pack (u8 block codes, their bits told by the block's size), and its output
+// width.
 struct Projection {
   torch::Tensor packed;
   int64_t out_features;
   int64_t k_block;
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (packed.scalar_type() == at::kBFloat16) return gemv_bf16(x.contiguous(), packed, out_features);
+    if (packed.scalar_type() == at::kByte)
+      return qgemv(x, packed, out_features, packed.size(2) == q_block_bytes(4) ? 4 : 8);
     return gemv(x.contiguous(), packed, out_features, k_block);
   }
 };

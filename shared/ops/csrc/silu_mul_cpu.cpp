@@ -7,6 +7,8 @@
 // the symbols libtorch_cpu exports), over chunks of two vectors, and the leftover elements of a row with
 // libm's expf, as torch's vectorized loop leaves them to its scalar form. Whether the bits agree on this
 // machine is checked when a model is loaded (shared/ops/silu_mul_cpu.py), which otherwise keeps torch's ops.
+// The form follows torch's own CPU capability (its DispatchStub's choice), not the kernels' level: the
+// AVX-512 and AVX2 forms are compiled in `#pragma GCC target` regions (silu_mul_impl.h) and picked at run time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,20 +16,25 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__x86_64__)
 #include <immintrin.h>
-#include <sleef.h>
 #endif
+#include <ATen/Version.h>
 
-#if defined(__AVX512F__)
-constexpr int64_t kVec = 16;
-static inline void silu_mul_vec(const float* g, const float* u, float* o) {
-  const __m512 x = _mm512_loadu_ps(g);
-  const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(_mm512_set1_ps(-0.f), x));  // torch's neg()
-  const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  _mm512_storeu_ps(o, _mm512_mul_ps(s, _mm512_loadu_ps(u)));
-}
-#elif defined(__AVX2__)
+#include <string>
+
+namespace silu_scalar {
+constexpr int64_t kVec = 0;
+static inline void silu_mul_vec(const float*, const float*, float*) {}
+#include "silu_mul_impl.h"
+}  // namespace silu_scalar
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// libtorch_cpu's SLEEF (sleef.h declares the vector forms only when the whole file is compiled for them)
+extern "C" __m256 Sleef_expf8_u10(__m256);
+namespace silu_avx2 {
 constexpr int64_t kVec = 8;
 static inline void silu_mul_vec(const float* g, const float* u, float* o) {
   const __m256 x = _mm256_loadu_ps(g);
@@ -35,15 +42,43 @@ static inline void silu_mul_vec(const float* g, const float* u, float* o) {
   const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
   _mm256_storeu_ps(o, _mm256_mul_ps(s, _mm256_loadu_ps(u)));
 }
-#else
-constexpr int64_t kVec = 0;  // torch's default build computes every element the scalar way
-static inline void silu_mul_vec(const float*, const float*, float*) {}
+#include "silu_mul_impl.h"
+}  // namespace silu_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+extern "C" __m512 Sleef_expf16_u10(__m512);
+namespace silu_avx512 {
+constexpr int64_t kVec = 16;
+static inline void silu_mul_vec(const float* g, const float* u, float* o) {
+  const __m512 x = _mm512_loadu_ps(g);
+  const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(_mm512_set1_ps(-0.f), x));  // torch's neg()
+  const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  _mm512_storeu_ps(o, _mm512_mul_ps(s, _mm512_loadu_ps(u)));
+}
+#include "silu_mul_impl.h"
+}  // namespace silu_avx512
+#pragma GCC pop_options
 #endif
+
+using SiluRowsFn = void (*)(const float*, int64_t, float*, int64_t, int64_t, int64_t);
+
+// the form torch's own silu runs on this CPU
+static SiluRowsFn torchs_form() {
+#if defined(__x86_64__)
+  const std::string capability = at::get_cpu_capability();  // "AVX512", "AVX2", "DEFAULT", ...
+  if (capability == "AVX512") return &silu_avx512::silu_rows;
+  if (capability == "AVX2") return &silu_avx2::silu_rows;
+#endif
+  return &silu_scalar::silu_rows;
+}
 
 // gate_up [rows, 2 * I] (unit inner stride, any row stride): gate is the first half of each row, up the second
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.stride(1) == 1 &&
               gate_up.size(1) % 2 == 0, "silu_mul: [rows, 2 * I] float32 with a unit inner stride");
+  static const SiluRowsFn rows_fn = torchs_form();
   const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2, ld = gate_up.stride(0);
   auto out = torch::empty({rows, I}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
@@ -51,19 +86,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   // rows split across the threads from about 8k outputs (6 rows of SmolLM2's): at 16 rows 9 against 12 us
   // on one thread
   at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = in + r * ld;
-      const float* u = g + I;
-      float* o = op + r * I;
-      int64_t j = 0;
-      if constexpr (kVec > 0) {
-        for (; j + 2 * kVec <= I; j += 2 * kVec) {
-          silu_mul_vec(g + j, u + j, o + j);
-          silu_mul_vec(g + j + kVec, u + j + kVec, o + j + kVec);
-        }
-      }
-      for (; j < I; ++j) o[j] = (g[j] / (1.f + std::exp(-g[j]))) * u[j];
-    }
+    rows_fn(in, ld, op, I, r0, r1);
   });
   return out;
 }

@@ -3,19 +3,26 @@
 // Partial sums the compiler maps onto a vector register (8 floats: one AVX2 register; SSE and NEON builds
 // split it in two). Written as plain loops over a fixed-size array, not intrinsics, so any target builds.
 // A single running float sum cannot be vectorised: its order is fixed.
-#pragma once
+// No `#pragma once`: a kernel's *_impl.h includes it inside each level's namespace (isa_variants.h).
 
 #include <cstdint>
 
+#include "bf16.h"
+
 constexpr int kLanes = 8;
 
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(uint16_t bf16_bits) { return bf16_bits_to_float(bf16_bits); }
+
+// b: fp32, or bf16 bits (a bf16 KV cache's keys), widened as they are read
+template <typename T>
+static inline float dot(const float* __restrict a, const T* __restrict b, int64_t D) {
   float lanes[kLanes] = {};
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[d + l] * b[d + l];
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[d + l] * to_f32(b[d + l]);
   float s = 0.f;
-  for (; d < D; ++d) s += a[d] * b[d];
+  for (; d < D; ++d) s += a[d] * to_f32(b[d]);
   for (int l = 0; l < kLanes; ++l) s += lanes[l];
   return s;
 }

@@ -2,10 +2,19 @@
 // index_put_ (with the index tensors they need made first). A token's keys for all its heads are one
 // contiguous run in both the projection's output and the cache, so each token is two memcpy: the same bytes
 // `write_kv` (shared/ops/attention.py) stores. A decode step's 16 tokens: 6.9 against 18.0 us a layer.
+// Into a bf16 cache fp32 keys are rounded as they are stored (torch's rounding, so the same bytes again).
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "bf16.h"
+
+static void store_bf16(char* dst, const char* src, int64_t n) {
+  auto* d = reinterpret_cast<uint16_t*>(dst);
+  const auto* s = reinterpret_cast<const float*>(src);
+  for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16_bits(s[i]);
+}
 
 // k_cache / v_cache [num_blocks, block_size, Hkv, D] (any block stride), key / value [n, Hkv, D] (any token
 // stride), slot_mapping [n] int64: token t goes to block slot / block_size, offset slot % block_size
@@ -14,8 +23,10 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, 
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && key.dim() == 3 &&
               value.sizes() == key.sizes(), "write_kv_: caches [blocks, block_size, H, D], keys [n, H, D]");
   TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "write_kv_: head shapes differ");
-  TORCH_CHECK(k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type() &&
-              value.scalar_type() == key.scalar_type(), "write_kv_: dtypes differ");
+  const bool to_bf16 = k_cache.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kFloat;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && value.scalar_type() == key.scalar_type() &&
+              (k_cache.scalar_type() == key.scalar_type() || to_bf16),
+              "write_kv_: keys must have the cache's dtype (or be float32 for a bfloat16 cache)");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
               slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "write_kv_: slots [n] int64");
   const int64_t H = key.size(1), D = key.size(2);
@@ -25,21 +36,26 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, 
   for (const auto& t : {key, value})
     TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == D, "write_kv_: a token's keys must be dense");
   const int64_t n = key.size(0), bs = k_cache.size(1), slots = k_cache.size(0) * bs;
-  const int64_t bytes = H * D * static_cast<int64_t>(key.element_size());
+  const int64_t bytes = H * D * static_cast<int64_t>(k_cache.element_size());  // a token's run in the cache
   const int64_t* sm = slot_mapping.data_ptr<int64_t>();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* kp = static_cast<const char*>(key.data_ptr());
   const auto* vp = static_cast<const char*>(value.data_ptr());
-  const int64_t es = key.element_size();
-  const int64_t kbs = k_cache.stride(0) * es, vbs = v_cache.stride(0) * es;
+  const int64_t ces = k_cache.element_size(), es = key.element_size();
+  const int64_t kbs = k_cache.stride(0) * ces, vbs = v_cache.stride(0) * ces;
   const int64_t kts = key.stride(0) * es, vts = value.stride(0) * es;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t slot = sm[t];
     TORCH_CHECK(slot >= 0 && slot < slots, "write_kv_: slot ", slot, " outside the cache's ", slots);
     const int64_t block = slot / bs, off = (slot % bs) * bytes;
-    std::memcpy(kc + block * kbs + off, kp + t * kts, bytes);
-    std::memcpy(vc + block * vbs + off, vp + t * vts, bytes);
+    if (to_bf16) {  // rounded to nearest even, as torch's .to(bfloat16)
+      store_bf16(kc + block * kbs + off, kp + t * kts, H * D);
+      store_bf16(vc + block * vbs + off, vp + t * vts, H * D);
+    } else {
+      std::memcpy(kc + block * kbs + off, kp + t * kts, bytes);
+      std::memcpy(vc + block * vbs + off, vp + t * vts, bytes);
+    }
   }
 }
 

@@ -7,6 +7,7 @@ import torch
 
 from shared.engine.request import SamplingParams
 from shared.errors import ContextLengthExceededError, InvalidRequestError
+from shared.models.weight_format import WeightFormat
 from tests.helpers.models import reference_logits, tiny_engine, tiny_loaded
 
 FAMILIES = ["llama", "gemma3", "gemma4"]
@@ -204,3 +205,55 @@ def test_duplicate_request_ids_are_refused(make_tiny, engines) -> None:
         decode.add_handoff("h", greedy(2), handoff)
     engine.run_to_completion()
     decode.run_to_completion()
+
+
+# (engine config, how the projections are stored, the KV cache's dtype)
+LOW_PRECISIONS = {
+    "bf16": ({"dtype": "bfloat16"}, WeightFormat(torch.bfloat16), torch.bfloat16),
+    "int8-bf16kv": ({"quantization": "int8", "kv_cache_dtype": "bfloat16"}, WeightFormat(quantization="int8"),
+                    torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("precision", list(LOW_PRECISIONS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_low_precisions_are_batch_invariant_and_hand_off_exactly(engines, family: str, precision: str) -> None:
+    """bf16 projections and KV (--dtype bfloat16), or int8 projections and a bf16 KV cache: a prompt gives the
+    same tokens alone, chunked in a batch, and continued by a decode engine from the KV a prefill engine handed
+    over (a bf16 cache: half the bytes of the fp32 handoff)."""
+    config, fmt, kv_dtype = LOW_PRECISIONS[precision]
+    loaded, _ = tiny_loaded(family, weight_format=fmt)
+    batch = prompts(6)
+    alone_engine = tiny_engine(loaded, **config)
+    chunked_engine = tiny_engine(loaded, max_num_batched_tokens=10, **config)
+    prefill = tiny_engine(loaded, role="prefill", **config)
+    decode = tiny_engine(loaded, role="decode", **config)
+    engines.extend([alone_engine, chunked_engine, prefill, decode])
+    assert alone_engine.layout.dtype == kv_dtype
+    alone = [alone_engine.generate([p], greedy(12))[0].token_ids for p in batch]
+    assert [r.token_ids for r in chunked_engine.generate(batch, greedy(12))] == alone
+    handoffs = prefill.generate(batch, greedy(12))
+    for i, h in enumerate(handoffs):
+        assert h.handoff is not None and h.handoff.kv.dtype == kv_dtype
+        assert decode.add_handoff(f"d{i}", greedy(12), h.handoff) is None
+    results = decode.run_to_completion()
+    assert [[h.handoff.first_token_id] + results[f"d{i}"].token_ids  # type: ignore[union-attr]
+            for i, h in enumerate(handoffs)] == alone
+
+
+def test_a_model_loaded_in_another_dtype_is_refused() -> None:
+    from shared.errors import ConfigError
+
+    loaded, _ = tiny_loaded("llama")
+    with pytest.raises(ConfigError, match="bfloat16"):
+        tiny_engine(loaded, dtype="bfloat16")
+
+
+def test_prefix_hashes_name_the_precision(engines) -> None:
+    """kv_transfer's pool is shared by every engine of a model: an fp32 and a bf16 cache's blocks must never
+    match each other's prefix hashes."""
+    loaded, _ = tiny_loaded("llama")
+    fp32 = tiny_engine(loaded)
+    bf16_kv = tiny_engine(loaded, kv_cache_dtype="bfloat16")
+    engines.extend([fp32, bf16_kv])
+    assert fp32.kv.hash_salt != bf16_kv.kv.hash_salt

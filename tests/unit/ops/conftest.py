@@ -9,7 +9,7 @@ CPU tensors.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -127,6 +127,19 @@ def build_batch(
     )
     query = rand(sum(query_lens), num_heads, head_dim)
     return AttentionBatch(query, key, value, kv, layer, meta, dense_k, dense_v, head_dim**-0.5)
+
+
+@pytest.fixture(params=["portable", "avx2", "avx512", "avx512_bf16", "amx"])
+def isa_level(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each instruction-set level of the CPU kernels in turn (shared/ops/cpu_isa.py), active for the test;
+    a level this CPU cannot run skips, naming the instructions it lacks."""
+    from shared.ops import cpu_isa
+
+    level: str = request.param
+    if not cpu_isa.isa_supported(level):
+        pytest.skip(f"level {level} {cpu_isa.missing_for(level)}")
+    with cpu_isa.use_isa(level):
+        yield level
 
 
 @pytest.fixture

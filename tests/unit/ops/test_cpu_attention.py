@@ -49,7 +49,7 @@ def test_kernel_builds() -> None:
     ids=["smollm2", "block4", "gemma3", "mha", "group8-d8", "d12", "d96", "d128"],
 )
 def test_matches_reference(make_batch: Callable[..., AttentionBatch], num_heads: int, num_kv_heads: int,
-                           head_dim: int, block_size: int, sliding_window: int | None) -> None:
+                           head_dim: int, block_size: int, sliding_window: int | None, isa_level: str) -> None:
     batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size)
     out, ref = run_both(batch, sliding_window, poison=True)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -58,7 +58,7 @@ def test_matches_reference(make_batch: Callable[..., AttentionBatch], num_heads:
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("batch_shape", [[(30, 1)], [(5, 1), (17, 3)]], ids=["one-row", "four-rows"])
 def test_few_rows_split_their_heads_across_jobs(make_batch: Callable[..., AttentionBatch], threads: int,
-                                                batch_shape: list[tuple[int, int]]) -> None:
+                                                batch_shape: list[tuple[int, int]], isa_level: str) -> None:
     """With fewer rows than twice the threads, a row's KV heads are split over jobs (8 heads: 1 to 8 per job)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -114,3 +114,39 @@ def test_write_kv_op_rejects_a_slot_outside_the_cache() -> None:
     key = torch.ones(1, 2, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_attention.write_kv_cpu(cache[:, 0], cache[:, 1], key, key, torch.tensor([12]))
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 1, 256, 8), (6, 2, 12, 16), (8, 2, 128, 16)],
+    ids=["smollm2", "gemma3", "d12", "d128"],
+)
+def test_a_bf16_cache_under_fp32_queries(make_batch: Callable[..., AttentionBatch], num_heads: int,
+                                         num_kv_heads: int, head_dim: int, block_size: int, isa_level: str) -> None:
+    """A bf16 KV cache is widened as it is read: the reference on the same cache, widened, is the truth."""
+    for window in (None, 7):
+        batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size)
+        batch.kv = batch.kv.bfloat16()  # the cache rounded; this step's keys (stored by the engine) too
+        batch.key, batch.value = batch.key.bfloat16().float(), batch.value.bfloat16().float()
+        out, ref = run_both(batch, window, poison=True)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_op_rounds_fp32_keys_into_a_bf16_cache() -> None:
+    """The same bytes as write_kv's index_put_ of the keys converted by torch (round to nearest even)."""
+    from shared.ops.attention import write_kv
+
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.zeros(6, 4, 2, 8, dtype=torch.bfloat16) for _ in range(4)]
+    key, value = torch.randn(5, 2, 8, generator=g) * 100, torch.randn(5, 2, 8, generator=g)
+    key[0, 0, 0] = float("nan")
+    slots = torch.tensor([3, 9, 0, 22, 17])
+    write_kv(caches[0], caches[1], key, value, slots)
+    torch.ops.baton_cpu.write_kv_(caches[2], caches[3], key, value, slots)
+    # torch's own NaN bits differ between its scalar and vector conversions: a NaN only has to stay one
+    assert caches[2][0, 3, 0, 0].isnan() and caches[0][0, 3, 0, 0].isnan()
+    caches[0][0, 3, 0, 0] = caches[2][0, 3, 0, 0] = 0
+    assert torch.equal(caches[0].view(torch.int16), caches[2].view(torch.int16))
+    assert torch.equal(caches[1].view(torch.int16), caches[3].view(torch.int16))
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.baton_cpu.write_kv_(caches[2].float(), caches[3].float(), key.bfloat16(), value.bfloat16(), slots)

@@ -18,6 +18,7 @@ from shared.kv.layout import KVLayout
 from shared.models.cpu_layer_loop import CpuLayerLoop
 from shared.models.decoder import DecoderLM
 from shared.models.families import spec_from_config
+from shared.models.weight_format import WeightFormat
 from shared.ops.attention import AttentionMetadata
 from shared.ops.cpu_kernels import cpu_kernels_available
 from shared.ops.linear import GEMV_MAX_ROWS, onednn_available
@@ -41,13 +42,13 @@ def _model(family: str, **kw: object) -> DecoderLM:
     return DecoderLM(spec, random_hf_model(config).state_dict(), pick_attention("auto", "cpu"), **kw)  # type: ignore[arg-type]
 
 
-def _step(model: DecoderLM, seqs: Sequence[tuple[int, int]], seed: int = 0
+def _step(model: DecoderLM, seqs: Sequence[tuple[int, int]], seed: int = 0, kv_dtype: torch.dtype = torch.float32
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input ids, positions, a cache of random context, metadata) of one step over shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + q) // BLOCK) for c, q in seqs]
     layout = KVLayout(model.num_layers, sum(need) + 3, BLOCK, model.num_kv_heads, model.head_dim, model.dtype)
-    kv = torch.randn(layout.shape, generator=g)
+    kv = torch.randn(layout.shape, generator=g).to(kv_dtype)
     free = torch.randperm(layout.num_blocks, generator=g).tolist()
     tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
     slots, positions = [], []
@@ -70,10 +71,10 @@ def _step(model: DecoderLM, seqs: Sequence[tuple[int, int]], seed: int = 0
     return ids, torch.cat(positions), kv, meta
 
 
-def _both_loops(model: DecoderLM, seqs: Sequence[tuple[int, int]]
+def _both_loops(model: DecoderLM, seqs: Sequence[tuple[int, int]], kv_dtype: torch.dtype = torch.float32
                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(hidden, cache) after the step through the C++ loop, then through the Python loop from the same cache."""
-    ids, pos, kv, meta = _step(model, seqs)
+    ids, pos, kv, meta = _step(model, seqs, kv_dtype=kv_dtype)
     loop = model.cpu_layer_loop
     assert loop is not None
     cpp_kv = kv.clone()
@@ -87,13 +88,35 @@ def _both_loops(model: DecoderLM, seqs: Sequence[tuple[int, int]]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_a_decode_step_gives_the_python_loops_bits(family: str) -> None:
+def test_a_decode_step_gives_the_python_loops_bits(family: str, isa_level: str) -> None:
+    """At every instruction-set level the loop calls the level's kernels, as the Python loop does."""
     model = _model(family)
     calls = []
     run = model.cpu_layer_loop.run  # type: ignore[union-attr]
     model.cpu_layer_loop.run = lambda *a: calls.append(1) or run(*a)  # type: ignore[union-attr,method-assign]
     (cpp, cpp_kv), (py, py_kv) = _both_loops(model, DECODE_STEP)
     assert calls, "the C++ loop did not run on a decode step"
+    assert torch.equal(cpp, py)
+    assert torch.equal(cpp_kv, py_kv)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_weights_and_a_bf16_cache(family: str, isa_level: str) -> None:
+    """The loop runs bf16 projections and a bf16 cache as the Python loop does, at every level."""
+    model = _model(family, weight_format=WeightFormat(torch.bfloat16))
+    assert model.cpu_layer_loop is not None and model.layers[0].w_qkv.backend == "gemv_bf16"
+    (cpp, cpp_kv), (py, py_kv) = _both_loops(model, DECODE_STEP, kv_dtype=torch.bfloat16)
+    assert cpp_kv.dtype == torch.bfloat16
+    assert torch.equal(cpp, py)
+    assert torch.equal(cpp_kv, py_kv)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_int8_weights(family: str, isa_level: str) -> None:
+    """Quantized projections (the qgemv kernel) in the loop give the Python loop's bits."""
+    model = _model(family, weight_format=WeightFormat(quantization="int8"))
+    assert model.cpu_layer_loop is not None and model.layers[0].w_down.backend == "qgemv"
+    (cpp, cpp_kv), (py, py_kv) = _both_loops(model, DECODE_STEP)
     assert torch.equal(cpp, py)
     assert torch.equal(cpp_kv, py_kv)
 

@@ -30,7 +30,8 @@ def test_kernels_build() -> None:
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
-def test_few_rows_equal_the_same_rows_in_a_batch(out_features: int, in_features: int) -> None:
+def test_few_rows_equal_the_same_rows_in_a_batch(out_features: int, in_features: int, isa_level: str) -> None:
+    """At every instruction-set level: each output is the same FMA chain whatever the vector width."""
     g = torch.Generator().manual_seed(out_features * in_features)
     w = torch.randn(out_features, in_features, generator=g) * 0.05
     x = torch.randn(GEMV_MAX_ROWS + 8, in_features, generator=g)
@@ -43,7 +44,7 @@ def test_few_rows_equal_the_same_rows_in_a_batch(out_features: int, in_features:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_bits_do_not_depend_on_threads(threads: int) -> None:
+def test_bits_do_not_depend_on_threads(threads: int, isa_level: str) -> None:
     g = torch.Generator().manual_seed(7)
     lin = LinearWeight(torch.randn(3072, 576, generator=g))
     x = torch.randn(5, 576, generator=g)

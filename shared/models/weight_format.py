@@ -1,0 +1,48 @@
+"""How a model's projections are stored: a dtype, or a quantized block format (`--quantization`).
+
+    dtype float32    fp32 (oneDNN, and the fp32 GEMV copy for decode batches)
+    dtype bfloat16   bf16 packed for the bf16 GEMV (CPU; on CUDA the model's dtype)
+    int8             int8 per channel, quantized at load from the fp32 weights
+    gguf             the GGUF file's own blocks (Q4_0, Q4_1, Q8_0), read by shared/models/gguf_weights.py
+
+Quantized formats run on the CPU through `csrc/qgemv_cpu.cpp`, every batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.ops.linear import LinearWeight
+from shared.ops.quant import QuantCodes, int8_per_channel
+
+QUANTIZATIONS = ("none", "int8", "gguf")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    dtype: torch.dtype = torch.float32
+    quantization: str = "none"  # one of QUANTIZATIONS
+    # gguf: our projection names (model.layers.{i}.qkv, ..., lm_head) -> the file's codes
+    gguf_codes: Mapping[str, QuantCodes] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+
+    def linear(self, name: str, weight: torch.Tensor, small_batches: bool) -> LinearWeight:
+        """The projection `name` (fp32 `weight` [out, in] as loaded) in this format."""
+        if self.quantization == "gguf":
+            return LinearWeight.quantized(self.gguf_codes[name])
+        if self.quantization == "int8":
+            return LinearWeight.quantized(int8_per_channel(weight))
+        return LinearWeight(weight, small_batches=small_batches, weight_dtype=self.dtype)
+
+    def describe(self) -> str:
+        if self.quantization == "gguf":
+            return "GGUF blocks (" + ", ".join(sorted({c.fmt for c in self.gguf_codes.values()})) + ")"
+        if self.quantization == "int8":
+            return "int8 per channel"
+        return str(self.dtype).removeprefix("torch.")

@@ -1,0 +1,51 @@
+// y = x @ W.T with W stored as bf16, for the rows of any batch (decode steps and prompt chunks): half the
+// bytes of fp32 weights, so a decode step streams half as much from DRAM.
+//
+// Weight layout: [N / kGemvLanes, ceil(K / 2), kGemvLanes, 2] bf16, N padded with zero rows and K with a zero
+// column: a panel of kGemvLanes outputs is one contiguous stream in k, and each k pair of an output is one
+// 32-bit lane, the operand vdpbf16ps multiplies (and, widened, two fp32 lanes for the FMA paths).
+//
+// Each output is one chain over k in order, per row: the result does not depend on the number of rows or
+// threads (batch invariant), but it does on the level (gemv_bf16_impl.h): vdpbf16ps rounds the row to bf16,
+// the widening paths do not. The reference is F.linear against the bf16-rounded weight (and row).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+#include "cpu_isa.h"
+#include "gemv_layout.h"
+
+torch::Tensor gemv_bf16_pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "gemv_bf16_pack: 2-D float32 or bfloat16 weight");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kGemvLanes - 1) / kGemvLanes;
+  const int64_t K2 = (K + 1) / 2;
+  auto padded = torch::zeros({panels * kGemvLanes, 2 * K2}, weight.options().dtype(at::kBFloat16));
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);  // torch's rounding to nearest even
+  return padded.view({panels, kGemvLanes, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+#define BATON_IMPL "gemv_bf16_impl.h"
+#include "isa_variants.h"
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  return active_kernels().gemv_bf16(std::move(x), std::move(packed), out_features);
+}
+
+TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+  m.def("gemv_bf16_pack(Tensor weight) -> Tensor");
+  m.def("gemv_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
+  m.impl("gemv_bf16_pack", &gemv_bf16_pack);
+  m.impl("gemv_bf16", &gemv_bf16);
+}

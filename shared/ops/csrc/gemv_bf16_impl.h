@@ -1,0 +1,140 @@
+// The bf16 GEMV's loops, compiled once per instruction-set level (isa_variants.h; contract and layout in
+// gemv_bf16_cpu.cpp). avx512_bf16 and up: vdpbf16ps over the rows rounded to bf16 (two products per lane
+// and instruction, as oneDNN's and vLLM's bf16 paths round activations). Below it the weights are widened in
+// registers (a shift per pair of k) and multiply the fp32 rows exactly: half the bytes, fp32 arithmetic.
+
+// Rows per pass over a panel: with AVX-512 eight rows' partial sums (two registers each) stay in registers.
+constexpr int kBf16RowsPerPass = BATON_ISA >= BATON_ISA_AVX512 ? 8 : 2;
+
+#if BATON_ISA >= BATON_ISA_AVX512
+// The panel's pair kk as fp32: [0] the even k of outputs 0-15, [1] the odd k; [2], [3] outputs 16-31
+static inline void widen_pair_avx512(const uint16_t* w, __m512 (&out)[4]) {
+  const __m512i lo = _mm512_loadu_si512(w), hi = _mm512_loadu_si512(w + 32);
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
+  out[1] = _mm512_castsi512_ps(_mm512_and_si512(lo, odd_mask));
+  out[2] = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+  out[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, odd_mask));
+}
+#endif
+
+// MR rows against one panel of K2 pairs: y[m][l] for l < ncols. x: fp32 rows (widening paths) or bf16 pairs
+// as uint32 (vdpbf16ps), ldx elements apart.
+template <int MR>
+static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx, const uint16_t* panel, int64_t K2,
+                            int64_t K, float* y, int64_t ldy, int64_t ncols) {
+  float out[MR][kGemvLanes];
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+  (void)x;
+  (void)K;
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* w = panel + kk * 2 * kGemvLanes;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[m * ldx + kk]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(out[m], acc[m][0]);
+    _mm512_storeu_ps(out[m] + 16, acc[m][1]);
+  }
+#elif BATON_ISA >= BATON_ISA_AVX512
+  (void)xpairs;
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512 w[4];
+    widen_pair_avx512(panel + kk * 2 * kGemvLanes, w);
+    const int64_t k = 2 * kk;
+    for (int m = 0; m < MR; ++m) {
+      const __m512 x0 = _mm512_set1_ps(x[m * ldx + k]);
+      const __m512 x1 = _mm512_set1_ps(k + 1 < K ? x[m * ldx + k + 1] : 0.f);
+      acc[m][0] = _mm512_fmadd_ps(x1, w[1], _mm512_fmadd_ps(x0, w[0], acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(x1, w[3], _mm512_fmadd_ps(x0, w[2], acc[m][1]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(out[m], acc[m][0]);
+    _mm512_storeu_ps(out[m] + 16, acc[m][1]);
+  }
+#else
+  (void)xpairs;
+  // portable (and AVX2, which the compiler vectorises from these loops): lanes l of the pair kk sit at
+  // [l * 2] (even k) and [l * 2 + 1] (odd k)
+  float acc[MR][kGemvLanes] = {};
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* w = panel + kk * 2 * kGemvLanes;
+    float we[kGemvLanes], wo[kGemvLanes];
+    for (int l = 0; l < kGemvLanes; ++l) {
+      we[l] = bf16_bits_to_float(w[2 * l]);
+      wo[l] = bf16_bits_to_float(w[2 * l + 1]);
+    }
+    const int64_t k = 2 * kk;
+    for (int m = 0; m < MR; ++m) {
+      const float x0 = x[m * ldx + k], x1 = k + 1 < K ? x[m * ldx + k + 1] : 0.f;
+#pragma omp simd
+      for (int l = 0; l < kGemvLanes; ++l) acc[m][l] = std::fma(x1, wo[l], std::fma(x0, we[l], acc[m][l]));
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int l = 0; l < kGemvLanes; ++l) out[m][l] = acc[m][l];
+#endif
+  for (int m = 0; m < MR; ++m)
+    for (int64_t l = 0; l < ncols; ++l) y[m * ldy + l] = out[m][l];
+}
+
+template <int R>
+static inline void bf16_tail_rows(int64_t rest, const float* x, const uint32_t* xpairs, int64_t ldx,
+                                  const uint16_t* panel, int64_t K2, int64_t K, float* y, int64_t ldy, int64_t ncols) {
+  if constexpr (R > 0) {
+    if (rest == R) return bf16_panel_rows<R>(x, xpairs, ldx, panel, K2, K, y, ldy, ncols);
+    bf16_tail_rows<R - 1>(rest, x, xpairs, ldx, panel, K2, K, y, ldy, ncols);
+  }
+}
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gemv_bf16: contiguous float32 x");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kGemvLanes &&
+              packed.size(3) == 2 && packed.size(1) == (x.size(1) + 1) / 2 && packed.is_contiguous(),
+              "gemv_bf16: weight not packed by gemv_bf16_pack for this input width");
+  const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1), panels = packed.size(0), N = out_features;
+  TORCH_CHECK(N > (panels - 1) * kGemvLanes && N <= panels * kGemvLanes,
+              "gemv_bf16: out_features does not match the weight");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  // vdpbf16ps takes the rows as bf16 pairs: rounded once here (to nearest even), not per panel
+  std::vector<uint32_t> pairs;
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+  pairs.resize(M * K2);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kk = 0; kk < K2; ++kk) {
+      const uint32_t lo = float_to_bf16_bits(xp[m * K + 2 * kk]);
+      const uint32_t hi = 2 * kk + 1 < K ? float_to_bf16_bits(xp[m * K + 2 * kk + 1]) : 0u;
+      pairs[m * K2 + kk] = lo | (hi << 16);
+    }
+  const int64_t ldx = K2;
+#else
+  const int64_t ldx = K;
+#endif
+  const uint32_t* xq = pairs.empty() ? nullptr : pairs.data();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  // panels split across threads, never k: each output's sum is the same whatever the threads and rows
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = wp + p * K2 * 2 * kGemvLanes;
+      const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
+      int64_t m = 0;
+      for (; m + kBf16RowsPerPass <= M; m += kBf16RowsPerPass)
+        bf16_panel_rows<kBf16RowsPerPass>(xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K, yp + m * N + p * kGemvLanes,
+                                          N, ncols);
+      bf16_tail_rows<kBf16RowsPerPass - 1>(M - m, xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K,
+                                           yp + m * N + p * kGemvLanes, N, ncols);
+    }
+  });
+  return y;
+}

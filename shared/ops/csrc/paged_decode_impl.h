@@ -1,0 +1,368 @@
+// The paged decode attention's loops, compiled once per instruction-set level (isa_variants.h; the
+// contract is in paged_decode_cpu.cpp): from avx512 up the wide path, below it the portable loops.
+
+#include "simd_dot.h"  // inside the level's namespace: `dot` is vectorised for the level
+
+// exp(x) for x <= 0 (scores minus their row's max), written so that `omp simd` vectorises it: libm's
+// expf stays one scalar call per score (glibc's vector expf needs -ffast-math for the whole file).
+// Cephes' expf: x = k ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for exp(r), 2^k through the
+// exponent bits. Relative error about 1e-7, as libm's.
+static inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;  // below this 2^k leaves the normal range; exp is < 2e-38 anyway
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Keys (and values) are prefetched this many positions ahead, through the block table. Measured at batch
+// 32, 260-token contexts, 30 layers' caches, blocks scattered over the pool, two threads: 1.22 ms per
+// layer prefetching only within a block (past its end lies another sequence's block), 0.85 ms with this.
+constexpr int kPrefetchAhead = 8;
+
+// fn(t, block, slot, ahead_block, ahead_slot) for the keys at positions lo + t, t < n, walking the block
+// table a block at a time; (ahead_block, ahead_slot) is where the key kPrefetchAhead positions on lives
+// (blocks are anywhere in the pool, so the hardware prefetcher cannot follow a sequence past its block)
+template <typename Fn>
+static inline void for_each_slot(const int32_t* table, int64_t bs, int64_t lo, int64_t n, Fn&& fn) {
+  int64_t t = 0;
+  const int64_t last_block = (lo + n - 1) / bs;
+  while (t < n) {
+    const int64_t p = lo + t, b = p / bs, block = table[b], first = p % bs;
+    const int64_t next = b < last_block ? table[b + 1] : block;
+    const int64_t count = std::min(bs - first, n - t);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t ahead = first + j + kPrefetchAhead;
+      fn(t + j, block, first + j, ahead < bs ? block : next, ahead < bs ? ahead : std::min(ahead - bs, bs - 1));
+    }
+    t += count;
+  }
+}
+
+// Each of `rows` rows of n scores becomes exp(score - the row's max), in place; inv[j] = 1 / row j's sum
+static void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* sc = scores + j * n;
+    float m = sc[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 1; t < n; ++t) m = std::max(m, sc[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      const float e = exp_nonpositive(sc[t] - m);
+      sc[t] = e;
+      sum += e;
+    }
+    inv[j] = 1.f / sum;
+  }
+}
+
+#if BATON_ISA >= BATON_ISA_AVX512
+// The wide path. The portable loops spent ~460 cycles per (row, token) at SmolLM2's 9 heads on Zen 4 with
+// the cache in L1/L2: an 8-lane dot product ending in a horizontal sum per score, and the value pass's sums
+// round-tripping through memory. Here 16 scores come out of one transposing reduction and the sums stay in
+// registers. A/B on Zen 4, two threads, 30 layers' caches with scattered blocks, medians of 15 (ms, wide
+// against portable): batch 16 at 100-token contexts 3.9 / 5.0, batch 32 at 300 25.5 / 33.2, batch 64 at
+// 200 32.4 / 42.4, one row at 500 2.0 / 2.8. Scores differ from the portable loops' in the order of the
+// additions only; for a given row they do not depend on the batch.
+constexpr int kChunk = 16;  // tokens whose scores come out of one transposing reduction (one AVX-512 vector)
+
+// out[t] = the sum of p[t]'s 16 lanes, for 16 vectors at once: ~3 instructions a sum where a horizontal
+// reduction of each takes ~8. The order of the additions is fixed, so a row's scores do not depend on the batch.
+static inline __m512 lane_sums16(const __m512 (&p)[kChunk]) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane, for the pair (a, b)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane L holds its own part of vectors 4i .. 4i + 3
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes (0 + 1, 2 + 3) of y[2i], then of y[2i + 1]
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// Prefetches into L2 the cache lines of heads [h0, h1) of positions [t, t_end), a few at a time (`step`), so
+// that the next chunk's lines arrive while this chunk is computed. One A/B on Zen 4 (batch 16, 100-token
+// contexts, 30 layers' caches, medians of 15): spread over the chunk's passes into L2 4.3 ms; all of the
+// next chunk's lines at its start into L2 5.5; spread into L1 5.2; none 6.1; the portable loops 5.2. Also
+// fetching the thread's next job's first keys during the last value chunk (`Job::after`): 3.9 against 4.2.
+template <typename KV>
+struct Prefetcher {
+  const KV* base;
+  const int64_t* off;  // position t's offset from base
+  int64_t t, t_end, h0, h1, hs;
+  int dvs;  // 64-byte lines per head
+  int64_t h = h0;
+  int dv = 0;
+
+  int64_t lines() const { return std::max<int64_t>(0, t_end - t) * (h1 - h0) * dvs; }
+  void step(int64_t count) {
+    for (; count > 0 && t < t_end; --count) {
+      __builtin_prefetch(reinterpret_cast<const char*>(base + off[t] + h * hs) + dv * 64, 0, 2);
+      if (++dv == dvs) {
+        dv = 0;
+        if (++h == h1) h = h0, ++t;
+      }
+    }
+  }
+};
+
+template <typename KV>
+struct Job {
+  const float* q;  // the job's first query head; head j at q + j * qhs
+  int64_t qhs;
+  const KV* kc;  // the caches, and each position's offset into them (through the block table)
+  const KV* vc;
+  const int64_t* koff;
+  const int64_t* voff;
+  int64_t khs, vhs;
+  int64_t h0, h1, G, n;
+  float scale;
+  Prefetcher<KV> after;  // what to fetch during the value pass's last chunk: the thread's next job's first keys
+};
+
+// scores[j * n + t] = q_j . k_t * scale for the job's query heads j, a chunk of tokens at a time (their keys,
+// all heads, stay in L1 while every head reads them). Meanwhile the next chunk's keys are prefetched, or
+// during the last chunk the first values.
+// 16 cached keys or values as fp32: loaded, or widened from bf16 (a shift of each lane's bits)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// 64-byte lines of one head's DV * 16 cached elements
+template <int DV, typename KV>
+constexpr int kLinesPerHead = DV * static_cast<int>(sizeof(KV)) / 4;
+
+template <int DV, typename KV>
+static void scores_avx512(const Job<KV>& jb, float* scores) {
+  const int64_t passes = (jb.h1 - jb.h0) * jb.G;
+  for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
+    const int c = (int)std::min<int64_t>(kChunk, jb.n - t0);
+    constexpr int lines = kLinesPerHead<DV, KV>;
+    Prefetcher<KV> pf = t0 + c < jb.n
+        ? Prefetcher<KV>{jb.kc, jb.koff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.khs, lines}
+        : Prefetcher<KV>{jb.vc, jb.voff, 0, std::min<int64_t>(kChunk, jb.n), jb.h0, jb.h1, jb.vhs, lines};
+    const int64_t per_pass = (pf.lines() + passes - 1) / passes;
+    for (int64_t h = jb.h0; h < jb.h1; ++h) {
+      for (int64_t g = 0; g < jb.G; ++g) {
+        pf.step(per_pass);
+        const int64_t j = (h - jb.h0) * jb.G + g;
+        const float* qv = jb.q + j * jb.qhs;
+        __m512 p[kChunk];
+        for (int t = 0; t < kChunk; ++t) {
+          if (t < c) {
+            const KV* k = jb.kc + jb.koff[t0 + t] + h * jb.khs;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qv), load16(k));
+            for (int dv = 1; dv < DV; ++dv)
+              s = _mm512_fmadd_ps(_mm512_loadu_ps(qv + dv * 16), load16(k + dv * 16), s);
+            p[t] = s;
+          } else {
+            p[t] = _mm512_setzero_ps();
+          }
+        }
+        const __m512 s = _mm512_mul_ps(lane_sums16(p), _mm512_set1_ps(jb.scale));
+        _mm512_mask_storeu_ps(scores + j * jb.n + t0, (__mmask16)((1u << c) - 1), s);
+      }
+    }
+  }
+}
+
+// acc[j * D + d] = sum over t of w[j * n + t] * v_t[d], a chunk at a time, each value vector loaded once for
+// as many of its KV head's query heads as keep their sums in registers (kAccRegs). The sum over t runs in
+// order, as the portable loop's. The next chunk's values are prefetched meanwhile, or the next job's keys.
+template <int DV, typename KV>
+static void values_avx512(const Job<KV>& jb, const float* w, float* acc) {
+  constexpr int kAccRegs = 16;
+  constexpr int GB = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
+  constexpr int64_t D = DV * 16;
+  const int64_t passes = (jb.h1 - jb.h0) * ((jb.G + GB - 1) / GB);
+  for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
+    const int64_t c = std::min<int64_t>(kChunk, jb.n - t0);
+    Prefetcher<KV> pf = t0 + c < jb.n
+        ? Prefetcher<KV>{jb.vc, jb.voff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.vhs,
+                         kLinesPerHead<DV, KV>}
+        : jb.after;
+    const int64_t per_pass = (pf.lines() + passes - 1) / passes;
+    for (int64_t h = jb.h0; h < jb.h1; ++h) {
+      for (int64_t g0 = 0; g0 < jb.G; g0 += GB) {
+        pf.step(per_pass);
+        const int64_t j0 = (h - jb.h0) * jb.G + g0;
+        const int gn = (int)std::min<int64_t>(GB, jb.G - g0);
+        __m512 a[GB][DV];
+        for (int g = 0; g < GB; ++g)
+          if (g < gn)
+            for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_loadu_ps(acc + (j0 + g) * D + dv * 16);
+        for (int64_t t = t0; t < t0 + c; ++t) {
+          const KV* v = jb.vc + jb.voff[t] + h * jb.vhs;
+          __m512 vv[DV];
+          for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + dv * 16);
+          for (int g = 0; g < GB; ++g)
+            if (g < gn) {
+              const __m512 wt = _mm512_set1_ps(w[(j0 + g) * jb.n + t]);
+              for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_fmadd_ps(wt, vv[dv], a[g][dv]);
+            }
+        }
+        for (int g = 0; g < GB; ++g)
+          if (g < gn)
+            for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(acc + (j0 + g) * D + dv * 16, a[g][dv]);
+      }
+    }
+  }
+}
+
+// acc[j * D ...] = the job's unnormalised outputs, inv[j] their normalisers
+template <int DV, typename KV>
+static void attend_avx512(const Job<KV>& jb, float* scores, float* inv, float* acc) {
+  scores_avx512<DV, KV>(jb, scores);
+  softmax_rows(scores, (jb.h1 - jb.h0) * jb.G, jb.n, inv);
+  values_avx512<DV, KV>(jb, scores, acc);
+}
+#endif
+
+// KV: float (an fp32 cache) or uint16_t (a bf16 cache's bits, widened as they are read)
+template <typename KV>
+static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq,
+                           torch::Tensor row_pos, double scale, int64_t window) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && rows.scalar_type() == at::kLong &&
+              row_seq.scalar_type() == at::kLong && row_pos.scalar_type() == at::kLong, "index dtypes");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(block_tables.stride(1) == 1 && rows.is_contiguous() && row_seq.is_contiguous() &&
+              row_pos.is_contiguous(), "index tensors must be contiguous");
+  const int64_t R = rows.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv;
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const KV* kc = static_cast<const KV*>(k_cache.data_ptr());
+  const KV* vc = static_cast<const KV*>(v_cache.data_ptr());
+  const int64_t kbs = k_cache.stride(0), kts = k_cache.stride(1), khs = k_cache.stride(2);
+  const int64_t vbs = v_cache.stride(0), vts = v_cache.stride(1), vhs = v_cache.stride(2);
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t btw = block_tables.stride(0);
+  const int64_t* ri = rows.data_ptr<int64_t>();
+  const int64_t* rs = row_seq.data_ptr<int64_t>();
+  const int64_t* rp = row_pos.data_ptr<int64_t>();
+  const int64_t qrs = query.stride(0), qhs = query.stride(1), ors = out.stride(0), ohs = out.stride(1);
+  const float fscale = (float)scale;
+  // A job is a row's KV heads [h0, h1): the whole row when rows alone keep every thread busy (a token's
+  // keys for all heads are then one contiguous read), else the row's heads split across jobs
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::clamp<int64_t>((2 * threads + R - 1) / R, 1, Hkv);
+  const int64_t heads_per_job = (Hkv + splits - 1) / splits;
+  struct Span {
+    int64_t i, h0, h1, lo, n;  // row i (of `rows`), its KV heads [h0, h1), positions lo .. lo + n - 1
+    const int32_t* table;
+  };
+  auto span_of = [&](int64_t job) {
+    const int64_t i = job / splits, h0 = (job % splits) * heads_per_job, pos = rp[i];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    return Span{i, h0, std::min(Hkv, h0 + heads_per_job), lo, pos - lo + 1, bt + rs[i] * btw};
+  };
+#if BATON_ISA >= BATON_ISA_AVX512
+  const int64_t dv = D % 16 == 0 ? D / 16 : 0;
+  const bool wide = dv == 2 || dv == 4 || dv == 8 || dv == 16;
+#endif
+  at::parallel_for(0, R * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, inv;
+    std::vector<int64_t> koff, voff;
+    for (int64_t job = begin; job < end; ++job) {
+      const Span sp = span_of(job);
+      const int64_t h0 = sp.h0, h1 = sp.h1, lo = sp.lo, n = sp.n, r = ri[sp.i];
+      if (h0 >= h1) continue;
+      const int64_t nq = (h1 - h0) * G;  // query heads of this job, in order h0 * G ...
+      scores.resize(nq * n);
+      inv.resize(nq);
+      acc.assign(nq * D, 0.f);
+      const int32_t* table = sp.table;
+      const float* qj = q + r * qrs + h0 * G * qhs;
+#if BATON_ISA >= BATON_ISA_AVX512
+      if (wide) {
+        koff.resize(n);
+        voff.resize(n);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t p = lo + t, block = table[p / bs], slot = p % bs;
+          koff[t] = block * kbs + slot * kts;
+          voff[t] = block * vbs + slot * vts;
+        }
+        Job<KV> jb{qj, qhs, kc, vc, koff.data(), voff.data(), khs, vhs, h0, h1, G, n, fscale, {}};
+        int64_t next_koff[kChunk];
+        if (job + 1 < end) {
+          const Span nx = span_of(job + 1);
+          const int64_t m = std::min<int64_t>(kChunk, nx.n);
+          for (int64_t t = 0; t < m; ++t) {
+            const int64_t p = nx.lo + t;
+            next_koff[t] = nx.table[p / bs] * kbs + (p % bs) * kts;
+          }
+          jb.after = Prefetcher<KV>{kc, next_koff, 0, nx.h0 < nx.h1 ? m : 0, nx.h0, nx.h1, khs,
+                                    (int)(dv * sizeof(KV) / 4)};
+        }
+        if (dv == 2) attend_avx512<2, KV>(jb, scores.data(), inv.data(), acc.data());
+        else if (dv == 4) attend_avx512<4, KV>(jb, scores.data(), inv.data(), acc.data());
+        else if (dv == 8) attend_avx512<8, KV>(jb, scores.data(), inv.data(), acc.data());
+        else attend_avx512<16, KV>(jb, scores.data(), inv.data(), acc.data());
+      } else
+#endif
+      {
+        for_each_slot(table, bs, lo, n, [&](int64_t t, int64_t block, int64_t slot, int64_t pb, int64_t ps) {
+          const KV* kt = kc + block * kbs + slot * kts;
+          const KV* kp = kc + pb * kbs + ps * kts;
+          for (int64_t h = h0; h < h1; ++h) {
+            const KV* k = kt + h * khs;
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kp + h * khs + d);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t j = (h - h0) * G + g;
+              scores[j * n + t] = dot(qj + j * qhs, k, D) * fscale;
+            }
+          }
+        });
+        softmax_rows(scores.data(), nq, n, inv.data());
+        // weights times values, a token at a time for all the job's heads (the sums, nq * D floats, stay in L1)
+        for_each_slot(table, bs, lo, n, [&](int64_t t, int64_t block, int64_t slot, int64_t pb, int64_t ps) {
+          const KV* vt = vc + block * vbs + slot * vts;
+          const KV* vp = vc + pb * vbs + ps * vts;
+          for (int64_t h = h0; h < h1; ++h) {
+            const KV* __restrict v = vt + h * vhs;
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(vp + h * vhs + d);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t j = (h - h0) * G + g;
+              const float w = scores[j * n + t];
+              float* __restrict a = acc.data() + j * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) a[d] += w * to_f32(v[d]);
+            }
+          }
+        });
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        float* oo = o + r * ors + (h0 * G + j) * ohs;
+        for (int64_t d = 0; d < D; ++d) oo[d] = acc[j * D + d] * inv[j];
+      }
+    }
+  });
+}
+
+
+void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq, torch::Tensor row_pos,
+                  double scale, int64_t window) {
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && v_cache.scalar_type() == kv &&
+              (kv == at::kFloat || kv == at::kBFloat16), "paged_decode: float32 queries, a float32 or bfloat16 cache");
+  if (kv == at::kFloat)
+    paged_decode_t<float>(out, query, k_cache, v_cache, block_tables, rows, row_seq, row_pos, scale, window);
+  else
+    paged_decode_t<uint16_t>(out, query, k_cache, v_cache, block_tables, rows, row_seq, row_pos, scale, window);
+}

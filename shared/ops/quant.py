@@ -1,0 +1,115 @@
+"""Weights served in a quantized block format: GGUF's Q4_0, Q4_1, Q8_0 as the file holds them, or int8 per
+channel made from fp32 weights.
+
+Every format becomes u8 codes with a fp16 scale d and offset m per block of 32
+inputs of an output, w = d * c + m, without changing a code (`csrc/qgemv_layout.h`):
+
+    format   file block (32 weights)          codes c       d          m
+    Q4_0     d, 16 bytes of nibbles q         q (0..15)     d          -8 d
+    Q4_1     d, m, 16 bytes of nibbles q      q (0..15)     d          m
+    Q8_0     d, 32 int8 q                     q + 128       d          -128 d
+    int8     (per output row: d = max|w| / 127, q = round(w / d))  as Q8_0, one d per row
+
+`csrc/qgemv_cpu.cpp` multiplies them by rows quantized to int8 per block (as
+llama.cpp does), with AVX512-VNNI where the CPU has it. `qgemv_ref` is its oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32
+# GGUF block types served as they are, and the bits of their codes
+GGUF_FORMATS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+
+
+@dataclass(frozen=True)
+class QuantCodes:
+    """A weight [N, K] as codes and per-block scales: w[n, k] = d[n, k // 32] * codes[n, k] + m[n, k // 32]."""
+
+    codes: torch.Tensor  # [N, K] uint8
+    d: torch.Tensor  # [N, K / 32] float16
+    m: torch.Tensor  # [N, K / 32] float16
+    bits: int  # 4 or 8: the largest code fits in this many bits
+    fmt: str  # where they came from: "Q4_0", "Q4_1", "Q8_0", "int8"
+
+    def rows(self, index: torch.Tensor) -> QuantCodes:  # index [N'] int64: these rows, in this order
+        return QuantCodes(self.codes[index], self.d[index], self.m[index], self.bits, self.fmt)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32, as ggml dequantizes it
+        scale = self.d.float().repeat_interleave(BLOCK, dim=1)
+        offset = self.m.float().repeat_interleave(BLOCK, dim=1)
+        return scale * self.codes.float() + offset
+
+    def pack(self) -> torch.Tensor:
+        """The kernel's layout (csrc/qgemv_layout.h)."""
+        return torch.ops.baton_cpu.qgemv_pack(self.codes, self.d, self.m, self.bits)  # type: ignore[no-any-return]
+
+
+def concat_rows(parts: list[QuantCodes]) -> QuantCodes:
+    """Rows of several weights of one input width as one weight (q, k, v -> qkv); bits widen to the widest."""
+    fmts = {p.fmt for p in parts}
+    return QuantCodes(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
+                      torch.cat([p.m for p in parts]), max(p.bits for p in parts),
+                      fmts.pop() if len(fmts) == 1 else "+".join(sorted(fmts)))
+
+
+def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantCodes:
+    """Codes of a GGUF tensor's raw blocks (`raw`: its bytes, [N, bytes per row] or flat) of shape [N, K]."""
+    if type_name not in GGUF_FORMATS:
+        raise ValueError(f"GGUF block type {type_name} is not served quantized here (only {sorted(GGUF_FORMATS)})")
+    n, k = shape
+    if k % BLOCK:
+        raise ValueError(f"a [{n}, {k}] tensor is not whole blocks of {BLOCK}")
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, block_bytes)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    if type_name == "Q8_0":
+        codes = blocks[:, :, 2:].reshape(n, k) ^ np.uint8(0x80)  # int8 q + 128, bit for bit
+        m = (d.astype(np.float32) * -128).astype(np.float16)  # exact: a power of two times a fp16
+    else:
+        first = 4 if type_name == "Q4_1" else 2
+        qs = blocks[:, :, first:first + 16]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)  # ggml: low nibbles are 0..15
+        if type_name == "Q4_1":
+            m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
+        else:
+            m = (d.astype(np.float32) * -8).astype(np.float16)
+    return QuantCodes(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
+                      torch.from_numpy(np.ascontiguousarray(m)), GGUF_FORMATS[type_name], type_name)
+
+
+def int8_per_channel(weight: torch.Tensor) -> QuantCodes:  # weight [N, K] float
+    """Symmetric int8 with one fp16 scale per output row (K a multiple of 32)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"int8 needs the input width in whole blocks of {BLOCK}, got {k}")
+    d = (weight.float().abs().amax(dim=1) / 127).half()  # [N]
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d.float()))
+    q = torch.round(weight.float() * inv[:, None]).clamp(-127, 127).to(torch.int16)
+    codes = (q + 128).to(torch.uint8)
+    d_blocks = d[:, None].expand(n, k // BLOCK).contiguous()
+    return QuantCodes(codes, d_blocks, (d_blocks.float() * -128).half(), 8, "int8")
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's int8 rows: (codes [M, K], scales [M, K / 32], sums [M, K / 32]) (see qgemv_cpu.cpp)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = xb.abs().amax(dim=2) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None])  # halves to even, as nearbyint
+    return q.to(torch.int8).reshape(m, k), d, d * q.sum(dim=2)
+
+
+def qgemv_ref(x: torch.Tensor, w: QuantCodes) -> torch.Tensor:  # [M, K] -> [M, N] float32
+    """The kernel's formula in float64: per block d_w d_x (codes . q_x) + m_w s_x, summed over blocks."""
+    xq, xd, xs = quantize_rows_ref(x)
+    m, k = x.shape
+    dots = torch.einsum("mbk,nbk->mnb", xq.reshape(m, k // BLOCK, BLOCK).double(),
+                        w.codes.reshape(-1, k // BLOCK, BLOCK).double())
+    y = dots * w.d.double()[None] * xd.double()[:, None] + w.m.double()[None] * xs.double()[:, None]
+    return y.sum(dim=2).float()

@@ -1,0 +1,67 @@
+"""The bf16-weight GEMV (`csrc/gemv_bf16_cpu.cpp`) against `F.linear` on the bf16-rounded weight, at every
+instruction-set level this CPU runs (vdpbf16ps from avx512_bf16 up, which also rounds the rows to bf16;
+weights widened in registers below it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.ops import cpu_isa
+from shared.ops.linear import LinearWeight
+
+# SmolLM2's and Gemma 3's projection shapes, an LM-head slice, and odd shapes (a padded panel, an odd K)
+SHAPES = [(960, 576), (3072, 576), (576, 1536), (1536, 640), (640, 2048), (4096, 576), (70, 33), (5, 7)]
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [n, K], [N, K] -> [n, N]
+    """What the active level computes, in fp64: rows rounded to bf16 where vdpbf16ps runs."""
+    rows = x.bfloat16() if cpu_isa.isa_at_least("avx512_bf16") else x
+    return F.linear(rows.double(), w.bfloat16().double())
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+def test_matches_the_reference_at_every_row_count(out_features: int, in_features: int, isa_level: str) -> None:
+    g = torch.Generator().manual_seed(out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    x = torch.randn(40, in_features, generator=g)
+    lin = LinearWeight(w, weight_dtype=torch.bfloat16)
+    assert lin.backend == "gemv_bf16" and lin.weight.dtype == torch.bfloat16
+    batched = lin(x)
+    ref = reference(x, w)
+    # fp32 sums of exact products (bf16 x bf16, or bf16 x fp32 widened): the order is the only difference
+    tol = 2e-6 * in_features ** 0.5 * ref.abs().max().item()
+    assert (batched.double() - ref).abs().max().item() <= tol
+    for rows in (1, 2, 3, 7, 8, 9, 17):  # batch invariance: a row's bits do not depend on the others
+        assert torch.equal(lin(x[:rows]), batched[:rows]), rows
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bits_do_not_depend_on_threads(threads: int, isa_level: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    lin = LinearWeight(torch.randn(3072, 576, generator=g), weight_dtype=torch.bfloat16)
+    x = torch.randn(9, 576, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = lin(x)
+        torch.set_num_threads(threads)
+        assert torch.equal(lin(x), two)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_half_the_bytes_of_fp32() -> None:
+    w = torch.randn(960, 576)
+    assert LinearWeight(w, weight_dtype=torch.bfloat16).nbytes * 2 == LinearWeight(w).nbytes
+
+
+def test_kernel_rejects_a_mismatched_weight() -> None:
+    packed = torch.ops.baton_cpu.gemv_bf16_pack(torch.randn(64, 96))
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.baton_cpu.gemv_bf16(torch.randn(1, 80), packed, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.baton_cpu.gemv_bf16(torch.randn(1, 96), packed, 100)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.baton_cpu.gemv_bf16(torch.randn(1, 96).bfloat16(), packed, 64)
