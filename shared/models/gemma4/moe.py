@@ -145,8 +145,11 @@ def make_experts(gate_up: torch.Tensor, down: torch.Tensor) -> Experts:
     return TorchExperts(gate_up, down)
 
 
-def load_moe(get: Callable[[str], torch.Tensor], prefix: str, spec: MoESpec, eps: float) -> tuple[Router, Experts]:
-    """The router and experts of one layer from checkpoint tensors under `prefix` (`model.layers.{i}.`)."""
+def load_moe(get: Callable[[str], torch.Tensor], prefix: str, spec: MoESpec, eps: float,
+             get_experts: Callable[[str], torch.Tensor] | None = None) -> tuple[Router, Experts]:
+    """The router and experts of one layer from checkpoint tensors under `prefix` (`model.layers.{i}.`);
+    `get_experts` reads the expert banks (in the dtype they are stored in), `get` the rest."""
+    get_experts = get_experts or get
     router = Router(
         scale=get(prefix + "router.scale"),
         proj=get(prefix + "router.proj.weight"),
@@ -154,5 +157,5 @@ def load_moe(get: Callable[[str], torch.Tensor], prefix: str, spec: MoESpec, eps
         top_k=spec.top_k,
         eps=eps,
     )
-    experts = make_experts(get(prefix + "experts.gate_up_proj"), get(prefix + "experts.down_proj"))
+    experts = make_experts(get_experts(prefix + "experts.gate_up_proj"), get_experts(prefix + "experts.down_proj"))
     return router, experts
