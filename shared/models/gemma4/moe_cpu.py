@@ -46,6 +46,8 @@ class PackedExperts:
         gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
         down: torch.Tensor,  # [num_experts, hidden, intermediate]
     ) -> None:
+        if not cpu_kernels_available():  # also what loads them, for a caller that did not ask first
+            raise RuntimeError("packed experts need the C++ CPU kernels, which did not build (see the log)")
         if gate_up.dtype not in _DTYPES or down.dtype != gate_up.dtype:
             raise ValueError(f"packed experts take float32 or bfloat16 weights, got {gate_up.dtype}, {down.dtype}")
         self._num_experts, two_i, self.hidden_size = gate_up.shape
