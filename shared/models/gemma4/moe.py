@@ -98,7 +98,7 @@ class TorchExperts:
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
         token_of = order // top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = h[token_of]  # [n * top_k, hidden]
+        rows = h[token_of].to(self.gate_up.dtype)  # [n * top_k, hidden], in the weights' dtype
         out = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts):
@@ -109,7 +109,7 @@ class TorchExperts:
             out[start:start + count] = F.linear(F.gelu(gate, approximate="tanh") * up, self.down[expert])
             start += count
         out *= weights.reshape(-1)[order, None].to(out.dtype)
-        return torch.zeros_like(h).index_add_(0, token_of, out)
+        return torch.zeros_like(h).index_add_(0, token_of, out.to(h.dtype))
 
 
 class TritonExperts(TorchExperts):

@@ -95,3 +95,16 @@ def test_packed_experts_refuse_an_expert_index_out_of_range() -> None:
 def test_make_experts_picks_the_packed_kernel_on_the_cpu() -> None:
     experts = make_experts(torch.randn(4, 16, 32), torch.randn(4, 32, 8))
     assert isinstance(experts, PackedExperts if cpu_kernels_available() else TorchExperts)
+
+
+def test_torch_loop_takes_fp32_rows_over_bf16_weights() -> None:
+    """Where no kernel serves bf16 experts (kernels not built) the loop runs them in their dtype and returns
+    rows in the input's."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up, down = torch.randn(4, 16, 32, generator=gen).bfloat16(), torch.randn(4, 32, 8, generator=gen).bfloat16()
+    x = torch.randn(3, 32, generator=gen)
+    weights, index = _routing(3, 4, 2, seed=6)
+    out = TorchExperts(gate_up, down)(x, weights, index)
+    assert out.dtype == torch.float32
+    expected = TorchExperts(gate_up.float(), down.float())(x.bfloat16().float(), weights, index)
+    torch.testing.assert_close(out, expected, atol=0.1, rtol=0.05)
