@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.models.loader import DEFAULT_CACHE_DIR
+from shared.cache_dir import DEFAULT_CACHE_DIR
 
 
 class RouterSettings(BaseSettings):

@@ -29,7 +29,7 @@ _built: bool | None = None
 
 
 def _build_dir() -> Path:
-    from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
+    from shared.cache_dir import DEFAULT_CACHE_DIR
 
     # keyed by the sources and where they live too: the build files name the sources' paths, so two
     # checkouts (worktrees, branches) sharing a directory would rebuild over each other's library in turn
