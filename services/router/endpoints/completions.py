@@ -72,7 +72,8 @@ def prepare_completion(body: CompletionRequest, request_id: str, model: ModelCon
     prompts = _prompts(body, model)
     asked = Asked(body.max_tokens, body.logprobs)
     check_logprobs(asked, model.settings)
-    num_tokens = min(max_tokens(asked, len(p), model.max_model_len) for p in prompts)
+    limit = model.settings.max_tokens_limit
+    num_tokens = min(max_tokens(asked, len(p), model.max_model_len, limit) for p in prompts)
     params = sampling_params(body, num_tokens, asked.logprobs, model.settings, model.defaults, model.vocab_size)
     structured = grammar_from_body(body)
     if structured is not None:
