@@ -88,7 +88,8 @@ def test_fuzzed_requests_never_500_or_hang(stack: BatonStack, method: str, path:
             seen.append(response.status_code)
 
         fuzz()
-    assert len(seen) >= min(EXAMPLES, 20)
+    if method == "POST":  # (a GET without parameters has few distinct cases: hypothesis stops early)
+        assert len(seen) >= min(EXAMPLES, 20)
     if method == "POST" and path != "/detokenize":  # some fuzzed requests were served, not all refused
         assert 200 in seen, sorted(set(seen))
     # the router still serves afterwards, and the engines freed what the requests held
