@@ -7,8 +7,9 @@ import torch
 
 from shared.models.gemma4.moe import Router, TorchExperts, make_experts
 from shared.models.gemma4.moe_cpu import PackedExperts
+from shared.models.gemma4.tiny import randomize
 from shared.ops.cpu_kernels import cpu_kernels_available
-from tests.helpers.gemma4 import randomize_gemma4, tiny_gemma4_config
+from tests.helpers.gemma4 import tiny_gemma4_config
 
 
 def _hf_moe(num_experts: int, top_k: int):  # type: ignore[no-untyped-def]
@@ -17,7 +18,7 @@ def _hf_moe(num_experts: int, top_k: int):  # type: ignore[no-untyped-def]
     config = tiny_gemma4_config("moe", num_experts=num_experts, top_k_experts=top_k)
     router, experts = Gemma4TextRouter(config), Gemma4TextExperts(config)
     for i, module in enumerate((router, experts)):
-        randomize_gemma4(module, seed=i)
+        randomize(module, seed=i)
     return config, router, experts
 
 
