@@ -18,6 +18,7 @@ from shared.engine.choices import FirstToken
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import InvalidRequestError
 from shared.registry.base import Load
+from shared.registry.kv_summary import MAX_SUMMARY_BLOCKS, KVSummary
 from shared.structured.spec import GrammarSpec, ReasoningSpec
 
 if TYPE_CHECKING:  # the engine's load snapshot; importing the engine here would pull in the models
@@ -134,15 +135,26 @@ def _reasoning_from_proto(msg: common_pb2.ReasoningSpec) -> ReasoningSpec:
     )
 
 
-def load_report_to_proto(load: EngineLoad) -> common_pb2.LoadReport:
+def load_report_to_proto(load: EngineLoad, kv: KVSummary | None = None) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         num_running=load.num_running, num_waiting=load.num_waiting,
         num_kv_blocks_total=load.num_kv_blocks_total, num_kv_blocks_free=load.num_kv_blocks_free,
+        kv=kv_summary_to_proto(kv) if kv is not None else None,
     )
 
 
 def load_from_proto(report: common_pb2.LoadReport) -> Load:
     return Load(report.num_running, report.num_waiting, report.num_kv_blocks_total, report.num_kv_blocks_free)
+
+
+def kv_summary_to_proto(kv: KVSummary) -> common_pb2.KVSummary:
+    return common_pb2.KVSummary(block_size=kv.block_size, hash_salt=kv.hash_salt,
+                                block_hashes=[bytes.fromhex(h) for h in kv.block_hashes])
+
+
+def kv_summary_from_proto(msg: common_pb2.KVSummary) -> KVSummary:
+    return KVSummary(block_size=msg.block_size, hash_salt=msg.hash_salt,
+                     block_hashes=tuple(h.hex() for h in msg.block_hashes[:MAX_SUMMARY_BLOCKS]))
 
 
 def token_logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:

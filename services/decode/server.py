@@ -4,7 +4,8 @@ Generate(request, handoff_id, kv_transfer_address) — server streaming
   ├ handoff_id set: Claim it from kv_transfer (waits for prefill's Commit) and learn where its
   │   blocks are; the engine checks model and layout, reserves blocks (its own prefix-cache hits
   │   kept), READs only the missing ones (+ hidden states), then runs it; Release once pulled
-  └ handoff_id empty (colocated role): compute the prompt here
+  └ handoff_id empty (colocated role, or a request the router judged cheaper to prefill here than to
+      hand off: short, or mostly in this instance's prefix cache): compute the prompt here
   then stream DecodeResponse batches until one has finished = true.
 The client cancelling the stream aborts the request (its reads stopped before the lease is
 released); its blocks are freed once.
@@ -22,8 +23,8 @@ from opentelemetry import trace
 from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.request import RequestOutput
-from shared.errors import InvalidRequestError
 from shared.kv.remote import AgentAddress, ClaimedHandoff
+from shared.service.engine_host import engine_kv_summary
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
     HANDOFF_ID,
@@ -72,9 +73,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         req = request.request
         params = sampling_params_from_proto(req.params)
-        if not request.handoff_id:
-            if self.aengine.engine.config.role != "colocated":
-                raise InvalidRequestError("this decode instance needs a handoff_id (it does not prefill)")
+        if not request.handoff_id:  # colocated role, or the router chose to prefill here (no handoff pays)
             async for out in await self.aengine.generate(req.request_id, list(req.prompt_token_ids), params):
                 yield _response(out)
             return
@@ -118,7 +117,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def GetLoad(  # noqa: N802
         self, request: decode_pb2.DecodeLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.LoadReport:
-        return load_report_to_proto(self.aengine.load)
+        return load_report_to_proto(self.aengine.load, engine_kv_summary(self.aengine))
 
 
 def _response(out: RequestOutput) -> decode_pb2.DecodeResponse:

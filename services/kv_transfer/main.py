@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from proto.baton.v1 import kv_transfer_pb2_grpc
-from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTransferServicer, slab_space
+from services.kv_transfer.server import (
+    SERVICE_NAME,
+    KVTransferMetrics,
+    KVTransferServicer,
+    pool_summary,
+    slab_space,
+)
 from services.kv_transfer.settings import KVTransferSettings
 from services.kv_transfer.slots import make_policy
 from services.kv_transfer.store import HandoffStore
@@ -146,7 +152,8 @@ async def _register(settings: KVTransferSettings, running: RunningKVTransfer, re
         address=f"{host}:{running.grpc.port}", metrics_url=metrics_url, model="", load=load(),
         started_at=time.time(),
     )
-    heartbeater = Heartbeater(registry, info, load, settings.heartbeat_ttl_s)
+    heartbeater = Heartbeater(registry, info, load, settings.heartbeat_ttl_s,
+                              kv_fn=lambda: pool_summary(running.store))
     await heartbeater.start()
     return heartbeater
 

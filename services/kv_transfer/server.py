@@ -28,7 +28,9 @@ from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services.kv_transfer.store import HandoffStore, LeaseState
 from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError
 from shared.kv.remote import AgentAddress, HandoffSpec, SlotSpace, slot_nbytes_for, usable_pool_prefix
+from shared.registry.kv_summary import MAX_SUMMARY_BLOCKS, KVSummary, summarize
 from shared.telemetry import HANDOFF_ID, KV_NUM_BLOCKS, REQUEST_ID, server_span, tracer
+from shared.wire import kv_summary_to_proto
 from shared.wire_kv import (
     agent_to_proto,
     claimed_to_proto,
@@ -173,7 +175,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         return kv_transfer_pb2.StatsResponse(
             active_leases=s.active_leases, num_slots=s.num_slots, slots_pinned=s.slots_pinned,
             slots_cached=s.slots_cached, slot_nbytes=s.slot_nbytes, capacity_bytes=s.capacity_bytes,
+            kv=kv_summary_to_proto(pool_summary(self._store)),
         )
+
+
+def pool_summary(store: HandoffStore) -> KVSummary:
+    """The prefix pool's block hashes, for the router's prefix-hit estimate (its engines' block size and
+    salt name them; the pool does not know either, so the summary leaves them unset)."""
+    return summarize(store.pool.recent_hashes(MAX_SUMMARY_BLOCKS))
 
 
 def slab_space(agent_name: str, base_addr: int, slot_nbytes: int, capacity_bytes: int) -> SlotSpace | None:

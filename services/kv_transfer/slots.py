@@ -187,6 +187,10 @@ class SlotPool:
     def lookup(self, key: PoolKey) -> int | None:
         return self._by_key.get(key)
 
+    def recent_hashes(self, max_keys: int) -> list[bytes]:
+        """Block hashes of up to `max_keys` prefix-pool entries, the most recently published first."""
+        return [block_hash for _, block_hash in itertools.islice(reversed(self._by_key), max_keys)]
+
     # --- acquire / publish / release -------------------------------------------------------------
 
     def acquire(self, keys: Sequence[PoolKey | None]) -> Acquired:

@@ -31,6 +31,7 @@ from shared.engine.kv_push import PushOutcome
 from shared.engine.request import RequestOutput
 from shared.errors import InvalidRequestError, KVTransferError
 from shared.kv.remote import HandoffSpec, unit_hashes
+from shared.service.engine_host import engine_kv_summary
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
     CACHED_TOKENS,
@@ -162,4 +163,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def GetLoad(  # noqa: N802
         self, request: prefill_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.LoadReport:
-        return load_report_to_proto(self.aengine.load)
+        return load_report_to_proto(self.aengine.load, engine_kv_summary(self.aengine))

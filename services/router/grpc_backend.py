@@ -1,15 +1,21 @@
 """The router's backend over gRPC: prefill -> kv_transfer -> decode, or one colocated engine.
 
-Disaggregated request lifecycle::
+Disaggregated request lifecycle (the picks are routing.py's, under the configured policy)::
 
-    pick kv_transfer (prompt-prefix affinity, for its prefix pool), then prefill (shortest queue)
+    local prefill on? pick decode; what its prefix cache lacks <= threshold ──► decode.Generate(request)
+        │ (no handoff: the decode instance computes the prompt, the colocated path)
+        ▼ otherwise
+    pick kv_transfer (prompt-prefix affinity, for its prefix pool), then prefill (cost model / queue)
     Prefill(request, handoff_id) ──fails before the first token──► retry on another prefill
         │ first token (streams to the client now: TTFT is prefill's time)
         │ finish_reason set (max_tokens=1, eos) ──► done, no decode
         ▼
-    pick decode now (most free KV; draining ones skipped) ──refused before reaching it──► another decode
+    pick decode now (draining ones skipped) ──refused before reaching it──► another decode
     decode.Generate(request, handoff_id, first_token) ──► token batches ──► finished
     abort(request_id): Abort on the prefill and decode it used, Release its handoff.
+
+Every Prefill call and every Generate stream is counted in `Router.inflight` while it is open, so
+picks made between load reports see what this router already sent.
 
 Instances come from the registry, refreshed in the background so a request
 never waits on Redis. Every call made for a request carries the trace context that
@@ -22,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -36,12 +42,15 @@ from proto.baton.v1 import (
     prefill_pb2_grpc,
 )
 from services.router.backend import BackendChunk, BackendRequest
+from services.router.routing import Router
 from shared.engine.choices import split_choice_id
 from shared.errors import BatonError, InvalidRequestError, UnavailableError
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.registry.base import InstanceInfo, Registry
-from shared.registry.picker import pick_decode, pick_kv_transfer, pick_prefill
+from shared.registry.kv_picker import PromptBlocks
+from shared.registry.kv_summary import KVSummary
+from shared.registry.picker import pick_kv_transfer
 from shared.service.lifecycle import cancel, every
 from shared.telemetry import inject_metadata
 from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
@@ -98,28 +107,17 @@ class GrpcBackend:
     """GenerationBackend over the registry's prefill/decode/kv_transfer instances."""
 
     def __init__(self, cache: InstanceCache, mode: str = "disagg", prefill_attempts: int = 2,
-                 max_message_bytes: int = 64 << 20) -> None:
+                 max_message_bytes: int = 64 << 20, router: Router | None = None) -> None:
         if mode not in ("disagg", "colocated"):
             raise InvalidRequestError(f"mode must be disagg or colocated, got {mode!r}")
         self.cache = cache
         self.mode = mode
         self.prefill_attempts = prefill_attempts
         self.max_message_bytes = max_message_bytes
+        self.router = router or Router()
+        self.num_local_prefills = 0  # disaggregated mode: requests whose decode instance computed the prompt
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[str, _InFlight] = {}
-
-    def _with_inflight(self, service: str) -> list[InstanceInfo]:
-        """Registry load plus what this router sent since, so requests between heartbeats spread out."""
-        field_name = "prefill" if service == "prefill" else "decode"
-        counts: dict[str, int] = {}
-        for state in self._inflight.values():
-            address = getattr(state, field_name)
-            if address:
-                counts[address] = counts.get(address, 0) + 1
-        return [
-            replace(i, load=replace(i.load, num_running=i.load.num_running + counts.get(i.address, 0)))
-            for i in self.cache.get(service)
-        ]
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -134,13 +132,16 @@ class GrpcBackend:
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[BackendChunk]:
         state = self._inflight[req.request_id] = _InFlight(metadata=inject_metadata())
+        prompt = PromptBlocks(req.prompt_token_ids)
         try:
-            if self.mode == "colocated":
-                async for chunk in self._decode(req, state, first_token=None):
+            local = self._local_prefill_decode(prompt)
+            if self.mode == "colocated" or local is not None:
+                async for chunk in self._decode(req, state, None, prompt, first_choice=local):
                     yield chunk
                 return
-            state.kv_transfer = pick_kv_transfer(self.cache.get("kv_transfer"), req.prompt_token_ids).address
-            first = await self._prefill(req, state)
+            kv_transfer = pick_kv_transfer(self.cache.get("kv_transfer"), req.prompt_token_ids)
+            state.kv_transfer = kv_transfer.address
+            first = await self._prefill(req, state, prompt, kv_transfer.kv)
             state.done = bool(first.finish_reason)  # nothing left to abort once it finished
             yield BackendChunk(
                 token_ids=[first.first_token_id],
@@ -156,20 +157,32 @@ class GrpcBackend:
                                    logprobs=[token_logprobs_from_proto(more.logprobs)] if more.HasField("logprobs")
                                    else [])
             if not first.finish_reason:
-                async for chunk in self._decode(req, state, first_token=first):
+                async for chunk in self._decode(req, state, first, prompt):
                     yield chunk
         finally:
             if not state.done:
                 await self.abort(req.request_id)
             self._inflight.pop(req.request_id, None)
 
-    async def _prefill(self, req: BackendRequest, state: _InFlight) -> prefill_pb2.PrefillResponse:
+    def _local_prefill_decode(self, prompt: PromptBlocks) -> InstanceInfo | None:
+        """Disaggregated mode: the decode instance to compute this prompt itself, when local prefill is on
+        and what that instance's prefix cache lacks is under the threshold; None to go through prefill."""
+        if self.mode != "disagg" or not self.router.local_prefill_enabled:
+            return None
+        decode = self.router.pick_decode(self.cache.get("decode"), prompt, pulls=False)
+        if not self.router.prefills_locally(decode, prompt):
+            return None
+        self.num_local_prefills += 1
+        return decode
+
+    async def _prefill(self, req: BackendRequest, state: _InFlight, prompt: PromptBlocks,
+                       pool: KVSummary) -> prefill_pb2.PrefillResponse:
         tried: set[str] = set()
         message = prefill_pb2.PrefillRequest(request=_request(req), kv_transfer_address=state.kv_transfer)
         last_error: BatonError | None = None
         while True:
             try:
-                instance = pick_prefill(self._with_inflight("prefill"), exclude=tried)
+                instance = self.router.pick_prefill(self.cache.get("prefill"), prompt, pool, exclude=tried)
             except UnavailableError:
                 if last_error is not None:  # nowhere left to retry: the real failure, not "none left"
                     raise last_error from None
@@ -179,7 +192,8 @@ class GrpcBackend:
             state.handoff_id = message.handoff_id = f"handoff-{req.request_id}-{len(tried)}"
             try:
                 stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address))
-                return await stub.Prefill(message, metadata=state.metadata)
+                with self.router.inflight.hold(instance.instance_id):
+                    return await stub.Prefill(message, metadata=state.metadata)
             except grpc.RpcError as e:
                 code = e.code()  # type: ignore[attr-defined]
                 tried.add(instance.instance_id)
@@ -190,9 +204,10 @@ class GrpcBackend:
                                req.request_id, instance.address, code.name)
                 await self._release(state)
 
-    async def _decode(self, req: BackendRequest, state: _InFlight,
-                      first_token: prefill_pb2.PrefillResponse | None) -> AsyncIterator[BackendChunk]:
-        """Stream from a decode instance, picked now (after prefill) so draining ones are skipped.
+    async def _decode(self, req: BackendRequest, state: _InFlight, first_token: prefill_pb2.PrefillResponse | None,
+                      prompt: PromptBlocks, first_choice: InstanceInfo | None = None) -> AsyncIterator[BackendChunk]:
+        """Stream from a decode instance, picked now (after prefill) so draining ones are skipped, or
+        `first_choice` on the first attempt. Without `first_token` the instance computes the prompt.
 
         A call refused before it reached an instance (UNAVAILABLE with nothing received) is
         retried on another one: the handoff is still unclaimed in kv_transfer.
@@ -208,26 +223,20 @@ class GrpcBackend:
         service = "colocated" if self.mode == "colocated" else "decode"
         tried: set[str] = set()
         while True:
-            instance = pick_decode(self._with_inflight(service), exclude=tried)
+            instance = first_choice if first_choice is not None and not tried else \
+                self.router.pick_decode(self.cache.get(service), prompt, tried, pulls=first_token is not None)
             state.decode = instance.address
             received = False
             num_open = req.params.n  # choices not finished yet: each ends with its own finished message
             try:
                 stub = decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address))
-                async for msg in stub.Generate(message, metadata=state.metadata):
-                    received = True
-                    num_open -= msg.finished
-                    if num_open == 0:
-                        state.done = True
-                    yield BackendChunk(
-                        token_ids=list(msg.token_ids),
-                        logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
-                        finished=msg.finished, finish_reason=msg.finish_reason or None,
-                        num_cached_tokens=msg.num_cached_tokens, index=msg.index,
-                        prompt_logprobs=[None, *(token_logprobs_from_proto(lp) for lp in msg.prompt_logprobs)]
-                        if first_token is None and req.params.prompt_logprobs is not None and msg.prompt_logprobs
-                        else None,
-                    )
+                with self.router.inflight.hold(instance.instance_id):
+                    async for msg in stub.Generate(message, metadata=state.metadata):
+                        received = True
+                        num_open -= msg.finished
+                        if num_open == 0:
+                            state.done = True
+                        yield _chunk(msg, req, prompt_logprobs=first_token is None)
                 return
             except grpc.RpcError as e:
                 tried.add(instance.instance_id)
@@ -282,6 +291,17 @@ class GrpcBackend:
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+
+
+def _chunk(msg: decode_pb2.DecodeResponse, req: BackendRequest, prompt_logprobs: bool) -> BackendChunk:
+    """`prompt_logprobs`: the decode instance computed the prompt, so its scores come with the stream."""
+    return BackendChunk(
+        token_ids=list(msg.token_ids), logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
+        finished=msg.finished, finish_reason=msg.finish_reason or None,
+        num_cached_tokens=msg.num_cached_tokens, index=msg.index,
+        prompt_logprobs=[None, *(token_logprobs_from_proto(lp) for lp in msg.prompt_logprobs)]
+        if prompt_logprobs and req.params.prompt_logprobs is not None and msg.prompt_logprobs else None,
+    )
 
 
 def _request(req: BackendRequest) -> common_pb2.GenerateRequest:

@@ -18,6 +18,7 @@ import uvicorn
 
 from services.router.app import create_app
 from services.router.grpc_backend import GrpcBackend, InstanceCache
+from services.router.routing import Router
 from services.router.settings import RouterSettings
 from services.router.static_registry import StaticRegistryPoller, parse_targets
 from shared.errors import ConfigError
@@ -64,7 +65,8 @@ async def build(settings: RouterSettings) -> RouterParts:
         raise ConfigError("the router needs BATON_ROUTER_REDIS_URL or BATON_ROUTER_STATIC_INSTANCES")
     cache = InstanceCache(registry)
     await cache.start()
-    backend = GrpcBackend(cache, settings.mode)
+    router = Router(settings.routing_policy, local_prefill_max_tokens=settings.local_prefill_max_tokens)
+    backend = GrpcBackend(cache, settings.mode, router=router)
     app = create_app(settings, backend, tokenizer, settings.model_name, defaults)
     return RouterParts(app, backend, cache, registry, poller)
 

@@ -28,6 +28,13 @@ class RouterSettings(BaseSettings):
         default_factory=list, description="accepted bearer keys, comma-separated; empty turns auth off"
     )
     mode: Literal["disagg", "colocated"] = Field(default="disagg", description="how the backend serves requests")
+    routing_policy: Literal["kv", "least_loaded", "round_robin"] = Field(
+        default="kv", description="how prefill and decode instances are chosen: kv (the cost model in "
+        "shared/registry/cost_model.py: prefix hits, queues, decode load and KV), least_loaded or round_robin")
+    local_prefill_max_tokens: int = Field(
+        default=0, ge=-1, description="disagg: a request whose chosen decode instance lacks at most this many "
+        "of its prompt tokens (short prompt, or a long prefix hit there) is prefilled on that decode instance, "
+        "with no handoff; 0 = never, -1 = the cost model's break-even length")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
     static_instances: str = Field(default="", description="without Redis: 'service=host:port,...' to poll")

@@ -1,7 +1,7 @@
 """An in-process registry for single-host stacks without Redis (`baton up` default).
 
 The launcher tells the router every service address up front; this poller asks
-each one for its health and load every `interval_s` and (re-)registers the
+each one for its health, load and the prefix blocks it holds every `interval_s` and (re-)registers the
 live ones in a `MemoryRegistry` with a TTL, so a dead instance is forgotten
 exactly as a lapsed Redis heartbeat would be.
 """
@@ -15,13 +15,21 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto.baton.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from proto.baton.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from shared.errors import ConfigError
 from shared.grpc_common import channel, check_health
 from shared.registry.base import InstanceInfo, Load
+from shared.registry.kv_summary import KVSummary
 from shared.registry.memory_registry import MemoryRegistry
 from shared.service.lifecycle import cancel, every
-from shared.wire import load_from_proto
+from shared.wire import kv_summary_from_proto, load_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +72,31 @@ class StaticRegistryPoller:
 
     async def _poll(self, target: StaticTarget) -> None:
         try:
-            load = await self._load(target)
+            reported = await self._load(target)
         except (TimeoutError, grpc.RpcError, OSError) as e:
             logger.debug("%s at %s not answering: %s", target.service, target.address, e)
             return
-        if load is None:
+        if reported is None:
             return
+        load, kv = reported
         info = InstanceInfo(service=target.service, instance_id=f"{target.service}@{target.address}",
                             address=target.address, metrics_url="", model="", load=load,
-                            started_at=self._started_at)
+                            started_at=self._started_at, kv=kv)
         await self.registry.register(info, self.ttl_s)
 
-    async def _load(self, target: StaticTarget) -> Load | None:
+    async def _load(self, target: StaticTarget) -> tuple[Load, KVSummary] | None:
+        """(its load, the prefix blocks it holds), or None while it is not serving."""
         if target.service == "kv_transfer":
-            return Load() if await check_health(target.address, timeout_s=1.0) else None
+            if not await check_health(target.address, timeout_s=1.0):
+                return None
+            async with channel(target.address) as ch:
+                stats = await kv_transfer_pb2_grpc.KVTransferServiceStub(ch).Stats(kv_transfer_pb2.StatsRequest(),
+                                                                                     timeout=1.0)
+            return Load(num_running=stats.active_leases), kv_summary_from_proto(stats.kv)
         async with channel(target.address) as ch:
             if target.service == "prefill":
                 report = await prefill_pb2_grpc.PrefillServiceStub(ch).GetLoad(prefill_pb2.LoadRequest(), timeout=1.0)
             else:
                 report = await decode_pb2_grpc.DecodeServiceStub(ch).GetLoad(decode_pb2.DecodeLoadRequest(),
                                                                               timeout=1.0)
-        return load_from_proto(report)
+        return load_from_proto(report), kv_summary_from_proto(report.kv)

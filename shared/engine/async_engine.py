@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,12 +35,19 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
+_CACHED_HASHES_EVERY_S = 0.2  # how often the engine thread refreshes the prefix hashes it publishes
+MAX_PUBLISHED_BLOCKS = 2048  # most prefix-block hashes a load report carries (the most recently cached)
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
     num_kv_blocks_free: int
+    # chained hashes of the prefix blocks its cache holds, most recently cached first (refreshed every
+    # _CACHED_HASHES_EVERY_S, at most MAX_PUBLISHED_BLOCKS): where a router expects prefix hits
+    cached_block_hashes: tuple[bytes, ...] = ()
 
 
 class _Stream:
@@ -66,6 +74,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._stop = threading.Event()
         self._load = EngineLoad(0, 0, engine.num_kv_blocks, engine.num_free_kv_blocks)
+        self._hashes_due_s = 0.0  # time.monotonic() at which the published prefix hashes are next refreshed
         self.num_steps = 0
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -270,9 +279,15 @@ class AsyncEngine:
 
     def _publish_load(self) -> None:
         sched = self.engine.scheduler
+        hashes = self._load.cached_block_hashes
+        now = time.monotonic()
+        if now >= self._hashes_due_s:  # read here, on the engine thread that changes the pool
+            self._hashes_due_s = now + _CACHED_HASHES_EVERY_S
+            hashes = tuple(self.engine.pool.recent_cached_hashes(MAX_PUBLISHED_BLOCKS))
         self._load = EngineLoad(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting + self.engine.num_pending_handoffs,
             num_kv_blocks_total=self.engine.num_kv_blocks,
             num_kv_blocks_free=self.engine.num_free_kv_blocks,
+            cached_block_hashes=hashes,
         )

@@ -15,6 +15,7 @@ are kept next to the hash and re-checked on a hit.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -73,6 +74,11 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def recent_cached_hashes(self, max_blocks: int) -> list[BlockHash]:
+        """Hashes of up to `max_blocks` cached blocks, the most recently cached first (what an instance
+        publishes so that a router can estimate its prefix hits; see shared/registry/kv_summary.py)."""
+        return list(itertools.islice(reversed(self._cached), max_blocks))
 
     def allocate(self, n: int, host_writes: bool = False) -> list[int]:
         """Take `n` blocks for exclusive use (ref_count 1), evicting cached ones as needed.

@@ -191,8 +191,8 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        if self.config.role == "decode":
-            raise InvalidRequestError("a decode engine admits requests with their KV (add_handoff)")
+        """Compute the prompt here, then decode (colocated; a decode engine too, when the router finds a
+        handoff would cost more than the prefill: a short prompt or a long prefix hit in its cache)."""
         self._check_new_id(request_id)
         if params.n == 1:
             self.admit_new(self._new_request(request_id, prompt_token_ids, params))

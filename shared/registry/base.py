@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from shared.errors import ConfigError
+from shared.registry.kv_summary import KVSummary
 
 ServiceName = Literal["prefill", "decode", "kv_transfer", "router", "colocated"]
 SERVICE_NAMES: frozenset[str] = frozenset({"prefill", "decode", "kv_transfer", "router", "colocated"})
@@ -72,6 +73,7 @@ class InstanceInfo:
     load: Load
     started_at: float  # wall-clock seconds since the epoch (time.time()), for display and age
     draining: bool = False  # finishing in-flight work; takes no new requests
+    kv: KVSummary = KVSummary()  # the prefix blocks it holds, for the router's prefix-hit estimate
 
     def __post_init__(self) -> None:
         check_service(self.service)
@@ -88,8 +90,11 @@ class InstanceInfo:
         reader during a rolling upgrade."""
         load_fields = {f.name for f in dataclasses.fields(Load)}
         load = Load(**{k: int(v) for k, v in dict(data.get("load", {})).items() if k in load_fields})
-        info_fields = {f.name for f in dataclasses.fields(cls)} - {"load"}
-        return cls(load=load, **{k: v for k, v in data.items() if k in info_fields})
+        raw_kv = dict(data.get("kv") or {})
+        kv = KVSummary(block_size=int(raw_kv.get("block_size", 0)), hash_salt=str(raw_kv.get("hash_salt", "")),
+                       block_hashes=tuple(str(h) for h in raw_kv.get("block_hashes", ())))
+        info_fields = {f.name for f in dataclasses.fields(cls)} - {"load", "kv"}
+        return cls(load=load, kv=kv, **{k: v for k, v in data.items() if k in info_fields})
 
 
 class Registry(Protocol):

@@ -20,13 +20,15 @@ from collections.abc import Callable
 
 from shared.errors import BatonError
 from shared.registry.base import InstanceInfo, Load, Registry, check_ttl
+from shared.registry.kv_summary import KVSummary
 
 logger = logging.getLogger(__name__)
 
 
 class Heartbeater:
-    """Registers `info`, refreshes it with `load_fn()` every `interval_s` (default `ttl_s / 3`), and
-    deregisters on `stop()`. Use from one event loop; `start`/`stop` are idempotent."""
+    """Registers `info`, refreshes it with `load_fn()` (and `kv_fn()`, the prefix blocks it holds) every
+    `interval_s` (default `ttl_s / 3`), and deregisters on `stop()`. Use from one event loop;
+    `start`/`stop` are idempotent."""
 
     def __init__(
         self,
@@ -36,11 +38,13 @@ class Heartbeater:
         ttl_s: float,
         *,
         interval_s: float | None = None,
+        kv_fn: Callable[[], KVSummary] | None = None,
     ) -> None:
         check_ttl(ttl_s)
         self._registry = registry
         self._info = info
         self._load_fn = load_fn
+        self._kv_fn = kv_fn  # the prefix blocks it holds, sent with every beat when given
         self._ttl_s = ttl_s
         self._interval_s = ttl_s / 3 if interval_s is None else interval_s
         check_ttl(self._interval_s)
@@ -105,6 +109,8 @@ class Heartbeater:
     async def _beat(self) -> None:
         try:
             self._info = dataclasses.replace(self._info, load=self._load_fn())
+            if self._kv_fn is not None:
+                self._info = dataclasses.replace(self._info, kv=self._kv_fn())
         except Exception:
             logger.exception(
                 "registry: load_fn failed for %s/%s; sending the last load",

@@ -27,6 +27,7 @@ from shared.grpc_common import GrpcServer, make_server
 from shared.registry import make_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
+from shared.registry.kv_summary import KVSummary, summarize
 from shared.service.engine_metrics import engine_registry
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import MetricsHTTP
@@ -72,6 +73,12 @@ def _load(aengine: AsyncEngine) -> Load:
     return Load(load.num_running, load.num_waiting, load.num_kv_blocks_total, load.num_kv_blocks_free)
 
 
+def engine_kv_summary(aengine: AsyncEngine) -> KVSummary:
+    """The prefix blocks the engine's cache holds, named as a router hashes a prompt for it."""
+    engine = aengine.engine
+    return summarize(aengine.load.cached_block_hashes, engine.config.block_size, engine.kv.hash_salt.decode())
+
+
 async def start_engine_service(
     settings: EngineServiceSettings, service: str, role: str, add_servicer: AddServicer, grpc_service_name: str,
     push_mode: str = "layerwise",
@@ -98,7 +105,8 @@ async def start_engine_service(
             metrics_url=metrics.url if metrics else "", model=settings.model, load=_load(aengine),
             started_at=time.time(),
         )
-        running.heartbeater = Heartbeater(running.registry, info, lambda: _load(aengine), settings.heartbeat_ttl_s)
+        running.heartbeater = Heartbeater(running.registry, info, lambda: _load(aengine), settings.heartbeat_ttl_s,
+                                          kv_fn=lambda: engine_kv_summary(aengine))
         await running.heartbeater.start()
     logger.info("%s ready on %s (metrics %s)", service, running.address, metrics.url if metrics else "off")
     return running

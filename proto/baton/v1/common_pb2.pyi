@@ -125,13 +125,25 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_free")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_free", "kv")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
     num_kv_blocks_free: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ...) -> None: ...
+    kv: KVSummary
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv: _Optional[_Union[KVSummary, _Mapping]] = ...) -> None: ...
+
+class KVSummary(_message.Message):
+    __slots__ = ("block_size", "hash_salt", "block_hashes")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    hash_salt: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_size: _Optional[int] = ..., hash_salt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -184,17 +184,19 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("active_leases", "num_slots", "slots_pinned", "slots_cached", "slot_nbytes", "capacity_bytes")
+    __slots__ = ("active_leases", "num_slots", "slots_pinned", "slots_cached", "slot_nbytes", "capacity_bytes", "kv")
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_PINNED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_CACHED_FIELD_NUMBER: _ClassVar[int]
     SLOT_NBYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     active_leases: int
     num_slots: int
     slots_pinned: int
     slots_cached: int
     slot_nbytes: int
     capacity_bytes: int
-    def __init__(self, active_leases: _Optional[int] = ..., num_slots: _Optional[int] = ..., slots_pinned: _Optional[int] = ..., slots_cached: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    kv: _common_pb2.KVSummary
+    def __init__(self, active_leases: _Optional[int] = ..., num_slots: _Optional[int] = ..., slots_pinned: _Optional[int] = ..., slots_cached: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KVSummary, _Mapping]] = ...) -> None: ...

@@ -8,24 +8,44 @@ from shared.registry.picker import pick_kv_transfer
 from tests.helpers.registry_factories import decode_load, make_instance
 
 
-def test_pick_decode_prefers_largest_free_kv_fraction() -> None:
-    small_but_empty = make_instance("a", load=decode_load(free=90, total=100))
-    big_but_busy = make_instance("b", load=decode_load(free=500, total=1000))  # more blocks, smaller fraction
-    assert pick_decode([big_but_busy, small_but_empty]).instance_id == "a"
+def test_pick_decode_prefers_fewest_requests_over_free_kv() -> None:
+    # free KV first once sent a burst 9:1 while load reports lagged: the request count decides now
+    busy_but_roomy = make_instance("a", load=decode_load(free=95, total=100, running=3))
+    idle_but_fuller = make_instance("b", load=decode_load(free=60, total=100, running=1))
+    assert pick_decode([busy_but_roomy, idle_but_fuller]).instance_id == "b"
 
 
-def test_pick_decode_breaks_fraction_ties_by_running_then_waiting_then_id() -> None:
-    busy = make_instance("a", load=decode_load(free=50, running=3))
-    idle = make_instance("b", load=decode_load(free=50, running=1, waiting=4))
-    idler = make_instance("c", load=decode_load(free=50, running=1, waiting=0))
-    assert pick_decode([busy, idle, idler]).instance_id == "c"
+def test_pick_decode_adds_inflight_to_reported_load() -> None:
+    a = make_instance("a", load=decode_load(free=100, running=1))
+    b = make_instance("b", load=decode_load(free=100, running=2))
+    assert pick_decode([a, b]).instance_id == "a"
+    assert pick_decode([a, b], inflight={"a": 2}).instance_id == "b"  # 1 + 2 in flight > 2
+
+
+def test_pick_decode_burst_between_reports_alternates() -> None:
+    """Ten picks against reports that never update: the in-flight counts alone spread them 5:5."""
+    instances = [make_instance("d0", load=decode_load(free=99)), make_instance("d1", load=decode_load(free=100))]
+    inflight: dict[str, int] = {}
+    for _ in range(10):
+        chosen = pick_decode(instances, inflight=inflight).instance_id
+        inflight[chosen] = inflight.get(chosen, 0) + 1
+    assert inflight == {"d0": 5, "d1": 5}
+
+
+def test_pick_decode_breaks_request_ties_by_free_fraction_then_id() -> None:
+    fuller = make_instance("a", load=decode_load(free=40, running=1))
+    roomier = make_instance("b", load=decode_load(free=50, running=0, waiting=1))
+    assert pick_decode([fuller, roomier]).instance_id == "b"
+    small_but_empty = make_instance("c", load=decode_load(free=90, total=100))
+    big_but_fuller = make_instance("d", load=decode_load(free=500, total=1000))  # more blocks, smaller fraction
+    assert pick_decode([big_but_fuller, small_but_empty]).instance_id == "c"
     twin_x = make_instance("x", load=decode_load(free=50))
     twin_y = make_instance("y", load=decode_load(free=50))
     assert pick_decode([twin_y, twin_x]).instance_id == "x"
     assert pick_decode([twin_x, twin_y]).instance_id == "x"
 
 
-def test_pick_decode_ranks_instance_without_kv_report_last() -> None:
+def test_pick_decode_ranks_instance_without_kv_report_last_among_equals() -> None:
     unknown = make_instance("a", load=Load())  # total 0: has not reported its cache yet
     nearly_full = make_instance("b", load=decode_load(free=1, total=100))
     assert pick_decode([unknown, nearly_full]).instance_id == "b"
@@ -50,6 +70,7 @@ def test_pick_prefill_prefers_shortest_queue_counting_running() -> None:
     c = make_instance("c", "prefill", load=Load(num_running=3, num_waiting=0))
     assert pick_prefill([a, b, c], exclude=set()).instance_id == "b"
     assert pick_prefill([c, a]).instance_id == "c"  # 3 < 4
+    assert pick_prefill([c, a], inflight={"c": 2}).instance_id == "a"  # 3 + 2 in flight > 4
 
 
 def test_pick_prefill_tie_break_is_deterministic() -> None:

@@ -1,0 +1,98 @@
+"""KV-aware picks: score every candidate with the cost model (cost_model.py) and take the cheapest.
+
+```
+ request ─► PromptBlocks (its block keys, hashed once per (block size, salt) the fleet uses)
+   ├─ prefill: min over p of CostModel.prefill_s(uncached tokens given p's cache and the pool, queue(p))
+   ├─ decode:  min over d of CostModel.decode_s(load(d) + in flight, blocks d would still pull)
+   └─ local?   uncached tokens on the chosen decode <= threshold  →  prefill there, no handoff
+```
+
+Pure functions over registry listings, like picker.py: draining and excluded instances are skipped,
+ties go to the smallest instance_id, and nothing left raises `UnavailableError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+
+from shared.registry.base import InstanceInfo
+from shared.registry.cost_model import CostModel, uncached_tokens
+from shared.registry.kv_summary import KVSummary, leading_hits, prompt_block_keys
+from shared.registry.picker import NO_INFLIGHT, candidates
+
+
+@dataclass
+class PromptBlocks:
+    """One prompt's block keys, hashed lazily for each (block size, salt) an instance publishes."""
+
+    token_ids: Sequence[int]
+    _keys: dict[tuple[int, str], list[str]] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def keys(self, block_size: int, hash_salt: str) -> list[str]:
+        cache_key = (block_size, hash_salt)
+        keys = self._keys.get(cache_key)
+        if keys is None:
+            keys = self._keys[cache_key] = prompt_block_keys(self.token_ids, block_size, hash_salt)
+        return keys
+
+    def hit_blocks(self, summary: KVSummary, hashed_like: KVSummary | None = None) -> int:
+        """Leading prompt blocks `summary` holds. A summary without its own block size (kv_transfer's pool)
+        is read with the block size and salt of `hashed_like`, the engine whose blocks it holds."""
+        shape = summary if summary.block_size > 0 else hashed_like
+        if shape is None or shape.block_size <= 0 or not summary.block_hashes:
+            return 0
+        return leading_hits(self.keys(shape.block_size, shape.hash_salt), summary.held())
+
+    def num_blocks(self, block_size: int) -> int:
+        return self.num_tokens // block_size if block_size > 0 else 0
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A candidate, what the cost model charges it (seconds), and the prompt blocks it already holds."""
+
+    info: InstanceInfo
+    cost_s: float
+    num_hit_blocks: int
+
+
+def score_prefill(instances: Sequence[InstanceInfo], prompt: PromptBlocks, pool: KVSummary,
+                  model: CostModel, exclude: AbstractSet[str] = frozenset(),
+                  inflight: Mapping[str, int] = NO_INFLIGHT) -> Scored:
+    """The cheapest prefill instance, counting the prefix its own cache or the kv_transfer pool holds."""
+    best: Scored | None = None
+    for info in candidates(instances, exclude, "prefill"):
+        hits = max(prompt.hit_blocks(info.kv), prompt.hit_blocks(pool, hashed_like=info.kv))
+        todo = uncached_tokens(prompt.num_tokens, hits, info.kv.block_size)
+        scored = Scored(info, model.prefill_s(todo, info.load, inflight.get(info.instance_id, 0)), hits)
+        if best is None or (scored.cost_s, info.instance_id) < (best.cost_s, best.info.instance_id):
+            best = scored
+    assert best is not None  # candidates() raised if there were none
+    return best
+
+
+def score_decode(instances: Sequence[InstanceInfo], prompt: PromptBlocks, model: CostModel,
+                 exclude: AbstractSet[str] = frozenset(), inflight: Mapping[str, int] = NO_INFLIGHT,
+                 *, pulls: bool = True) -> Scored:
+    """The cheapest decode instance: its load (in flight included), KV pressure and, when its KV comes by
+    handoff (`pulls`), the prompt blocks its own prefix cache lacks."""
+    best: Scored | None = None
+    for info in candidates(instances, exclude, "decode"):
+        hits = prompt.hit_blocks(info.kv)
+        num_pull = max(0, prompt.num_blocks(info.kv.block_size) - hits) if pulls else 0
+        scored = Scored(info, model.decode_s(info.load, inflight.get(info.instance_id, 0), num_pull), hits)
+        if best is None or (scored.cost_s, info.instance_id) < (best.cost_s, best.info.instance_id):
+            best = scored
+    assert best is not None
+    return best
+
+
+def local_prefill_tokens(decode: InstanceInfo, prompt: PromptBlocks) -> int:
+    """Prompt tokens a decode instance would compute itself (what its own prefix cache does not hold)."""
+    return uncached_tokens(prompt.num_tokens, prompt.hit_blocks(decode.kv), decode.kv.block_size)
