@@ -112,6 +112,12 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
+def _read_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
+    record.output_tokens = int(usage["completion_tokens"])
+    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
 async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, timeout_s: float) -> RequestRecord:
     """Stream one request, timing every chunk that carries text."""
     body = {**spec.body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
@@ -129,11 +135,13 @@ async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, tim
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if _chunk_text(chunk):
+                text = _chunk_text(chunk)
+                if text:
                     record.token_times_s.append(time.perf_counter())
+                    record.text += text
                     num_chunks += 1
                 if chunk.get("usage"):
-                    record.output_tokens = int(chunk["usage"]["completion_tokens"])
+                    _read_usage(record, chunk["usage"])
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     if not record.error and record.output_tokens == 0:

@@ -29,6 +29,9 @@ class RequestRecord:
     token_times_s: list[float] = field(default_factory=list)  # arrival of each streamed chunk with text
     output_tokens: int = 0  # from the server's usage report; chunk count when it gives none
     error: str = ""
+    prompt_tokens: int = 0  # from the usage report (0 when it gives none)
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage.prompt_tokens_details)
+    text: str = ""  # the streamed output, for follow-up turns of a conversation
 
     @property
     def ok(self) -> bool:

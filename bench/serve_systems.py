@@ -70,6 +70,9 @@ class Server:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     started_s: float = 0.0
     ready_after_s: float = 0.0
+    up_args: tuple[str, ...] = ()  # baton: more `baton up` options (e.g. --decode 2)
+    env: dict[str, str] = field(default_factory=dict)  # baton: more settings (e.g. BATON_ROUTER_*)
+    name: str = ""  # where its logs go under work_dir/logs (default: the system)
 
     @property
     def base_url(self) -> str:
@@ -78,7 +81,7 @@ class Server:
     def __enter__(self) -> Server:
         if self.system not in SYSTEMS:
             raise ValueError(f"unknown system {self.system!r}; known: {', '.join(SYSTEMS)}")
-        log_dir = self.config.work_dir / "logs" / self.system
+        log_dir = self.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.started_s = time.monotonic()
         try:
@@ -98,6 +101,10 @@ class Server:
         logger.info("%s healthy after %.0f s", self.system, self.ready_after_s)
         return self
 
+    @property
+    def log_dir(self) -> Path:
+        return self.config.work_dir / "logs" / (self.name or self.system)
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
@@ -113,7 +120,7 @@ class Server:
                 "--state-dir", str(log_dir / "state")]
         if colocated:
             argv += ["--mode", "colocated"]
-        self._spawn(argv, BATON_ENV, log_dir / "up.log")
+        self._spawn([*argv, *self.up_args], {**BATON_ENV, **self.env}, log_dir / "up.log")
 
     def _start_pinned(self, log_dir: Path, disagg: bool) -> None:
         # through `baton up`'s own parser, so every option it grows has its default here too
@@ -191,7 +198,7 @@ class Server:
         `baton up` puts each service in its own session and stops them on SIGTERM;
         any still alive afterwards (found in its stack.json) are killed too.
         """
-        stack_json = self.config.work_dir / "logs" / self.system / "state" / "stack.json"
+        stack_json = self.log_dir / "state" / "stack.json"
         children = _stack_pids(stack_json)
         for proc in reversed(self.procs):
             if proc.poll() is None:

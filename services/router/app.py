@@ -42,6 +42,7 @@ from services.router.protocol import (
 from services.router.responses.endpoint import ResponsesEndpoint
 from services.router.responses.protocol import ResponsesRequest
 from services.router.responses.store import MemoryResponseStore, RedisResponseStore, ResponseStore
+from services.router.routing import Router
 from services.router.serving import Responder, json_response, read_body, request_id
 from services.router.settings import RouterSettings
 from services.router.shapes import ModelCard, ModelList
@@ -119,6 +120,9 @@ class RouterService:
         self.tokenizer = model.tokenizer
         self.model_name = model.name
         self.metrics = RouterMetrics()
+        router = getattr(backend, "router", None)  # the gRPC backend routes; an in-process engine does not
+        if isinstance(router, Router):
+            self.metrics.watch_routing(router)
         self.runner = GenerationRunner(backend, model.tokenizer, settings.abort_timeout_s)
         self.responder = Responder(self.runner, self.metrics)
         self.token_strings = TokenStrings(model.tokenizer)

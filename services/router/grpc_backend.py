@@ -115,7 +115,6 @@ class GrpcBackend:
         self.prefill_attempts = prefill_attempts
         self.max_message_bytes = max_message_bytes
         self.router = router or Router()
-        self.num_local_prefills = 0  # disaggregated mode: requests whose decode instance computed the prompt
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[str, _InFlight] = {}
 
@@ -172,7 +171,7 @@ class GrpcBackend:
         decode = self.router.pick_decode(self.cache.get("decode"), prompt, pulls=False)
         if not self.router.prefills_locally(decode, prompt):
             return None
-        self.num_local_prefills += 1
+        self.router.num_local_prefills += 1
         return decode
 
     async def _prefill(self, req: BackendRequest, state: _InFlight, prompt: PromptBlocks,
@@ -192,7 +191,7 @@ class GrpcBackend:
             state.handoff_id = message.handoff_id = f"handoff-{req.request_id}-{len(tried)}"
             try:
                 stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address))
-                with self.router.inflight.hold(instance.instance_id):
+                with self.router.hold("prefill", instance.instance_id):
                     return await stub.Prefill(message, metadata=state.metadata)
             except grpc.RpcError as e:
                 code = e.code()  # type: ignore[attr-defined]
@@ -230,7 +229,7 @@ class GrpcBackend:
             num_open = req.params.n  # choices not finished yet: each ends with its own finished message
             try:
                 stub = decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address))
-                with self.router.inflight.hold(instance.instance_id):
+                with self.router.hold("decode", instance.instance_id):
                     async for msg in stub.Generate(message, metadata=state.metadata):
                         received = True
                         num_open -= msg.finished

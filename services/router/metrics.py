@@ -9,8 +9,15 @@ went away; a stream that fails after its first byte counts under the error's sta
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from services.router.routing import Router
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -36,6 +43,10 @@ class RouterMetrics:
             "baton_requests", "Generation requests by final HTTP status.", ["status"], registry=self.registry,
         )
 
+    def watch_routing(self, router: Router) -> None:
+        """Export the router's picks: calls per instance, calls open now, local prefills."""
+        self.registry.register(_RoutingCollector(router))
+
     def record_status(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()
 
@@ -45,6 +56,27 @@ class RouterMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for GET /metrics."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _RoutingCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        calls = CounterMetricFamily("baton_router_assignments", "Calls sent to each instance (prefill "
+                                    "calls and decode streams; retries count again).", labels=["role", "instance"])
+        for (role, instance_id), count in sorted(self._router.assignments.items()):
+            calls.add_metric([role, instance_id], count)
+        yield calls
+        open_now = GaugeMetricFamily("baton_router_inflight", "Calls open on each instance now.",
+                                     labels=["role", "instance"])
+        for role, counts in self._router.inflight.items():
+            for instance_id, count in sorted(counts.counts.items()):
+                open_now.add_metric([role, instance_id], count)
+        yield open_now
+        yield CounterMetricFamily("baton_router_local_prefills", "Disaggregated mode: requests prefilled on "
+                                  "their decode instance (short, or mostly cached there).",
+                                  value=self._router.num_local_prefills)
 
 
 class RequestTimer:

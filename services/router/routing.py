@@ -14,6 +14,7 @@ retry elsewhere), so a burst spreads before the instances' next load reports.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -71,8 +72,17 @@ class Router:
         self.policy = policy
         self.cost_model = cost_model or CostModel()
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.inflight = InflightCounts()
+        self.inflight = {"prefill": InflightCounts(), "decode": InflightCounts()}
+        self.assignments: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, instance_id)
+        self.num_local_prefills = 0  # requests whose decode instance computed the prompt (no handoff)
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    @contextlib.contextmanager
+    def hold(self, role: str, instance_id: str) -> Iterator[None]:
+        """Count a call to a "prefill" or "decode" (colocated included) instance while the block runs."""
+        self.assignments[(role, instance_id)] += 1
+        with self.inflight[role].hold(instance_id):
+            yield
 
     @property
     def local_prefill_enabled(self) -> bool:
@@ -81,19 +91,20 @@ class Router:
     def pick_prefill(self, instances: Sequence[InstanceInfo], prompt: PromptBlocks, pool: KVSummary,
                      exclude: AbstractSet[str] = frozenset()) -> InstanceInfo:
         if self.policy == "kv":
-            return score_prefill(instances, prompt, pool, self.cost_model, exclude, self.inflight.counts).info
+            return score_prefill(instances, prompt, pool, self.cost_model, exclude,
+                                 self.inflight["prefill"].counts).info
         if self.policy == "least_loaded":
-            return pick_prefill(instances, exclude, self.inflight.counts)
+            return pick_prefill(instances, exclude, self.inflight["prefill"].counts)
         return self._next_in_turn("prefill", instances, exclude)
 
     def pick_decode(self, instances: Sequence[InstanceInfo], prompt: PromptBlocks,
                     exclude: AbstractSet[str] = frozenset(), *, pulls: bool = True) -> InstanceInfo:
         """`pulls`: the request's KV comes by handoff (False: the decode instance prefills it)."""
         if self.policy == "kv":
-            return score_decode(instances, prompt, self.cost_model, exclude, self.inflight.counts,
+            return score_decode(instances, prompt, self.cost_model, exclude, self.inflight["decode"].counts,
                                 pulls=pulls).info
         if self.policy == "least_loaded":
-            return pick_decode(instances, exclude, self.inflight.counts)
+            return pick_decode(instances, exclude, self.inflight["decode"].counts)
         return self._next_in_turn("decode", instances, exclude)
 
     def local_prefill_threshold_tokens(self, block_size: int) -> int:

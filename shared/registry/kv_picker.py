@@ -4,7 +4,8 @@
  request ─► PromptBlocks (its block keys, hashed once per (block size, salt) the fleet uses)
    ├─ prefill: min over p of CostModel.prefill_s(uncached tokens given p's cache and the pool, queue(p))
    ├─ decode:  min over d of CostModel.decode_s(load(d) + in flight, blocks d would still pull)
-   └─ local?   uncached tokens on the chosen decode <= threshold  →  prefill there, no handoff
+   └─ local?   min over d of CostModel.local_prefill_s(what d's cache lacks, load(d) + in flight);
+               its uncached tokens <= threshold  →  prefill there, no handoff
 ```
 
 Pure functions over registry listings, like picker.py: draining and excluded instances are skipped,
@@ -80,13 +81,20 @@ def score_prefill(instances: Sequence[InstanceInfo], prompt: PromptBlocks, pool:
 def score_decode(instances: Sequence[InstanceInfo], prompt: PromptBlocks, model: CostModel,
                  exclude: AbstractSet[str] = frozenset(), inflight: Mapping[str, int] = NO_INFLIGHT,
                  *, pulls: bool = True) -> Scored:
-    """The cheapest decode instance: its load (in flight included), KV pressure and, when its KV comes by
-    handoff (`pulls`), the prompt blocks its own prefix cache lacks."""
+    """The cheapest decode instance: its load (in flight included) and KV pressure, plus either the prompt
+    blocks its own prefix cache lacks and it would pull (`pulls`: the KV comes by handoff) or, for a prompt
+    it computes itself, the prefill of what its cache lacks."""
     best: Scored | None = None
     for info in candidates(instances, exclude, "decode"):
         hits = prompt.hit_blocks(info.kv)
-        num_pull = max(0, prompt.num_blocks(info.kv.block_size) - hits) if pulls else 0
-        scored = Scored(info, model.decode_s(info.load, inflight.get(info.instance_id, 0), num_pull), hits)
+        num_inflight = inflight.get(info.instance_id, 0)
+        if pulls:
+            num_pull = max(0, prompt.num_blocks(info.kv.block_size) - hits)
+            cost_s = model.decode_s(info.load, num_inflight, num_pull)
+        else:
+            todo = uncached_tokens(prompt.num_tokens, hits, info.kv.block_size)
+            cost_s = model.local_prefill_s(todo, info.load, num_inflight)
+        scored = Scored(info, cost_s, hits)
         if best is None or (scored.cost_s, info.instance_id) < (best.cost_s, best.info.instance_id):
             best = scored
     assert best is not None

@@ -204,23 +204,28 @@ def test_router_backend_retries_a_dead_prefill_elsewhere() -> None:
 
 
 def test_router_backend_spreads_requests_between_heartbeats() -> None:
-    """With registry loads frozen (no heartbeat yet), in-flight counts still spread prefills."""
+    """With registry loads frozen (no heartbeat yet), the router's in-flight counts still spread prefills."""
     import time
 
-    from services.router.grpc_backend import GrpcBackend, InstanceCache, _InFlight
+    from services.router.grpc_backend import GrpcBackend, InstanceCache
     from shared.registry.base import InstanceInfo, Load
+    from shared.registry.kv_picker import PromptBlocks
+    from shared.registry.kv_summary import KVSummary
     from shared.registry.memory_registry import MemoryRegistry
 
-    async def main() -> set[str]:
+    async def main() -> list[str]:
         registry = MemoryRegistry()
         for name in ("p0", "p1"):
             await registry.register(InstanceInfo("prefill", name, f"{name}:1", "", MODEL, Load(), time.time()), 60)
         cache = InstanceCache(registry)
         await cache.refresh()
         backend = GrpcBackend(cache)
-        backend._inflight["a"] = _InFlight(prefill="p0:1")
-        chosen = {i.address for i in backend._with_inflight("prefill") if i.load.num_running == 0}
+        prompt = PromptBlocks([1, 2, 3])
+        chosen = [backend.router.pick_prefill(cache.get("prefill"), prompt, KVSummary()).instance_id]
+        with backend.router.hold("prefill", "p0"):
+            chosen.append(backend.router.pick_prefill(cache.get("prefill"), prompt, KVSummary()).instance_id)
+        chosen.append(backend.router.pick_prefill(cache.get("prefill"), prompt, KVSummary()).instance_id)
         await backend.close()
         return chosen
 
-    assert asyncio.run(main()) == {"p1:1"}
+    assert asyncio.run(main()) == ["p0", "p1", "p0"]

@@ -105,6 +105,17 @@ def test_score_decode_spreads_by_load_and_counts_blocks_to_pull() -> None:
     assert score_decode([d0, full], prompt, model).info.instance_id == "d0"  # KV pressure outweighs 4 blocks
 
 
+def test_score_decode_for_a_local_prefill_prefers_the_cache_holding_the_prompt() -> None:
+    model = CostModel(prefill_s_per_token=1e-3, local_prefill_slowdown=2.0, decode_s_per_request=0.02)
+    cold = with_kv(make_instance("d0", load=decode_load(free=100)), holding(PROMPT, 0))
+    warm = with_kv(make_instance("d1", load=decode_load(free=100)), holding(PROMPT, 4))
+    prompt = PromptBlocks(PROMPT)
+    best = score_decode([cold, warm], prompt, model, pulls=False)
+    assert best.info.instance_id == "d1" and best.num_hit_blocks == 4  # 2 tokens to compute, not 18
+    # 2 * 1e-3 * 2 + 0.02 * 2 = 0.044 > 2 * 1e-3 * 18 = 0.036: its load outweighs the hit
+    assert score_decode([cold, warm], prompt, model, {"d1": 2}, pulls=False).info.instance_id == "d0"
+
+
 def test_local_prefill_tokens_count_what_the_decode_cache_lacks() -> None:
     prompt = PromptBlocks(PROMPT)
     assert local_prefill_tokens(with_kv(make_instance("d0"), holding(PROMPT, 3)), prompt) == 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -33,15 +34,12 @@ def test_burst_between_load_reports_spreads_under_every_policy() -> None:
     decodes = [make_instance("d0", load=decode_load(free=99)), make_instance("d1", load=decode_load(free=100))]
     for policy in ("kv", "least_loaded", "round_robin"):
         router = Router(policy)
-        held = []
-        for _ in range(10):
-            chosen = router.pick_decode(decodes, PromptBlocks(PROMPT))
-            held.append(router.inflight.hold(chosen.instance_id))
-            held[-1].__enter__()
-        assert dict(router.inflight.counts) == {"d0": 5, "d1": 5}, policy
-        for hold in held:
-            hold.__exit__(None, None, None)
-        assert router.inflight.counts == {}
+        with contextlib.ExitStack() as held:
+            for _ in range(10):
+                held.enter_context(router.hold("decode", router.pick_decode(decodes, PromptBlocks(PROMPT)).instance_id))
+            assert dict(router.inflight["decode"].counts) == {"d0": 5, "d1": 5}, policy
+        assert router.inflight["decode"].counts == {}
+        assert router.assignments == {("decode", "d0"): 5, ("decode", "d1"): 5}
 
 
 def test_round_robin_skips_excluded_and_draining() -> None:
