@@ -17,10 +17,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Literal
 
 from shared.errors import ConfigError
 from shared.registry.base import InstanceInfo
@@ -29,9 +27,6 @@ from shared.registry.kv_picker import PromptBlocks, local_prefill_tokens, score_
 from shared.registry.kv_summary import KVSummary
 from shared.registry.picker import candidates, pick_decode, pick_prefill
 
-logger = logging.getLogger(__name__)
-
-RoutingPolicy = Literal["kv", "least_loaded", "round_robin"]
 ROUTING_POLICIES: tuple[str, ...] = ("kv", "least_loaded", "round_robin")
 LOCAL_PREFILL_AUTO = -1  # local_prefill_max_tokens: take the threshold from the cost model
 
@@ -118,6 +113,7 @@ class Router:
             return False
         return local_prefill_tokens(decode, prompt) <= self.local_prefill_threshold_tokens(decode.kv.block_size)
 
-    def _next_in_turn(self, service: str, instances: Sequence[InstanceInfo], exclude: AbstractSet[str]) -> InstanceInfo:
+    def _next_in_turn(self, service: str, instances: Sequence[InstanceInfo],
+                      exclude: AbstractSet[str]) -> InstanceInfo:
         live = sorted(candidates(instances, exclude, service), key=lambda i: i.instance_id)
         return live[next(self._turns[service]) % len(live)]

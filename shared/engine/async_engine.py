@@ -29,6 +29,7 @@ from shared.engine.handoff import KVHandoff
 from shared.engine.request import RequestOutput, SamplingParams
 from shared.errors import BatonError, RequestAbortedError, UnavailableError
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
+from shared.registry.kv_summary import MAX_SUMMARY_BLOCKS
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,6 @@ _IDLE_WAIT_S = 0.05
 
 
 _CACHED_HASHES_EVERY_S = 0.2  # how often the engine thread refreshes the prefix hashes it publishes
-MAX_PUBLISHED_BLOCKS = 2048  # most prefix-block hashes a load report carries (the most recently cached)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class EngineLoad:
     num_kv_blocks_total: int
     num_kv_blocks_free: int
     # chained hashes of the prefix blocks its cache holds, most recently cached first (refreshed every
-    # _CACHED_HASHES_EVERY_S, at most MAX_PUBLISHED_BLOCKS): where a router expects prefix hits
+    # _CACHED_HASHES_EVERY_S, at most MAX_SUMMARY_BLOCKS): where a router expects prefix hits
     cached_block_hashes: tuple[bytes, ...] = ()
 
 
@@ -283,7 +283,7 @@ class AsyncEngine:
         now = time.monotonic()
         if now >= self._hashes_due_s:  # read here, on the engine thread that changes the pool
             self._hashes_due_s = now + _CACHED_HASHES_EVERY_S
-            hashes = tuple(self.engine.pool.recent_cached_hashes(MAX_PUBLISHED_BLOCKS))
+            hashes = tuple(self.engine.pool.recent_cached_hashes(MAX_SUMMARY_BLOCKS))
         self._load = EngineLoad(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting + self.engine.num_pending_handoffs,
