@@ -176,9 +176,16 @@ def test_bad_input_raises_typed_errors(make_tiny) -> None:
         SamplingParams(top_p=1.5)
     with pytest.raises(InvalidRequestError, match="top_p"):
         SamplingParams(top_p=0.0)
-    decode = tiny_engine(engine.loaded, role="decode")
-    with pytest.raises(InvalidRequestError, match="decode engine"):
-        decode.add_request("x", [3, 4], greedy(1))
+
+
+def test_decode_engine_computes_a_prompt_itself_as_a_colocated_one_does(make_tiny) -> None:
+    """The router may send a decode instance a short (or mostly cached) prompt with no handoff."""
+    colocated, _ = make_tiny("llama")
+    decode, _ = make_tiny("llama", role="decode")
+    prompt = prompts(1, lo=12, hi=13)[0]
+    expected = colocated.generate([prompt], greedy(8))[0].token_ids
+    assert decode.generate([prompt], greedy(8))[0].token_ids == expected
+    assert decode.generate([prompt], greedy(8))[0].token_ids == expected  # again, from its prefix cache
 
 
 def test_prefill_hidden_states_cover_only_computed_positions(make_tiny) -> None:
