@@ -6,6 +6,8 @@ Parsed once, in `services.kv_transfer.main`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -55,6 +57,8 @@ class KVTransferSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
     instance_id: str = Field(default="", description="registry id; default: kv_transfer-hostname-random")
     advertise_host: str = Field(default="", description="host others reach us at; default: `host`")
+    port_file: Path | None = Field(default=None, description="file the bound gRPC port is written to once "
+                                   "serving: a health check's way to it when port is 0 (host networking)")
 
     @property
     def address(self) -> str:

@@ -23,7 +23,7 @@ from services.router.static_registry import StaticRegistryPoller, parse_targets
 from shared.errors import ConfigError
 from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
-from shared.registry import make_registry
+from shared.registry import connect_registry
 from shared.registry.base import Registry
 from shared.telemetry import setup_tracing
 
@@ -55,7 +55,7 @@ async def build(settings: RouterSettings) -> RouterParts:
     defaults = load_generation_defaults(settings.generation_config, settings.model, hf_dir)
     poller = None
     if settings.redis_url:
-        registry: Registry = make_registry(settings.redis_url, settings.registry_namespace)
+        registry: Registry = await connect_registry(settings.redis_url, settings.registry_namespace)
     elif settings.static_instances:
         poller = StaticRegistryPoller(parse_targets(settings.static_instances))
         await poller.start()
