@@ -12,6 +12,7 @@ Builds and their sizes are recorded in BUILDS, which the deploy conftest prints 
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -102,11 +103,14 @@ def _build(image: str, dockerfile: Path, context: Path, build_args: dict[str, st
     return build
 
 
+@functools.cache
 def baton_image() -> Build:
+    """Built once per test session (every container test runs this very image)."""
     fill_wheelhouse()
     return _build(BATON_IMAGE, DOCKERFILE, REPO_ROOT, {"BASE_IMAGE": base_image(), "BATON_MODELS": TEST_MODELS})
 
 
+@functools.cache
 def redis_image() -> Build:
     dockerfile = DOCKERFILE.with_name("redis.Dockerfile")
     return _build(REDIS_IMAGE, dockerfile, dockerfile.parent, {"BASE_IMAGE": base_image()})

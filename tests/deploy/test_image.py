@@ -35,7 +35,7 @@ def test_the_image_runs_baton_as_non_root_with_a_health_check(image: str) -> Non
     assert config["User"] == "10001:10001"
     assert config["Entrypoint"] == ["baton"]
     health = config.get("Healthcheck")
-    assert isinstance(health, dict) and health["Test"] == ["CMD", "baton", "healthcheck"], config
+    assert isinstance(health, dict) and health["Test"] == ["CMD", "python", "-m", "shared.cli.healthcheck_cmd"], config
     whoami = _run_in(image, "-c", "import os; print(os.getuid(), os.getgid())")
     assert whoami.split()[:2] == ["10001", "10001"]
 
