@@ -116,6 +116,7 @@ def redis_image() -> Build:
     return _build(REDIS_IMAGE, dockerfile, dockerfile.parent, {"BASE_IMAGE": base_image()})
 
 
-def image_config(image: str) -> dict[str, object]:
+def image_inspect(image: str) -> dict[str, object]:
+    """`podman image inspect`: Config (user, entrypoint, ...) and, beside it, Healthcheck."""
     (inspected,) = json.loads(run(["podman", "image", "inspect", image]).stdout)
-    return dict(inspected["Config"])
+    return dict(inspected)

@@ -84,8 +84,9 @@ class ComposeStack:
 
     def down(self) -> None:
         self.compose("down", "-t", "10", check=False, timeout_s=180)
-        for name in self.containers(all_states=True):  # a failed `down` must not leave them behind
-            run(["podman", "rm", "-f", "-t", "0", name], check=False)
+        for _ in range(2):  # a failed `down` must not leave them behind; dependents go in the first pass
+            for name in self.containers(all_states=True):
+                run(["podman", "rm", "-f", "-t", "0", name], check=False)
 
     def leftovers(self) -> list[str]:
         """Whatever of this project still exists: containers, pods, networks."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.images import BATON_IMAGE, baton_image, image_config, require_podman, run
+from tests.deploy.images import BATON_IMAGE, baton_image, image_inspect, require_podman, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -31,10 +31,12 @@ def _run_in(image: str, *argv: str, entrypoint: str = "python") -> str:
 
 
 def test_the_image_runs_baton_as_non_root_with_a_health_check(image: str) -> None:
-    config = image_config(image)
+    inspected = image_inspect(image)
+    config = inspected["Config"]
+    assert isinstance(config, dict)
     assert config["User"] == "10001:10001"
     assert config["Entrypoint"] == ["baton"]
-    health = config.get("Healthcheck")
+    health = inspected.get("Healthcheck")
     assert isinstance(health, dict) and health["Test"] == ["CMD", "python", "-m", "shared.cli.healthcheck_cmd"], config
     whoami = _run_in(image, "-c", "import os; print(os.getuid(), os.getgid())")
     assert whoami.split()[:2] == ["10001", "10001"]
