@@ -135,19 +135,25 @@ def test_decode_scales_to_two_replicas_on_their_own_ports(stack: ComposeStack) -
     assert len({stack.port_of(name) for name in replicas}) == 2
 
 
-def _serving_decode(stack: ComposeStack, deadline: float) -> str:
-    """The decode replica running the stream: its registry entry's load, matched by port."""
-    registry = RedisRegistry.from_url(f"redis://127.0.0.1:{stack.env['BATON_HOST_REDIS_PORT']}/0", "baton")
-    by_port = {stack.port_of(name): name for name in stack.containers("decode")}
+async def _busy_decode_port(redis_url: str, deadline: float) -> int:
+    """The port of the decode whose registry entry reports a running request (its heartbeat load)."""
+    registry = RedisRegistry.from_url(redis_url, "baton")
     try:
         while True:
-            busy = [i for i in asyncio.run(registry.list("decode")) if i.load.num_running > 0]
+            busy = [i for i in await registry.list("decode") if i.load.num_running > 0]
             if busy:
-                return by_port[int(busy[0].address.rsplit(":", 1)[1])]
+                return int(busy[0].address.rsplit(":", 1)[1])
             assert time.monotonic() < deadline, "no decode reported the running stream"
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)
     finally:
-        asyncio.run(registry.close())
+        await registry.close()
+
+
+def _serving_decode(stack: ComposeStack, deadline: float) -> str:
+    """The decode replica running the stream: its registry entry's load, matched by port."""
+    by_port = {stack.port_of(name): name for name in stack.containers("decode")}
+    url = f"redis://127.0.0.1:{stack.env['BATON_HOST_REDIS_PORT']}/0"
+    return by_port[asyncio.run(_busy_decode_port(url, deadline))]
 
 
 def test_killing_a_decode_mid_stream_ends_the_stream_cleanly(stack: ComposeStack) -> None:
