@@ -71,6 +71,8 @@ def played(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield stack
     finally:
         run(["podman", "kube", "down", str(stack)], timeout_s=180, check=False)
+        for pod in _pods():  # a play that failed half way is not always undone by `kube down`
+            run(["podman", "pod", "rm", "-f", "-t", "0", pod], timeout_s=120, check=False)
 
 
 def _pods() -> list[str]:
