@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 OVERLAYS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu",
             "host-test": K8S / "overlays" / "host-test"}
 ROUTER_URL = "http://127.0.0.1:18480"  # overlays/host-test's router port
-PLAYED_KINDS = {"Deployment", "ConfigMap", "Secret"}
+PLAYED_KINDS = {"Deployment", "ConfigMap"}
 STARTUP_TIMEOUT_S = 300.0
 
 
