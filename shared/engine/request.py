@@ -102,6 +102,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables), got {self.top_k}", param="top_k")
+        if any(t < 0 or t >= 2**32 for t in self.stop_token_ids):  # uint32 on the wire
+            raise InvalidRequestError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}",
+                                      param="stop_token_ids")
         if not (0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", param="min_tokens"

@@ -17,6 +17,7 @@ An image carries them prebuilt, and no compiler (deploy/docker/Dockerfile):
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "gemv_cpu.cpp", "gemv_bf16_cpu.cpp",
                                       "qgemv_cpu.cpp", "norm_rope_cpu.cpp",
-                                      "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp")]
+                                      "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp",
+                                      "moe_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 _LIBRARY = "baton_cpu_kernels.so"
@@ -46,10 +48,24 @@ _built: bool | None = None
 def _build_dir() -> Path:
     from shared.cache_dir import DEFAULT_CACHE_DIR
 
-    # keyed by the sources and where they live too: the build files name the sources' paths, so two
-    # checkouts (worktrees, branches) sharing a directory would rebuild over each other's library in turn
-    key = hashlib.sha1(str(_CSRC.resolve()).encode() + b"".join(src.read_bytes() for src in _SOURCES + _HEADERS))
+    # keyed by the sources' contents only: they are compiled from a copy inside the directory (see
+    # _staged_sources), so checkouts (worktrees, branches) with the same sources share one build
+    key = hashlib.sha1(b"".join(src.name.encode() + src.read_bytes() for src in _SOURCES + _HEADERS))
     return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{key.hexdigest()[:10]}"
+
+
+def _staged_sources(build_dir: Path) -> list[str]:
+    """The sources (and the headers they include) copied into the build directory, rewritten only when they
+    differ: torch's build files name the sources' paths, so compiling a checkout's own files would make
+    another checkout with the same sources rebuild over its library."""
+    staged = build_dir / "csrc"
+    staged.mkdir(exist_ok=True)
+    for src in _SOURCES + _HEADERS:
+        dst = staged / src.name
+        data = src.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            dst.write_bytes(data)
+    return [str(staged / src.name) for src in _SOURCES]
 
 
 def _cpu_flags() -> str:
@@ -112,9 +128,15 @@ def _compile(build_dir: Path, portable: bool = False) -> None:
     # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
     # torch rebuilds when a source or a flag changes, never for a header: the headers' hash is a flag
     headers = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
-    load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES],
-         extra_cflags=["-O3", *_arch_flags(portable), "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"],
-         build_directory=str(build_dir), is_python_module=False, verbose=False)
+    # torch's own lock is a file that a build killed midway (Ctrl-C, OOM) leaves behind, and every later
+    # build then waits on it forever; ours is an flock, released by the kernel when its holder dies, so
+    # holding it means nobody else is building here and torch's leftover can go
+    with open(build_dir / "baton-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        load(name="baton_cpu_kernels", sources=_staged_sources(build_dir),
+             extra_cflags=["-O3", *_arch_flags(portable), "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"],
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
 
 
 def _load_prebuilt(prebuilt_dir: Path = PREBUILT_DIR) -> bool:

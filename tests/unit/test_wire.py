@@ -81,6 +81,9 @@ def test_negative_seed_is_its_twos_complement_everywhere() -> None:
     assert params.seed == 2**64 - 1 == SamplingParams(seed=2**64 - 1).seed
     msg = common_pb2.SamplingParams.FromString(wire.sampling_params_to_proto(params).SerializeToString())
     assert wire.sampling_params_from_proto(msg) == params
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(stop_token_ids=(3, -1))  # found by tests/e2e/test_api_fuzz.py: a 500 once
+    assert info.value.param == "stop_token_ids"
     for seed in (-(2**63) - 1, 2**64):
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(seed=seed)
