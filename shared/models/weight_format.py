@@ -18,6 +18,7 @@ import torch
 
 from shared.ops.kquant import KQuantCodes
 from shared.ops.linear import LinearWeight
+from shared.ops.quant import BLOCK as QUANT_BLOCK
 from shared.ops.quant import QuantCodes, int8_per_channel
 
 QUANTIZATIONS = ("none", "int8", "gguf")
@@ -38,8 +39,10 @@ class WeightFormat:
         """The projection `name` (fp32 `weight` [out, in] as loaded) in this format."""
         if self.quantization == "gguf":
             return LinearWeight.quantized(self.gguf_codes[name])
-        if self.quantization == "int8":
+        if self.quantization == "int8" and weight.shape[1] % QUANT_BLOCK == 0:
             return LinearWeight.quantized(int8_per_channel(weight))
+        # int8 rows are whole blocks of QUANT_BLOCK inputs: a narrower projection (Gemma 4's per-layer input
+        # gate, a few dozen columns) stays in the dtype, as llama.cpp keeps its small tensors unquantized
         return LinearWeight(weight, small_batches=small_batches, weight_dtype=self.dtype)
 
     def describe(self) -> str:

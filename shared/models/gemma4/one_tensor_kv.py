@@ -72,5 +72,6 @@ def attend_one_tensor(
     used_ids, first_pos, compact = _compact(meta, num_blocks, block_size)
     values = cache[used_ids]  # [U, block_size, heads, dim]
     positions = (first_pos[:, None] + torch.arange(block_size, device=first_pos.device)).reshape(-1)
-    keys = derive(values.reshape(-1, *values.shape[2:]), positions).reshape(values.shape)
+    # rebuilt in the compute dtype, stored as the cache stores (a bf16 cache's keys are bf16 keys)
+    keys = derive(values.reshape(-1, *values.shape[2:]), positions).reshape(values.shape).to(values.dtype)
     return attention(query, key, value, keys, values, compact, 1.0, window)
