@@ -17,9 +17,19 @@ UP_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels run demo test lint bench clean
+.PHONY: setup system-deps kernels run demo test lint bench clean
 
-setup: $(STAMP)
+setup: system-deps $(STAMP)
+
+# redis-server (the registry's tests start a real one) and g++ (the CPU kernels): from the system's
+# packages when missing, as root; otherwise say what to install
+system-deps:
+	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server g++ >/dev/null; \
+		else echo "make: install redis-server and g++ (e.g. sudo apt-get install redis-server g++)" >&2; exit 1; fi; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -15,10 +15,19 @@ Writes JSON to bench/results/ and prints it as the last line.
 
     python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 5] [--quick]
                            [--dtype float32|bfloat16] [--kv-cache-dtype auto|float32|bfloat16]
-                           [--quantization none|int8|gguf]
+                           [--quantization none|int8|gguf] [--hf-dtype float32|bfloat16]
+                           [--gemma4-like gemma-4-26B-A4B [--gemma4-layers 2] [--gemma4-vocab 32768]]
+
+`--gemma4-like NAME` benchmarks a random Gemma 4 checkpoint sized like the published NAME (hidden size, heads,
+head dims, experts, top-k and expert width from shared/models/gemma4/published.py) but only `--gemma4-layers`
+deep (one sliding layer per extra layer, the last full) with a `--gemma4-vocab` vocabulary, so that it and
+transformers' copy fit in memory together; it is written once (bf16, as published checkpoints are) under
+~/.cache/baton/bench-gemma4. Its tokenizer is Gemma 3's (262k ids): prompt ids are folded into the smaller
+vocabulary (id % vocab), the same ids for both systems.
 
 The roofline counts the bytes baton's decode step reads in the precision run (bf16 weights: half of fp32's;
-quantized: the packed blocks); transformers always runs fp32.
+quantized: the packed blocks; MoE layers: the router and top-k experts a token runs); transformers runs in
+`--hf-dtype` (fp32 unless asked), with the experts implementation it picks itself (recorded).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from typing import Any
 
 import torch
 
+from bench.engine_gemma4 import bench_checkpoint, fold_prompts, gemma4_step_bytes, readme_table
+from bench.serve_report import write_block
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
@@ -70,6 +81,8 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def weight_bytes(engine: LLMEngine) -> int:
     """Bytes one decode step reads: every layer's weights plus the LM head (embedding rows are gathered)."""
     m = engine.loaded.model
+    if hasattr(m, "spec") and hasattr(m, "w"):  # Gemma 4: MoE layers read only the experts a token runs
+        return gemma4_step_bytes(m)
     total = m.lm_head.nbytes + m.norm_final.numel() * m.norm_final.element_size()
     for layer in m.layers:
         for w in vars(layer).values():
@@ -126,8 +139,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
+    parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="transformers' dtype (its weights as loaded, and its arithmetic)")
+    parser.add_argument("--gemma4-like", default=None, help="a published Gemma 4 size (see the docstring)")
+    parser.add_argument("--gemma4-layers", type=int, default=2)
+    parser.add_argument("--gemma4-vocab", type=int, default=32_768)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.gemma4_like is not None:
+        args.model = str(bench_checkpoint(args.gemma4_like, args.gemma4_layers, args.gemma4_vocab))
     new_tokens = 32 if args.quick else args.new_tokens
     repeats = 1 if args.quick else max(1, args.repeats)
 
@@ -138,9 +158,10 @@ def main() -> None:
                                     dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                     quantization=args.quantization))
     tokenizer = engine.loaded.tokenizer
-    hf = AutoModelForCausalLM.from_pretrained(engine.loaded.hf_dir, dtype=torch.float32).eval()
+    log("loading transformers' copy ...")
+    hf = AutoModelForCausalLM.from_pretrained(engine.loaded.hf_dir, dtype=getattr(torch, args.hf_dtype)).eval()
     chat = engine.loaded.chat_template is not None
-    all_prompts = [encode_prompt(tokenizer, q, chat=chat) for q in QUESTIONS]
+    all_prompts = fold_prompts([encode_prompt(tokenizer, q, chat=chat) for q in QUESTIONS], hf.config.vocab_size)
 
     bandwidths: list[float] = []  # one before each batch-1 run of baton
     wbytes = weight_bytes(engine)
@@ -173,7 +194,11 @@ def main() -> None:
     bandwidth = statistics.median(bandwidths) if bandwidths else read_bandwidth_gbs()
     roofline = bandwidth * 1e9 / wbytes
     result = {
-        "bench": "engine", "model": args.model, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+        "bench": "engine", "model": args.gemma4_like or args.model, "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "hf_dtype": args.hf_dtype,
+        "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None),
+        "gemma4_layers": args.gemma4_layers if args.gemma4_like else None,
+        "vocab_size": hf.config.vocab_size,
         "quantization": args.quantization, "precision": engine.precision.describe(),
         "weights": engine.loaded.model.weight_format.describe(), "machine": machine(),
         "read_bandwidth_gbs": bandwidth, "read_bandwidth_runs_gbs": bandwidths, "weight_bytes": wbytes,
@@ -190,6 +215,8 @@ def main() -> None:
     path = args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
     log(f"wrote {path}")
+    if args.gemma4_like is not None:
+        write_block(Path(__file__).parent / "README.md", "engine_gemma4_moe", readme_table(args.out, args.gemma4_like))
     print(json.dumps(result))
 
 

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.models.gemma4.tiny import TinyGemma4, write_assistant_checkpoint, write_checkpoint
-from shared.models.loader import DEFAULT_CACHE_DIR, resolve_model
+from shared.models.loader import resolve_model
 
 
 def log(msg: str) -> None:

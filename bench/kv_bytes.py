@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from shared.engine.config import DTYPES
+from bench.serve_report import write_block
+from shared.engine.precision import DTYPES
 from shared.kv.layout import KVLayout, cdiv
 from shared.models.families import spec_from_config
 from shared.models.gemma4.published import PUBLISHED_TEXT_CONFIGS, published_text_config
@@ -107,15 +108,9 @@ def readme_table(result: dict[str, Any]) -> str:
 
 
 def update_readme(result: dict[str, Any], readme: Path) -> None:
-    begin, end = "<!-- kv_bytes:begin -->", "<!-- kv_bytes:end -->"
-    text = readme.read_text()
-    block = f"{begin}\n{readme_table(result)}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## KV bytes per token (Gemma 4)\n\n" + block + "\n"
-    readme.write_text(text)
+    if "<!-- kv_bytes:begin -->" not in readme.read_text():  # first run: the table gets its own section
+        readme.write_text(readme.read_text().rstrip("\n") + "\n\n## KV bytes per token (Gemma 4)\n")
+    write_block(readme, "kv_bytes", readme_table(result))
 
 
 def main() -> None:

@@ -20,16 +20,17 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.serve_load import RequestSpec, chat_set, random_token_set, run_load, warm_up
+from bench.serve_goodput import run_experiment
+from bench.serve_load import chat_set, random_token_set, warm_up
 from bench.serve_machine import machine_info
-from bench.serve_stats import SLO, RequestRecord, goodput, summarize
+from bench.serve_point import run_point
+from bench.serve_stats import SLO, goodput
 from bench.serve_systems import BATON_ENV, MODEL_NAME, VLLM_ENV, Server, ServerConfig, export_hf
 
 RESULTS = Path(__file__).parent / "results"
@@ -43,31 +44,6 @@ def vocab_ids(hf_dir: Path) -> list[int]:
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     special = set(tok.all_special_ids) | {int(i) for i in getattr(tok, "added_tokens_decoder", {})}
     return [i for i in range(len(tok)) if i not in special]
-
-
-def compact(records: Sequence[RequestRecord]) -> list[list[float]]:
-    """Per request [ttft_ms, tpot_ms, output_tokens] (failed: [-1, -1, 0]), enough to recompute goodput."""
-    return [[round(r.ttft_s * 1e3, 2), round(r.tpot_s * 1e3, 2), r.output_tokens] if r.ok else [-1, -1, 0]
-            for r in records]
-
-
-def run_point(server: Server, specs: list[RequestSpec], label: str, *, rate: float | None = None,
-              concurrency: int | None = None, seed: int = 0, timeout_s: float = 300.0,
-              slo: SLO | None = None) -> dict[str, Any]:
-    """One bounded load run against a started server; its summary plus the compact per-request list."""
-    records, duration_s = asyncio.run(run_load(server.base_url, MODEL_NAME, server.adapt(specs), rate=rate,
-                                               concurrency=concurrency, seed=seed, timeout_s=timeout_s))
-    point: dict[str, Any] = {"label": label, "rate": rate, "concurrency": concurrency,
-                             **summarize(records, duration_s, slo), "loadavg_1m_after": os.getloadavg()[0],
-                             "requests": compact(records)}
-    errors = sorted({r.error for r in records if r.error})
-    if errors:
-        point["errors"] = errors[:3]
-    logger.info("%s %s: %.1f out tok/s, %.2f req/s, p50/p99 TTFT %.0f/%.0f ms, p50/p99 TPOT %.1f/%.1f ms%s",
-                server.system, label, point["output_tok_s"], point["req_s"], point["p50_ttft_ms"],
-                point["p99_ttft_ms"], point["p50_tpot_ms"], point["p99_tpot_ms"],
-                f", {point['num_failed']} failed" if point["num_failed"] else "")
-    return point
 
 
 def plan(quick: bool, concurrency_only: bool = False) -> dict[str, Any]:
@@ -155,8 +131,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.error("%s failed: %s", system, exc)
                 result["systems"].append({"system": system, "error": str(exc)})
     if args.goodput or args.goodput_only:
-        from bench.serve_goodput import run_experiment
-
         result["goodput_experiment"] = run_experiment(config, ids, args.quick, args.seed)
     result["wall_s"] = round(time.monotonic() - started, 1)
     write_outputs(result, args.out, readme=not args.no_readme)

@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from bench.serve_load import mixed_set, warm_up
+from bench.serve_point import run_point
 from bench.serve_stats import SLO, RequestRecord, goodput
 from bench.serve_systems import MODEL_NAME, Server, ServerConfig
 
@@ -69,7 +70,6 @@ def by_slo_scale(systems: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def sweep(server: Server, ids: list[int], rates: list[float], seed: int) -> dict[str, Any]:
-    from bench.serve import run_point
 
     asyncio.run(warm_up(server.base_url, MODEL_NAME, ids))
     points = []

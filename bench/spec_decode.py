@@ -37,10 +37,11 @@ from typing import Any
 
 import torch
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
-from shared.models.loader import DEFAULT_CACHE_DIR, LoadedModel, load_model
+from shared.models.loader import LoadedModel, load_model
 from shared.ops.attention import paged_attention_ref
 from shared.tokenizer import encode_prompt
 

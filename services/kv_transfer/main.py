@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from proto.baton.v1 import kv_transfer_pb2_grpc
 from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTransferServicer, slab_space
 from services.kv_transfer.settings import KVTransferSettings
+from services.kv_transfer.slots import make_policy
 from services.kv_transfer.store import HandoffStore
 from shared.grpc_common import GrpcServer, make_server
 from shared.kv.remote import AgentAddress, SlotSpace
@@ -86,6 +87,7 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
                                             settings.capacity_bytes),
         lease_timeout_s=settings.lease_timeout_s, claim_timeout_s=settings.claim_timeout_s,
         max_lease_timeout_s=settings.max_lease_timeout_s, on_end=metrics.on_lease_end,
+        policy=make_policy(settings.eviction_policy),
     )
     if store.space is not None:
         address = AgentAddress(address.kind, address.metadata, store.space)

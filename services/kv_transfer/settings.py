@@ -25,6 +25,11 @@ class KVTransferSettings(BaseSettings):
     slot_nbytes: int = Field(
         default=0, ge=0, description="bytes per slot (one KV block of every layer); 0 = sized by the first Reserve"
     )
+    eviction_policy: str = Field(
+        default="lru", pattern="^(lru|lfu)$",
+        description="which unpinned prefix-pool block goes when slots run out: lru (least recently released) "
+                    "or lfu (least frequently hit, aged; services/kv_transfer/slots.py)",
+    )
     transport: str = Field(
         default="auto", pattern="^(auto|nixl|ucxx|tcp)$",
         description="data-path transport; auto = the first of nixl, ucxx, tcp that works here",

@@ -13,12 +13,20 @@ Keyed slots are the prefix pool: a full KV block named by its chained prefix
 hash (which covers every token before it) under a layout key (model, dtype,
 block size, shapes). A later request, a later chat turn or another prefill
 instance that asks for the same key reuses the slot instead of sending the
-block again. Unpinned keyed slots are evicted by a pluggable policy (LRU by
-default) when free slots run out; pinned slots never are.
+block again. Unpinned keyed slots are evicted by a pluggable policy when free
+slots run out; pinned slots never are. Two policies (`BATON_KV_TRANSFER_EVICTION_POLICY`):
+
+    lru   least recently released first
+    lfu   least frequently hit first, with dynamic aging (LFU-DA): an entry's priority is its hit count plus
+          the priority of the last victim when it was released, so a block many turns and requests shared
+          (a system prompt, an early chat turn) outlives one-off tails, while counts from long ago stop
+          protecting a block once newer entries climb past them (bench/kv_offload_policy.py compares the two)
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +52,10 @@ class EvictionPolicy(Protocol):
         """The next victim, or None when nothing is evictable."""
         ...
 
+    def hit(self, slot: int) -> None:
+        """A request asked for `slot`'s key and got it (pinned or evictable)."""
+        ...
+
     def __len__(self) -> int: ...
 
 
@@ -66,8 +78,61 @@ class LRUPolicy:
         slot, _ = self._order.popitem(last=False)
         return slot
 
+    def hit(self, slot: int) -> None:
+        """Recency is taken at release (`add`), not at the hit."""
+
     def __len__(self) -> int:
         return len(self._order)
+
+
+class LFUPolicy:
+    """Least frequently hit first, aged dynamically (LFU-DA; the module docstring); ties go to the least
+    recently released. A heap with lazy deletion: `remove` only forgets the slot's live entry."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, int]] = []  # (priority, release order, slot)
+        self._live: dict[int, int] = {}  # evictable slot -> release order of its live heap entry
+        self._hits: dict[int, int] = {}  # keyed slot -> requests that used it since it was published
+        self._age = 0.0  # priority of the last victim
+        self._order = itertools.count()
+
+    def add(self, slot: int) -> None:
+        order = next(self._order)
+        self._live[slot] = order
+        heapq.heappush(self._heap, (self._age + self._hits.setdefault(slot, 1), order, slot))
+        if len(self._heap) > 2 * len(self._live) + 64:  # dead entries of slots hit again: drop them
+            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def remove(self, slot: int) -> None:
+        self._live.pop(slot, None)
+
+    def pop(self) -> int | None:
+        while self._heap:
+            priority, order, slot = heapq.heappop(self._heap)
+            if self._live.get(slot) == order:
+                del self._live[slot]
+                self._hits.pop(slot, None)
+                self._age = priority
+                return slot
+        return None
+
+    def hit(self, slot: int) -> None:
+        self._hits[slot] = self._hits.get(slot, 1) + 1
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+EVICTION_POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy by its settings name (`EVICTION_POLICIES`)."""
+    try:
+        return EVICTION_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}: one of {sorted(EVICTION_POLICIES)}") from None
 
 
 @dataclass
@@ -96,7 +161,7 @@ class SlotPool:
         self._slots = [_Slot() for _ in range(num_slots)]
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out low ids first
         self._by_key: dict[PoolKey, int] = {}
-        self._policy: EvictionPolicy = policy or LRUPolicy()
+        self._policy: EvictionPolicy = policy if policy is not None else LRUPolicy()  # an empty one is falsy
 
     # --- queries -------------------------------------------------------------------------------------
 
@@ -140,6 +205,7 @@ class SlotPool:
             )
         for s in hit_slots:
             if s is not None:
+                self._policy.hit(s)
                 self._pin(s)
         slots = [s if s is not None else self._take_fresh() for s in hit_slots]
         return Acquired(slots, [s is not None for s in hit_slots])

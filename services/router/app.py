@@ -32,6 +32,7 @@ from services.router.generation import GenerationRunner, PreparedRequest
 from services.router.metrics import RouterMetrics
 from services.router.model_context import ModelContext
 from services.router.openai_format import TokenStrings
+from services.router.openapi import publish_request_bodies
 from services.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,6 +78,11 @@ def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: 
     app.add_api_route("/v1/responses", service.responses, methods=["POST"], dependencies=auth)
     for path, handler in (("/tokenize", service.tokenize), ("/detokenize", service.detokenize)):
         app.add_api_route(path, handler, methods=["POST"], dependencies=auth)
+    publish_request_bodies(app, {
+        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/chat/completions/batch": ChatBatchRequest, "/v1/responses": ResponsesRequest,
+        "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    })
     return app
 
 

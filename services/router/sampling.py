@@ -54,8 +54,13 @@ def stop_strings(body: SamplingRequest, settings: RouterSettings) -> tuple[str, 
     return tuple(dict.fromkeys(stop))
 
 
-def max_tokens(asked: Asked, num_prompt_tokens: int, max_model_len: int) -> int:
+def max_tokens(asked: Asked, num_prompt_tokens: int, max_model_len: int, limit: int = 0) -> int:
+    """The completion's token budget: what the request asked, else the context's remainder; `limit` (> 0)
+    caps both (the operator's max_tokens_limit: a larger ask is a 400, an unset one gets the limit)."""
     requested = asked.max_tokens
+    if limit and requested is not None and requested > limit:
+        raise InvalidRequestError(f"{asked.max_tokens_param} must be <= {limit} on this server, got {requested}",
+                                  param=asked.max_tokens_param)
     if num_prompt_tokens >= max_model_len:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
@@ -63,7 +68,8 @@ def max_tokens(asked: Asked, num_prompt_tokens: int, max_model_len: int) -> int:
             param=asked.prompt_param,
         )
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        remainder = max_model_len - num_prompt_tokens
+        return min(remainder, limit) if limit else remainder
     if requested >= 1 and num_prompt_tokens + requested > max_model_len:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

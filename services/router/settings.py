@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.models.loader import DEFAULT_CACHE_DIR
+from shared.cache_dir import DEFAULT_CACHE_DIR
 
 
 class RouterSettings(BaseSettings):
@@ -40,6 +40,8 @@ class RouterSettings(BaseSettings):
     max_stop_strings: int = Field(default=16, ge=0, le=256, description="most stop strings one request may give")
     max_stop_string_chars: int = Field(default=256, ge=1, description="longest stop string accepted")
     max_logprobs: int = Field(default=20, ge=0, le=20, description="most top logprobs one token may ask for")
+    max_tokens_limit: int = Field(default=0, ge=0, description="most completion tokens one request may ask for "
+                                  "(more is a 400; unset gets this); 0 = the context's remainder")
     max_n: int = Field(default=8, ge=1, le=128, description="most choices (n) one request may ask for")
     max_prompts: int = Field(
         default=64, ge=1, le=1024, description="most prompts (completions) or conversations (batch) in one request"

@@ -9,11 +9,12 @@ import sys
 import uuid
 from pathlib import Path
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.errors import InvalidRequestError
-from shared.models.loader import DEFAULT_CACHE_DIR, resolve_model
+from shared.models.loader import resolve_model
 from shared.tokenizer import decode, encode_prompt
 
 

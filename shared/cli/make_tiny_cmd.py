@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.errors import ConfigError
 from shared.models.gemma4.tiny import TinyGemma4, write_assistant_checkpoint, write_checkpoint
-from shared.models.loader import DEFAULT_CACHE_DIR, resolve_model
+from shared.models.loader import resolve_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

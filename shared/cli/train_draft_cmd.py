@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, pick_attention
 from shared.engine.request import SamplingParams
-from shared.models.loader import DEFAULT_CACHE_DIR, LoadedModel, load_model
+from shared.models.loader import LoadedModel, load_model
 from shared.spec.eagle import target_lm_head
 from shared.spec.eagle_head import EagleHead, EagleHeadConfig
 from shared.spec.eagle_train import (

@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, resolve_precision
 from shared.errors import ConfigError, UnavailableError
-from shared.models.loader import DEFAULT_CACHE_DIR, check_checkpoint
+from shared.models.loader import check_checkpoint
 from shared.models.weight_format import QUANTIZATIONS
 
 HOST = "127.0.0.1"

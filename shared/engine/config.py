@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, Precision, resolve_precision
-from shared.models.loader import DEFAULT_CACHE_DIR
 from shared.models.weight_format import QUANTIZATIONS, WeightFormat
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -22,7 +22,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -35,8 +35,25 @@ from shared.errors import BatonError, InvalidRequestError, KVTransferError
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, usable_pool_prefix
 
 if TYPE_CHECKING:
-    from shared.engine.engine import LLMEngine
-    from shared.engine.scheduler import SchedulerPlan
+    from shared.engine.config import EngineConfig
+    from shared.engine.kv_manager import KVCacheManager
+    from shared.engine.runner import ModelRunner
+    from shared.engine.scheduler import Scheduler, SchedulerPlan
+    from shared.kv.layout import KVLayout
+    from shared.models.loader import LoadedModel
+
+
+class HandoffEngine(Protocol):
+    """What RemoteKV reads of the engine it serves (LLMEngine): the cache, its tables, and admission."""
+
+    config: EngineConfig
+    loaded: LoadedModel
+    layout: KVLayout
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+
+    def admit_new(self, request: Request, num_steps_done: int = 0) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +75,7 @@ class _Pull:
 
 
 class RemoteKV:
-    def __init__(self, engine: LLMEngine, push_mode: str, host: str, transfer_timeout_s: float) -> None:
+    def __init__(self, engine: HandoffEngine, push_mode: str, host: str, transfer_timeout_s: float) -> None:
         self._e = engine
         self.agents = KVAgents(engine.config.role, engine.runner.kv_cache, host=host,
                                transfer_timeout_s=transfer_timeout_s)

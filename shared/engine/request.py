@@ -88,6 +88,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        if self.seed is not None:
+            if not -(2**63) <= self.seed < 2**64:
+                raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed}", param="seed")
+            # one stream per seed on every path: the wire carries uint64, so a negative (OpenAI allows int64)
+            # is its two's complement here, before anything seeds a generator with it
+            object.__setattr__(self, "seed", self.seed % 2**64)
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise InvalidRequestError(
                 f"temperature must be >= 0, got {self.temperature}", param="temperature"
@@ -96,6 +102,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables), got {self.top_k}", param="top_k")
+        if any(t < 0 or t >= 2**32 for t in self.stop_token_ids):  # uint32 on the wire
+            raise InvalidRequestError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}",
+                                      param="stop_token_ids")
         if not (0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", param="min_tokens"

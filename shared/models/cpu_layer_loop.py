@@ -19,10 +19,11 @@ at most `GEMV_MAX_ROWS` tokens, every sequence's rows for the attention kernel
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from shared.models.decoder_layer import DecoderLayerWeights, gelu_tanh_mul
 from shared.ops.attention import AttentionMetadata
 from shared.ops.cpu_attention import cpu_kernel_available, kernel_rows, paged_attention_cpu, write_kv_cpu
 from shared.ops.linear import GEMV_MAX_ROWS, LinearWeight
@@ -30,10 +31,27 @@ from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, rms_norm
 from shared.ops.silu_mul_cpu import silu_mul_cpu
 
 if TYPE_CHECKING:
-    from shared.models.decoder import DecoderLM, _LayerWeights
+    from collections.abc import Callable, Mapping, Sequence
+
+    from shared.models.common import RotaryEmbedding
 
 
-def _projections(layer: _LayerWeights) -> tuple[LinearWeight, ...]:
+class LoopModel(Protocol):
+    """What the loop reads of a model (DecoderLM): its spec, layers, RoPE tables, and the ops its Python
+    forward would call (the loop runs only where each is the CPU kernel it calls itself)."""
+
+    spec: Any  # DecoderSpec
+    layers: Sequence[DecoderLayerWeights]
+    ropes: Mapping[float, RotaryEmbedding]
+    attention: Callable[..., Any]
+    _norm: Callable[..., Any]
+    _add_norm: Callable[..., Any]
+    _rope: Callable[..., Any]
+    _write_kv: Callable[..., Any]
+    _act_mul: Callable[..., Any]
+
+
+def _projections(layer: DecoderLayerWeights) -> tuple[LinearWeight, ...]:
     """A layer's projections in DecoderLayers' order."""
     return layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down
 
@@ -41,7 +59,7 @@ def _projections(layer: _LayerWeights) -> tuple[LinearWeight, ...]:
 class CpuLayerLoop:
     """The C++ `DecoderLayers` over one model's layers."""
 
-    def __init__(self, model: DecoderLM, gelu_tanh: bool) -> None:
+    def __init__(self, model: LoopModel, gelu_tanh: bool) -> None:
         s = model.spec
         packed, out_features, k_blocks, norms = [], [], [], []
         none = torch.empty(0)
@@ -64,10 +82,8 @@ class CpuLayerLoop:
         )
 
     @staticmethod
-    def build(model: DecoderLM) -> CpuLayerLoop | None:
+    def build(model: LoopModel) -> CpuLayerLoop | None:
         """The loop for this model, or None where some op of its layers has no CPU kernel here."""
-        from shared.models.decoder import gelu_tanh_mul
-
         if (os.environ.get("BATON_CPU_LAYER_LOOP", "1") == "0" or not model.layers
                 or model._norm is not rms_norm_cpu or model._add_norm is not add_rms_norm_cpu
                 or model._rope is not apply_rope_cpu_ or model._write_kv is not write_kv_cpu

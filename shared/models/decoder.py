@@ -34,6 +34,7 @@ from shared.models.common import (
     take,
 )
 from shared.models.cpu_layer_loop import CpuLayerLoop
+from shared.models.decoder_layer import DecoderLayerWeights, gelu_tanh_mul
 from shared.models.weight_format import WeightFormat
 from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
 from shared.ops.cpu_attention import write_kv_cpu
@@ -41,11 +42,6 @@ from shared.ops.cpu_kernels import cpu_kernels_available
 from shared.ops.linear import LinearWeight
 from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
 from shared.ops.silu_mul_cpu import silu_mul_cpu, silu_mul_cpu_available, silu_mul_ref
-
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 * I] -> [n, I]: Gemma's MLP activation
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
 
 
 @dataclass(frozen=True)
@@ -76,20 +72,6 @@ class DecoderSpec:
         """What each layer keeps in the paged cache: K and V of one shape everywhere, every block (a sliding
         layer's old blocks are kept too: one block table serves all layers)."""
         return (LayerKV(self.num_kv_heads, self.head_dim),) * self.num_layers
-
-
-@dataclass
-class _LayerWeights:
-    w_qkv: LinearWeight  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    w_o: LinearWeight  # [hidden, num_heads * head_dim]
-    w_gate_up: LinearWeight  # [2 * intermediate, hidden]
-    w_down: LinearWeight  # [hidden, intermediate]
-    norm_in: torch.Tensor
-    norm_ffn_in: torch.Tensor
-    norm_attn_out: torch.Tensor | None
-    norm_ffn_out: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
 
 
 class DecoderLM:
@@ -151,12 +133,12 @@ class DecoderLM:
         # decode steps' layers as one C++ call where every op above has its CPU kernel (cpu_layer_loop.py)
         self.cpu_layer_loop = CpuLayerLoop.build(self)
 
-    def _load_layer(self, get, get_norm, lin, i: int) -> _LayerWeights:  # type: ignore[no-untyped-def]
+    def _load_layer(self, get, get_norm, lin, i: int) -> DecoderLayerWeights:  # type: ignore[no-untyped-def]
         p = f"model.layers.{i}."
         s = self.spec
         w_qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         w_gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-        return _LayerWeights(
+        return DecoderLayerWeights(
             w_qkv=lin(p + "qkv", w_qkv),
             w_o=lin(p + "o", get(p + "self_attn.o_proj.weight")),
             w_gate_up=lin(p + "gate_up", w_gate_up),
@@ -214,7 +196,7 @@ class DecoderLM:
     def _layer(
         self,
         i: int,
-        w: _LayerWeights,
+        w: DecoderLayerWeights,
         x: torch.Tensor,  # [num_tokens, hidden]
         pending: torch.Tensor | None,  # the previous layer's MLP output, to add to x first (None: layer 0)
         cos_sin: tuple[torch.Tensor, torch.Tensor],

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from shared.kv.layout import KVLayout
 from shared.models.checkpoint import (
@@ -42,7 +43,6 @@ from shared.models.weight_format import WeightFormat
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "baton"
 
 
 def _smollm2_gguf() -> Path:

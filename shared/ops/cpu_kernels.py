@@ -9,6 +9,7 @@ and the reason is logged once.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
@@ -22,14 +23,15 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "gemv_cpu.cpp", "gemv_bf16_cpu.cpp",
                                       "qgemv_cpu.cpp", "norm_rope_cpu.cpp",
-                                      "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp")]
+                                      "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp",
+                                      "moe_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _lock = threading.Lock()
 _built: bool | None = None
 
 
 def _build_dir() -> Path:
-    from shared.models.loader import DEFAULT_CACHE_DIR  # the loader imports the models, which import us
+    from shared.cache_dir import DEFAULT_CACHE_DIR
 
     # keyed by the sources and where they live too: the build files name the sources' paths, so two
     # checkouts (worktrees, branches) sharing a directory would rebuild over each other's library in turn
@@ -89,9 +91,15 @@ def _build() -> bool:
         # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
         # torch rebuilds when a source or a flag changes, never for a header: the headers' hash is a flag
         headers = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
-        load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *_arch_flags(),
-             "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"], build_directory=str(build_dir), is_python_module=False,
-             verbose=False)
+        # torch's own lock is a file that a build killed midway (Ctrl-C, OOM) leaves behind, and every later
+        # build then waits on it forever; ours is an flock, released by the kernel when its holder dies, so
+        # holding it means nobody else is building here and torch's leftover can go
+        with open(build_dir / "baton-build.lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *_arch_flags(),
+                 "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"], build_directory=str(build_dir),
+                 is_python_module=False, verbose=False)
         logger.info("CPU kernels: instruction set %s (the best this CPU runs)", torch.ops.baton_cpu.active_isa())
         return True
     except Exception as exc:  # no compiler, headers, ...: serve with the torch paths

@@ -14,9 +14,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
 from shared.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
-from shared.models.loader import DEFAULT_CACHE_DIR
 
 
 class EngineServiceSettings(BaseSettings):

@@ -47,7 +47,12 @@ class GrammarDrafter:
         state.sync(request.output_token_ids)
         if not state.in_grammar or state.matcher is None or state.matcher.is_terminated():
             return []
-        text = state.matcher.find_jump_forward_string()
+        try:
+            text = state.matcher.find_jump_forward_string()
+        except UnicodeDecodeError:
+            # the output stops inside a character (its lead byte came as one token): the forced
+            # bytes start mid-character and are no text to tokenize; the mask still forces them
+            return []
         if not text:
             return []
         tokens = list(self.tokenizer.encode(text, add_special_tokens=False))[: min(limit, MAX_FORCED_DRAFTS)]

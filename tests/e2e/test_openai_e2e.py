@@ -63,6 +63,9 @@ def test_seeded_sampling_repeats_and_logprobs(disagg_stack: BatonStack) -> None:
     a = chat_text(c, "Tell me a word.", **kw).choices[0].message.content
     b = chat_text(c, "Tell me a word.", **kw).choices[0].message.content
     assert a == b
+    # OpenAI's seed is an int64: a negative one crosses the uint64 wire as its two's complement, not a 500
+    negative = [chat_text(c, "Tell me a word.", **{**kw, "seed": -1}).choices[0].message.content for _ in range(2)]
+    assert negative[0] == negative[1]
     lp = chat_text(c, "Say hi.", max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
     content = lp.choices[0].logprobs.content
     assert len(content) == lp.usage.completion_tokens

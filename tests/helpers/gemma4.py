@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from shared.models.gemma4.tiny import randomize
+
 TINY_VOCAB = 256
 
 _TYPES4 = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -63,23 +65,11 @@ def tiny_gemma4_config(variant: str = "all", **overrides: Any) -> Any:
     return Gemma4TextConfig(**kw)
 
 
-def randomize_gemma4(model: Any, seed: int = 0, std: float = 0.2) -> Any:
-    """Wide random weights (clear greedy winners) and random layer scalars, which init leaves at 1."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-        for name, buffer in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
-    return model
-
-
 def random_gemma4(config: Any, seed: int = 0) -> Any:
-    """A transformers Gemma4(Unified)ForCausalLM with `randomize_gemma4`'s weights."""
+    """A transformers Gemma4(Unified)ForCausalLM with `randomize`'s weights (shared/models/gemma4/tiny.py)."""
     from transformers import AutoModelForCausalLM
 
-    return randomize_gemma4(AutoModelForCausalLM.from_config(config).eval(), seed)
+    return randomize(AutoModelForCausalLM.from_config(config).eval(), seed)
 
 
 def hf_logits(hf: Any, token_ids: list[int]) -> torch.Tensor:  # [n, vocab]

@@ -15,7 +15,7 @@ import tempfile
 import time
 
 REDIS_SERVER = "redis-server"
-INSTALL_HINT = "install it with `apt-get install -y redis-server` (.ci/run does this)"
+INSTALL_HINT = "install it with `apt-get install -y redis-server` (`make test` does this: system-deps)"
 
 
 def redis_server_path() -> str | None:

@@ -57,14 +57,16 @@ class BatonStack:
                 self.proc.wait()
 
 
-def start_stack(state_dir: Path, *args: str, timeout_s: float = 300.0) -> BatonStack:
-    """Start `baton up`; stacks sharing a Redis each get their own registry namespace."""
+def start_stack(state_dir: Path, *args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> BatonStack:
+    """Start `baton up` (`env`: settings added to this process's environment, e.g. BATON_ROUTER_*); stacks
+    sharing a Redis each get their own registry namespace."""
     port = free_port()
     if "--redis-url" in args and "--registry-namespace" not in args:
         args = (*args, "--registry-namespace", f"test-{uuid.uuid4().hex[:8]}")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli.main", "up", "--port", str(port), "--state-dir", str(state_dir), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     stack = BatonStack(proc, port, state_dir)
     deadline = time.monotonic() + timeout_s

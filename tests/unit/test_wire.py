@@ -72,3 +72,19 @@ def test_token_logprobs_round_trip() -> None:
     logprobs = TokenLogprobs(3, -0.5, [(3, -0.5), (11, -1.25), (0, -8.0)])
     msg = common_pb2.TokenLogprobs.FromString(wire.token_logprobs_to_proto(logprobs).SerializeToString())
     assert wire.token_logprobs_from_proto(msg) == logprobs
+
+
+def test_negative_seed_is_its_twos_complement_everywhere() -> None:
+    """OpenAI's seed is an int64, the wire's a uint64: -1 must not overflow the field (a 500 once) and must
+    name one stream, colocated (the engine's own params) or through the wire."""
+    params = SamplingParams(seed=-1)
+    assert params.seed == 2**64 - 1 == SamplingParams(seed=2**64 - 1).seed
+    msg = common_pb2.SamplingParams.FromString(wire.sampling_params_to_proto(params).SerializeToString())
+    assert wire.sampling_params_from_proto(msg) == params
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(stop_token_ids=(3, -1))  # found by tests/e2e/test_api_fuzz.py: a 500 once
+    assert info.value.param == "stop_token_ids"
+    for seed in (-(2**63) - 1, 2**64):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(seed=seed)
+        assert info.value.param == "seed"

@@ -117,7 +117,8 @@ def prepare_conversations(body: ChatCompletionRequest, conversations: Sequence[S
         logprobs_param="top_logprobs",
     )
     check_logprobs(asked, model.settings)
-    num_tokens = min(max_tokens(asked, len(prompt), model.max_model_len) for prompt in prompts)
+    limit = model.settings.max_tokens_limit
+    num_tokens = min(max_tokens(asked, len(prompt), model.max_model_len, limit) for prompt in prompts)
     params = sampling_params(body, num_tokens, asked.logprobs, model.settings, model.defaults, model.vocab_size)
     params = replace(params, structured=grammar,
                      reasoning=_reasoning_spec(body, model, grammar, thinking_at_start))

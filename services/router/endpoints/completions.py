@@ -70,9 +70,13 @@ def prepare_completion(body: CompletionRequest, request_id: str, model: ModelCon
     if body.echo and body.logprobs is not None:
         require(PROMPT_LOGPROBS, "echo", "echo with logprobs (the prompt's logprobs)")
     prompts = _prompts(body, model)
-    asked = Asked(body.max_tokens, body.logprobs)
+    limit = model.settings.max_tokens_limit
+    requested = body.max_tokens
+    if limit and requested is not None and "max_tokens" not in body.model_fields_set:
+        requested = min(requested, limit)  # OpenAI's default of 16, not the client's ask: capped, not refused
+    asked = Asked(requested, body.logprobs)
     check_logprobs(asked, model.settings)
-    num_tokens = min(max_tokens(asked, len(p), model.max_model_len) for p in prompts)
+    num_tokens = min(max_tokens(asked, len(p), model.max_model_len, limit) for p in prompts)
     params = sampling_params(body, num_tokens, asked.logprobs, model.settings, model.defaults, model.vocab_size)
     structured = grammar_from_body(body)
     if structured is not None:

@@ -191,7 +191,7 @@ class Gemma4TextLM:
         if w.moe is None:
             return m
         weights, index = w.moe.router(x)
-        experts = w.moe.experts.grouped(_norm(x, w.moe.norm_experts_in, eps), weights, index)
+        experts = w.moe.experts(_norm(x, w.moe.norm_experts_in, eps), weights, index)
         return _norm(m, w.moe.norm_mlp_out, eps) + _norm(experts, w.moe.norm_experts_out, eps)
 
     def store_layers(self) -> dict[str, int]:

@@ -152,3 +152,40 @@ def write_assistant_checkpoint(out_dir: Path, target_dir: Path, seed: int = 0, *
     target = getattr(config, "text_config", config)
     build_assistant(assistant_config(target, **options), seed).save_pretrained(out_dir)
     return out_dir
+
+
+def published_like_config(name: str, num_layers: int, vocab_size: int) -> Any:
+    """A published size's text config (`published.py`: hidden size, heads, head dims, experts, top-k, widths)
+    with `num_layers` layers (sliding, ..., the last full, so both head dims and K=V run) and `vocab_size`."""
+    from shared.models.gemma4.published import published_text_config
+
+    types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+    return published_text_config(name, num_hidden_layers=num_layers, layer_types=types, vocab_size=vocab_size,
+                                 vocab_size_per_layer_input=vocab_size, max_position_embeddings=8192,
+                                 eos_token_id=1, bos_token_id=2, pad_token_id=0)
+
+
+def write_published_like(out_dir: Path, name: str, num_layers: int, vocab_size: int, dtype: torch.dtype,
+                         tokenizer_dir: Path | None, seed: int = 0) -> Path:
+    """A random checkpoint sized like published `name` but `num_layers` deep, stored as `dtype` (published
+    checkpoints are bf16), drawn at transformers' init scale (std 0.02); written to a temporary directory first, so
+    an interrupted run leaves no half checkpoint at `out_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    config = published_like_config(name, num_layers, vocab_size)
+    logger.info("building a random %s with %d layers, vocab %d, %s", name, num_layers, vocab_size, dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # in place, in `dtype`: no fp32 copy of a 1.5 GB expert bank at once
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    logger.info("writing it to %s", out_dir)
+    model.save_pretrained(partial, max_shard_size="2GB")
+    if tokenizer_dir is not None:
+        for file in _TOKENIZER_FILES:
+            shutil.copy(tokenizer_dir / file, partial / file)
+    shutil.copy(CHAT_TEMPLATE, partial / "chat_template.jinja")
+    partial.rename(out_dir)
+    return out_dir

@@ -61,3 +61,25 @@ def test_sampling_runs_and_is_seeded(engines) -> None:
     first = [r.token_ids for r in engine.generate(batch, params)]
     again = [r.token_ids for r in engine.generate(batch, params)]
     assert first == again and all(len(t) == 12 for t in first)
+
+
+def test_bf16_weights_and_kv_cache_decode_close_to_fp32(engines) -> None:
+    """--dtype bfloat16 on the "all" config (MoE, K=V, KV-shared, PLE): the experts are stored and run in
+    bf16 like the projections, the K=V layers' keys are rebuilt in the bf16 cache's dtype, and the engine
+    decodes through the C++ attention kernel with logits close to fp32's."""
+    from shared.models.gemma4.moe_cpu import PackedExperts
+    from shared.models.weight_format import WeightFormat
+
+    loaded, hf = tiny_loaded("gemma4-all", weight_format=WeightFormat(torch.bfloat16))
+    experts = loaded.model.w.layers[0].moe.experts
+    assert isinstance(experts, PackedExperts) and experts.gate_up.dtype == torch.bfloat16
+    engine = tiny_engine(loaded, dtype="bfloat16", kv_cache_dtype="bfloat16", max_num_batched_tokens=16)
+    engines.append(engine)
+    batch = prompts(3, seed=4, lo=5, hi=30)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    for prompt, res in zip(batch, engine.generate(batch, params), strict=True):
+        assert len(res.token_ids) == 8
+        # teacher-forced on what bf16 chose: fp32's log-probability of each chosen token is near its best
+        theirs = hf_logits(hf, prompt + res.token_ids).log_softmax(-1)[len(prompt) - 1:-1]
+        chosen = theirs.gather(1, torch.tensor(res.token_ids)[:, None])[:, 0]
+        assert (theirs.max(-1).values - chosen).max() < 0.5, (theirs.max(-1).values - chosen)

@@ -186,3 +186,13 @@ def test_fast_forward_drafts_what_the_grammar_forces_and_changes_nothing(make: M
             # every key of the schema is forced text: most of it came as drafts and was accepted
             assert stats.num_forced_drafts > 20 * len(batch), config
             assert stats.num_accepted_tokens >= stats.num_forced_drafts * 0.9, config
+
+
+@pytest.mark.parametrize("choice", ["\x94", "é-x", "€€"])
+def test_fast_forward_inside_a_character_drafts_nothing_and_finishes(make: MakeEngine, choice: str) -> None:
+    """The first token (sampled on prefill) can be the lead byte of a character: what the grammar
+    forces next starts inside it, which xgrammar's jump-forward string cannot decode (found by the
+    API fuzz test as a 500 on `choice: ["\\x94"]`). The rest comes token by token, still exact."""
+    spec = GrammarSpec("choice", json.dumps([choice]))
+    results = make().generate(prompts()[:2], SamplingParams(max_tokens=20, temperature=0.0, structured=spec))
+    assert [(t, r.finish_reason) for t, r in zip(texts(results), results, strict=True)] == [(choice, "stop")] * 2

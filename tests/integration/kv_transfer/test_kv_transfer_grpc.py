@@ -185,6 +185,34 @@ def test_capacity_overflow_is_resource_exhausted() -> None:
     run_with_server(scenario, transport="tcp", capacity_bytes=4 * SLOT_NBYTES)
 
 
+@pytest.mark.parametrize(("policy", "kept"), [("lru", "tail"), ("lfu", "shared")])
+def test_the_eviction_policy_setting_decides_which_pool_block_goes(policy: str, kept: str) -> None:
+    """Over gRPC, with BATON_KV_TRANSFER_EVICTION_POLICY: a block four requests shared against one used once
+    after it; when a fresh slot is needed, LRU drops the shared one (released first), LFU the one-off."""
+    shared, tail = list(range(100, 108)), list(range(300, 308))
+
+    async def cycle(client: KVTransferClient, address: str, handoff_id: str, prompt: list[int]) -> list[bool]:
+        slots, _ = await client.reserve(address, make_spec(handoff_id, prompt))
+        await client.commit(address, handoff_id, RESULT)
+        await client.release(address, handoff_id)  # released unclaimed: its full blocks stay in the pool
+        return slots.present
+
+    async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
+        client = KVTransferClient(4 << 20)
+        for i in range(4):
+            await cycle(client, running.address, f"s{i}", shared + [1])
+        await cycle(client, running.address, "t", tail + [1])
+        await cycle(client, running.address, "fresh", list(range(500, 508)) + [1])  # needs 2 slots: 1 is free
+        other = "tail" if kept == "shared" else "shared"
+        prompts = {"shared": shared + [1], "tail": tail + [1]}
+        assert (await cycle(client, running.address, "k", prompts[kept]))[0]  # it is still in the pool
+        assert not (await cycle(client, running.address, "o", prompts[other]))[0]  # it was evicted
+        await client.close()
+
+    # 3 slots: the shared and tail blocks, and one free for a request's partial block
+    run_with_server(scenario, transport="tcp", capacity_bytes=3 * SLOT_NBYTES, eviction_policy=policy)
+
+
 def test_claim_waits_for_a_commit_that_comes_later() -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
         client = KVTransferClient(4 << 20)

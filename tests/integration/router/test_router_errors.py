@@ -119,6 +119,30 @@ async def test_oversized_body_is_400(smol_tokenizer: Any) -> None:
         assert "exceeds" in error["message"]
 
 
+async def test_max_tokens_limit_refuses_more_and_caps_unset(smol_tokenizer: Any) -> None:
+    backend = ScriptedBackend([DONE_CHUNK])
+    async with client(make_app(smol_tokenizer, backend, max_tokens_limit=6)) as http:
+        assert_error(await http.post("/v1/completions", json={**COMPLETION, "max_tokens": 7}), 400, "max_tokens")
+        assert_error(await http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 7}), 400,
+                     "max_completion_tokens")
+        unset = {k: v for k, v in COMPLETION.items() if k != "max_tokens"}
+        assert (await http.post("/v1/completions", json=unset)).status_code == 200
+        assert (await http.post("/v1/completions", json={**COMPLETION, "max_tokens": 6})).status_code == 200
+    assert [r.params.max_tokens for r in backend.requests] == [6, 6]
+
+
+async def test_openapi_names_every_request_body(smol_tokenizer: Any) -> None:
+    """Clients and fuzzers (tests/e2e/test_api_fuzz.py) generate from the document: each POST has its body."""
+    async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:
+        document = (await http.get("/openapi.json")).json()
+    schemas = document["components"]["schemas"]
+    for path, post in ((p, item["post"]) for p, item in document["paths"].items() if "post" in item):
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.rsplit("/", 1)[1] in schemas, path
+    assert {"prompt", "max_tokens", "seed"} <= set(schemas["CompletionRequest"]["properties"])
+    assert {"messages", "tools", "response_format"} <= set(schemas["ChatCompletionRequest"]["properties"])
+
+
 async def test_unknown_fields_are_ignored(smol_tokenizer: Any) -> None:
     async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:
         r = await http.post("/v1/chat/completions", json={**CHAT, "some_future_field": {"x": 1}, "user": "u1"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.kv_transfer.slots import LRUPolicy, SlotPool
+from services.kv_transfer.slots import LFUPolicy, LRUPolicy, SlotPool, make_policy
 from shared.errors import CapacityError
 
 
@@ -92,3 +92,72 @@ def test_double_release_is_an_invariant_violation() -> None:
     pool.release(got.slots)
     with pytest.raises(AssertionError, match="double release"):
         pool.release(got.slots)
+
+
+def _cache(pool: SlotPool, i: int, uses: int = 1) -> None:
+    """Publish key i, then have `uses - 1` more requests hit it; every pin released."""
+    got = pool.acquire([key(i)])
+    if not got.hits[0]:
+        pool.publish(got.slots[0], key(i))
+    pool.release(got.slots)
+    for _ in range(uses - 1):
+        pool.release(pool.acquire([key(i)]).slots)
+
+
+def test_lfu_keeps_the_often_hit_block_that_lru_drops() -> None:
+    # key 1 (a shared system prompt) hit by 4 requests, then keys 2 and 3 used once each, later: one
+    # fresh slot must go. LRU drops key 1 (released first); LFU drops key 2 (fewest hits, oldest).
+    for policy, survivor, victim in ((LRUPolicy(), 3, 1), (LFUPolicy(), 1, 2)):
+        pool = SlotPool(3, policy)
+        _cache(pool, 1, uses=4)
+        _cache(pool, 2)
+        _cache(pool, 3)
+        got = pool.acquire([None])
+        assert pool.lookup(key(victim)) is None and pool.lookup(key(survivor)) is not None, type(policy).__name__
+        pool.release(got.slots)
+        pool.check_no_pins()
+
+
+def test_lfu_ages_out_counts_from_long_ago() -> None:
+    # key 1 hit 3 times, then a stream of one-off blocks: each victim raises the age, so once newer entries
+    # reach key 1's priority it goes too (plain LFU would keep it forever)
+    pool = SlotPool(2, LFUPolicy())
+    _cache(pool, 1, uses=3)
+    for i in range(2, 8):
+        _cache(pool, i)
+    assert pool.lookup(key(1)) is None
+    pool.check_no_pins()
+
+
+def test_lfu_never_evicts_a_pinned_slot_and_counts_hits_while_pinned() -> None:
+    policy = LFUPolicy()
+    pool = SlotPool(2, policy)
+    first = pool.acquire([key(1)])
+    pool.publish(first.slots[0], key(1))
+    second = pool.acquire([key(1)])  # a hit while the first request still pins it
+    assert second.hits == [True]
+    _cache(pool, 2)
+    with pytest.raises(CapacityError):
+        pool.acquire([None, None])
+    pool.release(first.slots + second.slots)
+    got = pool.acquire([None])  # key 2 (one use) goes, key 1 (two) stays
+    assert pool.lookup(key(1)) is not None and pool.lookup(key(2)) is None
+    pool.release(got.slots)
+    assert pool.clear() == 1 and len(policy) == 0
+    pool.check_no_pins()
+
+
+def test_lfu_heap_stays_bounded_under_hit_churn() -> None:
+    policy = LFUPolicy()
+    pool = SlotPool(4, policy)
+    for i in range(4):
+        _cache(pool, i)
+    for _ in range(1000):
+        _cache(pool, 0, uses=2)
+    assert len(policy._heap) <= 2 * len(policy) + 65
+
+
+def test_make_policy_names() -> None:
+    assert isinstance(make_policy("lru"), LRUPolicy) and isinstance(make_policy("lfu"), LFUPolicy)
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
+        make_policy("fifo")

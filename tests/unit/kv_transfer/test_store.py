@@ -240,3 +240,39 @@ def test_a_renewed_writing_lease_outlives_its_timeout(store: HandoffStore, clock
     clock.now_s += 5.1
     assert store.sweep() == ["slow"]  # nobody claimed it
     assert not store.renew("slow")
+
+
+def test_lfu_store_with_layer_groups_keeps_the_shared_prefix_units() -> None:
+    """A Gemma 4-like layout (a full group, a sliding group with a window, a KV-shared layer) through the store
+    with the LFU policy: units are keyed as prefill names them (`unit_hashes`); a system prompt's units that
+    every turn hits outlive one-off units when the pool runs short, and what prefill may reuse
+    (`usable_pool_prefix`) is the system prompt's blocks."""
+    from dataclasses import replace
+
+    from services.kv_transfer.slots import LFUPolicy
+    from shared.kv.layout import LayerKV
+    from shared.kv.remote import unit_hashes, usable_pool_prefix
+
+    layers = (LayerKV(2, 8, sliding_window=32), LayerKV(1, 16, 1), LayerKV(2, 8, reads_layer=0, sliding_window=32))
+    base = KVLayout.of(layers, 64, BLOCK, torch.float16)
+    space = SlotSpace("kv", 1 << 20, base.slot_nbytes, 12)
+    store = HandoffStore(base.slot_nbytes * 12, space, lease_timeout_s=5.0, claim_timeout_s=2.0, policy=LFUPolicy())
+    system = list(range(100, 108))  # two full blocks every conversation starts with
+
+    def turn(handoff_id: str, prompt: list[int]) -> int:
+        layout = replace(base, num_blocks=len(base.handoff_units(len(prompt))), group_blocks=())
+        spec = HandoffSpec(handoff_id, f"req-{handoff_id}", "g4", layout, prompt,
+                           unit_hashes(layout, hash_prefix_blocks(prompt, BLOCK), len(prompt)), 0)
+        slots = store.reserve(spec)
+        usable = usable_pool_prefix(layout, slots.present, len(prompt), len(prompt) // BLOCK)
+        store.commit(handoff_id, RESULT)
+        claim(store, handoff_id)
+        store.release(handoff_id)
+        return usable
+
+    assert turn("a", system + [1, 2, 3, 4, 5]) == 0
+    assert turn("b", system + [6, 7, 8, 9, 10]) == 2  # the system prompt's blocks, in both groups
+    for i in range(3):  # one-off conversations fill the pool: their units are evicted, the system prompt's stay
+        turn(f"x{i}", system + [20 + 10 * i + j for j in range(9)])
+    assert turn("c", system + [90, 91, 92, 93, 94]) == 2
+    store.check_no_leaks()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from shared.models.gemma4.moe import Experts, Router
-from tests.helpers.gemma4 import randomize_gemma4, tiny_gemma4_config
+from shared.models.gemma4.moe import Router, TorchExperts, make_experts
+from shared.models.gemma4.moe_cpu import PackedExperts
+from shared.models.gemma4.tiny import randomize
+from shared.ops.cpu_kernels import cpu_kernels_available
+from tests.helpers.gemma4 import tiny_gemma4_config
 
 
 def _hf_moe(num_experts: int, top_k: int):  # type: ignore[no-untyped-def]
@@ -14,7 +18,7 @@ def _hf_moe(num_experts: int, top_k: int):  # type: ignore[no-untyped-def]
     config = tiny_gemma4_config("moe", num_experts=num_experts, top_k_experts=top_k)
     router, experts = Gemma4TextRouter(config), Gemma4TextExperts(config)
     for i, module in enumerate((router, experts)):
-        randomize_gemma4(module, seed=i)
+        randomize(module, seed=i)
     return config, router, experts
 
 
@@ -22,7 +26,7 @@ def test_router_and_grouped_experts_match_transformers() -> None:
     config, hf_router, hf_experts = _hf_moe(num_experts=8, top_k=3)
     router = Router(hf_router.scale.data, hf_router.proj.weight.data, hf_router.per_expert_scale.data, 3,
                     config.rms_norm_eps)
-    experts = Experts(hf_experts.gate_up_proj.data, hf_experts.down_proj.data)
+    experts = TorchExperts(hf_experts.gate_up_proj.data, hf_experts.down_proj.data)
     x = torch.randn(50, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, hf_weights, hf_index = hf_router(x)
@@ -30,15 +34,78 @@ def test_router_and_grouped_experts_match_transformers() -> None:
     weights, index = router(x)
     assert torch.equal(index, hf_index)
     torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
-    torch.testing.assert_close(experts.grouped(x, weights, index), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(experts(x, weights, index), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_grouped_experts_with_idle_experts_and_one_token() -> None:
     config, _, hf_experts = _hf_moe(num_experts=16, top_k=2)
-    experts = Experts(hf_experts.gate_up_proj.data, hf_experts.down_proj.data)
+    experts = TorchExperts(hf_experts.gate_up_proj.data, hf_experts.down_proj.data)
     x = torch.randn(1, config.hidden_size)
     index = torch.tensor([[15, 3]])
     weights = torch.tensor([[0.25, 0.75]])
     with torch.no_grad():
         expected = hf_experts(x, index, weights)
-    torch.testing.assert_close(experts.grouped(x, weights, index), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(experts(x, weights, index), expected, atol=1e-5, rtol=1e-5)
+
+
+def _routing(n: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(n)])
+    return torch.rand(n, top_k, generator=gen), index
+
+
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_packed_experts_match_the_torch_loop_fp32(n: int) -> None:
+    if not cpu_kernels_available():
+        pytest.fail("the C++ CPU kernels did not build (see the log)")
+    gen = torch.Generator().manual_seed(1)
+    num_experts, hidden, inter, top_k = 12, 72, 40, 3  # widths off the kernels' 32-lane panels
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2
+    down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.2
+    x = torch.randn(n, hidden, generator=gen)
+    weights, index = _routing(n, num_experts, top_k, seed=n)
+    expected = TorchExperts(gate_up, down)(x, weights, index)
+    experts = PackedExperts(gate_up, down)
+    torch.testing.assert_close(experts(x, weights, index), expected, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # as the model runs it: the op's worker threads must not update in place
+        torch.testing.assert_close(experts(x, weights, index), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_experts_bf16_match_the_torch_loop_on_bf16_weights() -> None:
+    if not cpu_kernels_available():
+        pytest.fail("the C++ CPU kernels did not build (see the log)")
+    gen = torch.Generator().manual_seed(2)
+    num_experts, hidden, inter, top_k, n = 8, 64, 48, 2, 9
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2).bfloat16()
+    down = (torch.randn(num_experts, hidden, inter, generator=gen) * 0.2).bfloat16()
+    x = torch.randn(n, hidden, generator=gen)
+    weights, index = _routing(n, num_experts, top_k, seed=3)
+    expected = TorchExperts(gate_up.float(), down.float())(x, weights, index)
+    # rows are rounded to bf16 on the way into vdpbf16ps (AVX512-BF16 CPUs): bf16-sized error, not fp32's
+    torch.testing.assert_close(PackedExperts(gate_up, down)(x, weights, index), expected, atol=3e-2, rtol=2e-2)
+
+
+def test_packed_experts_refuse_an_expert_index_out_of_range() -> None:
+    if not cpu_kernels_available():
+        pytest.fail("the C++ CPU kernels did not build (see the log)")
+    experts = PackedExperts(torch.randn(4, 16, 32), torch.randn(4, 32, 8))
+    with pytest.raises(RuntimeError, match="expert index 4"):
+        experts(torch.randn(1, 32), torch.ones(1, 2), torch.tensor([[0, 4]]))
+
+
+def test_make_experts_picks_the_packed_kernel_on_the_cpu() -> None:
+    experts = make_experts(torch.randn(4, 16, 32), torch.randn(4, 32, 8))
+    assert isinstance(experts, PackedExperts if cpu_kernels_available() else TorchExperts)
+
+
+def test_torch_loop_takes_fp32_rows_over_bf16_weights() -> None:
+    """Where no kernel serves bf16 experts (kernels not built) the loop runs them in their dtype and returns
+    rows in the input's."""
+    gen = torch.Generator().manual_seed(5)
+    gate_up, down = torch.randn(4, 16, 32, generator=gen).bfloat16(), torch.randn(4, 32, 8, generator=gen).bfloat16()
+    x = torch.randn(3, 32, generator=gen)
+    weights, index = _routing(3, 4, 2, seed=6)
+    out = TorchExperts(gate_up, down)(x, weights, index)
+    assert out.dtype == torch.float32
+    expected = TorchExperts(gate_up.float(), down.float())(x.bfloat16().float(), weights, index)
+    torch.testing.assert_close(out, expected, atol=0.1, rtol=0.05)
