@@ -33,10 +33,24 @@ _built: bool | None = None
 def _build_dir() -> Path:
     from shared.cache_dir import DEFAULT_CACHE_DIR
 
-    # keyed by the sources and where they live too: the build files name the sources' paths, so two
-    # checkouts (worktrees, branches) sharing a directory would rebuild over each other's library in turn
-    key = hashlib.sha1(str(_CSRC.resolve()).encode() + b"".join(src.read_bytes() for src in _SOURCES + _HEADERS))
+    # keyed by the sources' contents only: they are compiled from a copy inside the directory (see
+    # _staged_sources), so checkouts (worktrees, branches) with the same sources share one build
+    key = hashlib.sha1(b"".join(src.name.encode() + src.read_bytes() for src in _SOURCES + _HEADERS))
     return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{key.hexdigest()[:10]}"
+
+
+def _staged_sources(build_dir: Path) -> list[str]:
+    """The sources (and the headers they include) copied into the build directory, rewritten only when they
+    differ: torch's build files name the sources' paths, so compiling a checkout's own files would make
+    another checkout with the same sources rebuild over its library."""
+    staged = build_dir / "csrc"
+    staged.mkdir(exist_ok=True)
+    for src in _SOURCES + _HEADERS:
+        dst = staged / src.name
+        data = src.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            dst.write_bytes(data)
+    return [str(staged / src.name) for src in _SOURCES]
 
 
 def _cpu_flags() -> str:
@@ -97,7 +111,7 @@ def _build() -> bool:
         with open(build_dir / "baton-build.lock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            load(name="baton_cpu_kernels", sources=[str(s) for s in _SOURCES], extra_cflags=["-O3", *_arch_flags(),
+            load(name="baton_cpu_kernels", sources=_staged_sources(build_dir), extra_cflags=["-O3", *_arch_flags(),
                  "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"], build_directory=str(build_dir),
                  is_python_module=False, verbose=False)
         logger.info("CPU kernels: instruction set %s (the best this CPU runs)", torch.ops.baton_cpu.active_isa())
