@@ -50,9 +50,14 @@ def engine_for(model: str, fast_forward: bool) -> LLMEngine:
                                   grammar_fast_forward=fast_forward))
 
 
-def timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-    """One run on a cold prefix cache: tokens/s, and engine steps (forward passes) for the batch."""
+def timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, overlap: bool = True) -> dict[str, Any]:
+    """One run on a cold prefix cache: tokens/s, engine steps (forward passes) for the batch, and the time
+    spent building masks (on the worker beside the forward, or after it with `overlap` off) and waiting
+    for them."""
     engine.pool.reset_prefix_cache()
+    engine.runner.overlap_masks = overlap
+    masks = engine.runner.masks
+    build_s, wait_s = masks.build_s, masks.wait_s
     tokens: dict[str, int] = {}
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -65,19 +70,27 @@ def timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -
     seconds = time.perf_counter() - t0
     num_tokens = sum(tokens.values())
     return {"seconds": seconds, "tokens": num_tokens, "tok_s": num_tokens / seconds, "steps": steps,
-            "mean_tokens": num_tokens / len(prompts)}
+            "mean_tokens": num_tokens / len(prompts), "step_ms": 1e3 * seconds / steps,
+            "mask_build_ms_per_step": 1e3 * (masks.build_s - build_s) / steps,
+            "mask_wait_ms_per_step": 1e3 * (masks.wait_s - wait_s) / steps}
 
 
-def run_pair(name: str, runs: dict[str, list[dict[str, Any]]], configs: dict[str, tuple[LLMEngine, SamplingParams]],
+Config = tuple[LLMEngine, SamplingParams] | tuple[LLMEngine, SamplingParams, bool]  # (..., overlap masks)
+
+
+def run_pair(name: str, runs: dict[str, list[dict[str, Any]]], configs: dict[str, Config],
              prompts: list[list[int]], repeats: int) -> dict[str, Any]:
     """Time each configuration `repeats` times in alternating rounds; medians and every run."""
     for rnd in range(repeats):
-        for label, (engine, params) in configs.items():
-            result = timed(engine, prompts, params)
+        for label, config in configs.items():
+            engine, params, *overlap = config
+            result = timed(engine, prompts, params, *overlap)
             runs.setdefault(label, []).append(result)
             log(f"{name} round {rnd + 1}/{repeats} {label}: {result['tok_s']:.1f} tok/s "
-                f"({result['mean_tokens']:.0f} tokens a request)")
-    return {label: {"tok_s_median": statistics.median(r["tok_s"] for r in rs), "runs": rs}
+                f"({result['mean_tokens']:.0f} tokens a request, {result['step_ms']:.1f} ms a step, masks "
+                f"{result['mask_build_ms_per_step']:.2f} ms built / {result['mask_wait_ms_per_step']:.2f} ms waited)")
+    keys = ("tok_s", "step_ms", "mask_build_ms_per_step", "mask_wait_ms_per_step")
+    return {label: {**{f"{k}_median": statistics.median(r[k] for r in rs) for k in keys}, "runs": rs}
             for label, rs in runs.items()}
 
 
@@ -85,12 +98,17 @@ def table(out: dict[str, Any]) -> str:
     """bench/README.md's block for one run (every figure from its JSON)."""
     lines = [f"Structured outputs ({out['model']}, greedy, chat prompts; medians of {out['repeats']} alternating "
              f"rounds, load average {out['loadavg_1m_before']:.1f} at the start; bench/structured.py):", "",
-             "| batch | unconstrained tok/s | constrained tok/s | ratio | card schema, fast-forward off tok/s "
-             "| on tok/s | speedup | forced drafts | accepted |", "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | unconstrained tok/s | constrained tok/s | ratio | mask build / wait ms a step "
+             "| masks after forward tok/s | card schema, fast-forward off tok/s "
+             "| on tok/s | speedup | forced drafts | accepted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["results"]:
         m, f = r["mask_cost"], r["fast_forward"]
-        lines.append(f"| {r['batch']} | {m['unconstrained']['tok_s_median']:.1f} | {m['constrained']['tok_s_median']:.1f} "
-                     f"| {r['constrained_over_unconstrained']:.3f} | {f['fast_forward_off']['tok_s_median']:.1f} "
+        c = m["constrained"]
+        lines.append(f"| {r['batch']} | {m['unconstrained']['tok_s_median']:.1f} | {c['tok_s_median']:.1f} "
+                     f"| {r['constrained_over_unconstrained']:.3f} | {c['mask_build_ms_per_step_median']:.2f} / "
+                     f"{c['mask_wait_ms_per_step_median']:.2f} of {c['step_ms_median']:.0f} "
+                     f"| {m['constrained_masks_after_forward']['tok_s_median']:.1f} "
+                     f"| {f['fast_forward_off']['tok_s_median']:.1f} "
                      f"| {f['fast_forward_on']['tok_s_median']:.1f} | {r['fast_forward_speedup']:.2f}x "
                      f"| {r['forced_drafts']} | {r['accepted_drafts']} |")
     return "\n".join(lines)
@@ -124,7 +142,9 @@ def main() -> None:
         num_tokens = max(1, int(statistics.median(len(r.token_ids) for r in probe)))
         free = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
         mask = run_pair(f"batch {batch} mask cost", {}, {"unconstrained": (plain, free),
-                                                         "constrained": (plain, constrained)}, prompts, args.repeats)
+                                                         "constrained": (plain, constrained),
+                                                         "constrained_masks_after_forward": (plain, constrained, False)},
+                        prompts, args.repeats)
         card_params = SamplingParams(max_tokens=400, temperature=0.0, structured=card)
         ff = run_pair(f"batch {batch} fast-forward", {}, {"fast_forward_off": (plain, card_params),
                                                           "fast_forward_on": (forward, card_params)},

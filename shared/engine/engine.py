@@ -577,13 +577,14 @@ class LLMEngine:
         return len(self._pending_handoffs) + (self.remote.num_queued if self.remote is not None else 0)
 
     def close(self) -> None:
-        """Stop the executor thread (the zero-bubble loop's), waiting for the step it runs.
+        """Stop the executor thread (the zero-bubble loop's), waiting for the step it runs, and the mask worker.
 
         The engine stays usable: a later step starts a new one.
         """
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self.runner.masks.close()
 
     def check_no_leaks(self) -> None:
         assert not self.has_unfinished(), "requests still in flight"

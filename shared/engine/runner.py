@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from shared.engine.logits.overlap import MaskOverlap, PendingMasks
 from shared.engine.logits.processor import LogitsRows, RowGroup
 from shared.engine.logits.request_state import RequestLogits
 from shared.engine.prompt_logprobs import prompt_logprobs
@@ -196,6 +197,9 @@ class ModelRunner:
         self._logits: dict[str, RequestLogits] = {}  # requests with logits processing (shared/engine/logits/)
         self.clock = ExecutorClock()
         self.graphs: DecodeGraphs | None = None
+        # constraints built on a worker thread during the forward (logits/overlap.py); False builds them after
+        self.overlap_masks = True
+        self.masks = MaskOverlap()
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
         """Replay decode steps of up to `max_num_seqs` single-token sequences from CUDA graphs.
@@ -368,6 +372,7 @@ class ModelRunner:
         input_ids, positions, meta = inputs.forward_inputs()
         plan = inputs.plan
         captured = {layer: torch.empty(0) for layer in self.aux_hidden_layers} if inputs.hidden_spans else None
+        masks = self._start_masks(inputs, prev)
         if self.graphs is not None and on_layer_done is None and captured is None and self.graphs.fits(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
@@ -386,21 +391,20 @@ class ModelRunner:
                 out.prompt_logprobs[chunk.request_id] = prompt_logprobs(
                     self.model.compute_logits, hidden[lo : lo + len(targets)], targets, chunk.params.prompt_logprobs or 0)
             lo += num_tokens
-        if inputs.logits_states:
-            _sync_logits_states(inputs, prev)
+        sample_masks, verify_masks = masks.result() if masks is not None else (None, None)
         below_min = self._positions_below_min(inputs, prev)
         rows: list[torch.Tensor] = []  # [n, width] blocks of emitted ids, in row order
         counts: list[torch.Tensor] = []
         drafts: list[torch.Tensor] = []
         if inputs.sample_rows:
             active = below_min[inputs.device_index["sample_chunks"]] > 0 if below_min is not None else None
-            sampled = self._sample(inputs, hidden, out, active)
+            sampled = self._sample(inputs, hidden, out, active, sample_masks)
             rows.append(sampled.unsqueeze(1))
             counts.append(torch.ones_like(sampled))
             drafts.append(torch.zeros_like(sampled))
         if inputs.verify_rows:
             num_suppressed = below_min[inputs.device_index["verify_chunks"]] if below_min is not None else None
-            verified, num_drafts = self._verify(inputs, hidden, out, num_suppressed)
+            verified, num_drafts = self._verify(inputs, hidden, out, num_suppressed, verify_masks)
             if inputs.tree_masks:
                 self._settle_trees(inputs, hidden, verified, out)
             rows.append(verified.token_ids)
@@ -426,13 +430,20 @@ class ModelRunner:
         planned = to_device([c.num_suppressed_positions for c in chunks], dtype=torch.int64, device=self.device)
         return planned + prev.device.rejected(inputs.prev_row)
 
+    def _start_masks(self, inputs: StepInputs, prev: StepOutput | None) -> PendingMasks[StepMasks] | None:
+        """Begin building the step's constraints (None: no request has any); on the worker when overlapping."""
+        if not inputs.logits_states:
+            return None
+        pending = self.masks.submit(lambda: _build_masks(inputs, prev, self.model.vocab_size))
+        if not self.overlap_masks:
+            pending.result()
+        return pending
+
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
-                suppress_active: torch.Tensor | None) -> torch.Tensor:
+                suppress_active: torch.Tensor | None, rows: LogitsRows | None) -> torch.Tensor:
         """One token per plain sampling chunk, [num_sample] on the device."""
         logits = self.model.compute_logits(hidden[inputs.device_index["sample_rows"]])  # [num_sample, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.sample_chunks]
-        rows = LogitsRows.build([RowGroup(inputs.logits_states.get(i)) for i in inputs.sample_chunks],
-                                self.model.vocab_size) if inputs.logits_states else None
         suppress_ids = [c.suppress_token_ids for c in chunks]
         if rows is not None:  # a grammar or a forced token decides instead of min_tokens
             suppress_ids = [frozenset() if constrained else ids
@@ -451,14 +462,11 @@ class ModelRunner:
         return sampled.token_ids
 
     def _verify(self, inputs: StepInputs, hidden: torch.Tensor, out: StepOutput,
-                num_suppressed: torch.Tensor | None) -> tuple[VerifyOutput, torch.Tensor]:
+                num_suppressed: torch.Tensor | None, rows: LogitsRows | None) -> tuple[VerifyOutput, torch.Tensor]:
         """Rejection-sample every verification chunk's drafts against the target's logits."""
         logits = self.model.compute_logits(hidden[inputs.device_index["verify_rows"]])  # [num_verify_rows, vocab]
         chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
-        drafts = [c.token_ids[c.num_tokens - c.num_draft_tokens :] for c in chunks]
-        rows = LogitsRows.build([RowGroup(inputs.logits_states.get(i), d, c.draft_tree)
-                                 for i, c, d in zip(inputs.verify_chunks, chunks, drafts, strict=True)],
-                                self.model.vocab_size) if inputs.logits_states else None
+        drafts = _verify_drafts(inputs)
         constrained = _constrained_chunks(rows, [len(d) + 1 for d in drafts])
         verify_inputs = [
             VerifyInput(
@@ -510,6 +518,27 @@ class ModelRunner:
             if request_id in inputs.spec_hidden_spans:
                 lo, _ = inputs.spec_hidden_spans[request_id]
                 out.spec_hidden_states[request_id] = hidden[lo + branch[n]]  # the first accepted + 1 rows count
+
+
+StepMasks = tuple[LogitsRows | None, LogitsRows | None]  # (plain sampling rows, verification rows)
+
+
+def _verify_drafts(inputs: StepInputs) -> list[list[int]]:
+    """Each verification chunk's draft tokens."""
+    chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
+    return [c.token_ids[c.num_tokens - c.num_draft_tokens :] for c in chunks]
+
+
+def _build_masks(inputs: StepInputs, prev: StepOutput | None, vocab_size: int) -> StepMasks:
+    """The step's constraints: states synced to the output before the step, then each row's mask."""
+    _sync_logits_states(inputs, prev)
+    sample = LogitsRows.build([RowGroup(inputs.logits_states.get(i)) for i in inputs.sample_chunks],
+                              vocab_size) if inputs.sample_rows else None
+    chunks = [inputs.plan.chunks[i] for i in inputs.verify_chunks]
+    verify = LogitsRows.build([RowGroup(inputs.logits_states.get(i), d, c.draft_tree)
+                               for i, c, d in zip(inputs.verify_chunks, chunks, _verify_drafts(inputs), strict=True)],
+                              vocab_size) if inputs.verify_rows else None
+    return sample, verify
 
 
 def _sync_logits_states(inputs: StepInputs, prev: StepOutput | None) -> None:

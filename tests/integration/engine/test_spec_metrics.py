@@ -59,3 +59,17 @@ def test_idle_ratio_counts_gaps_only_while_work_is_queued(make_tiny) -> None:
     assert clock.idle_s - idle < 0.3
     text = generate_latest(engine_registry(AsyncEngine(engine), "colocated")).decode()
     assert 0.0 <= sample(text, 'baton_engine_idle_ratio{role="colocated"}') < 1.0
+
+
+def test_mask_build_and_wait_times_are_exported(make_tiny) -> None:
+    from shared.engine.request import SamplingParams
+
+    engine, _ = make_tiny("llama")
+    engine.generate(prompts(2), greedy(8))
+    assert engine.runner.masks.num_builds == 0  # nothing to process: no worker, no time
+    engine.generate(prompts(2), SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3))
+    masks = engine.runner.masks
+    assert masks.num_builds >= 8 and masks.build_s > 0
+    text = generate_latest(engine_registry(AsyncEngine(engine), "colocated")).decode()
+    assert sample(text, 'baton_logits_mask_build_seconds_total{role="colocated"}') == pytest.approx(masks.build_s)
+    assert sample(text, 'baton_logits_mask_wait_seconds_total{role="colocated"}') == pytest.approx(masks.wait_s)
