@@ -39,7 +39,7 @@ class _Cursor:
         self.buf, self.pos = buf, 0
 
     def take(self, fmt: str) -> int:
-        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        (value,) = struct.unpack_from("<" + fmt, self.buf.data, self.pos)
         self.pos += struct.calcsize("<" + fmt)
         return int(value)
 

@@ -118,5 +118,6 @@ def concat_codes(parts: list[QuantCodes | KQuantCodes]) -> QuantCodes | KQuantCo
     if len(kparts) != len(parts) or len({p.fmt for p in kparts}) != 1:
         raise ValueError(f"rows of {sorted({p.fmt for p in parts})} cannot share one weight: "
                          "their blocks differ in size")
-    return KQuantCodes(*(torch.cat([getattr(p, f) for p in kparts]) for f in ("codes", "d", "dmin", "scales", "mins")),
-                       fmt=kparts[0].fmt)
+    codes, d, dmin, scales, mins = (torch.cat([getattr(p, f) for p in kparts])
+                                    for f in ("codes", "d", "dmin", "scales", "mins"))
+    return KQuantCodes(codes, d, dmin, scales, mins, kparts[0].fmt)

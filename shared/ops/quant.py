@@ -78,7 +78,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) ->
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)  # ggml: low nibbles are 0..15
         if type_name == "Q5_0":  # bit i of the little-endian u32 is bit 4 of weight i
             high = np.unpackbits(blocks[:, :, 2:6], axis=2, bitorder="little").reshape(n, k)
-            codes = codes | (high << 4)
+            codes = codes | (high << np.uint8(4)).astype(np.uint8)
         if type_name == "Q4_1":
             m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
         else:  # exact: a power of two times a fp16
