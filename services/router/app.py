@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import inspect
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -134,7 +135,8 @@ class RouterService:
     # ---- plain endpoints ----------------------------------------------------------------
     async def health(self) -> Response:
         if self.backend.healthy():
-            return Response('{"status":"ok"}', media_type="application/json")
+            return Response(json.dumps({"status": "ok", "instance_id": self.settings.instance_id}),
+                            media_type="application/json")
         return error_response(UnavailableError("no healthy backend"))
 
     async def metrics_text(self) -> Response:

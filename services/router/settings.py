@@ -5,6 +5,7 @@ For example `BATON_ROUTER_PORT=8000`, `BATON_ROUTER_API_KEYS=key1,key2`.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -27,6 +28,8 @@ class RouterSettings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="accepted bearer keys, comma-separated; empty turns auth off"
     )
+    instance_id: str = Field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}",
+                             description="named by /health, so a supervisor knows it reached this router")
     mode: Literal["disagg", "colocated"] = Field(default="disagg", description="how the backend serves requests")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")
     registry_namespace: str = Field(default="baton", description="registry key namespace")

@@ -45,14 +45,14 @@ class EngineCollector(Collector):
         idle.add_metric([self.role], clock.idle_ratio)
         yield idle
         masks = self.aengine.engine.runner.masks
-        for name, doc, value in (
+        for name, doc, seconds in (
             ("baton_logits_mask_build_seconds", "Time building grammar bitmasks and penalty inputs (a worker "
              "thread, beside the forward)", masks.build_s),
             ("baton_logits_mask_wait_seconds", "Executor time blocked on masks after the forward (their cost "
              "the forward did not hide)", masks.wait_s),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.role], value)
+            c.add_metric([self.role], seconds)
             yield c
         yield from self._spec_metrics()
         yield from self._kv_transfer_metrics()
