@@ -19,7 +19,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup system-deps container-deps wheelhouse image kernels run demo test lint bench clean
 
-setup: system-deps container-deps $(STAMP)
+setup: system-deps $(STAMP)
 
 # redis-server (the registry's tests start a real one) and g++ (the CPU kernels): from the system's
 # packages when missing, as root; otherwise say what to install
@@ -85,7 +85,7 @@ demo: setup
 	$(BIN)/baton generate --model $(MODEL) --chat --max-tokens 96 \
 		--prompt "In two sentences, why split LLM serving into prefill and decode?"
 
-test: kernels
+test: kernels container-deps  # tests/deploy builds and runs the image
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
