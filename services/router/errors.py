@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -61,8 +62,11 @@ def error_payload(error: BatonError) -> dict[str, Any]:
 
 
 def error_response(error: BatonError, request_id: str | None = None) -> JSONResponse:
-    headers = {"x-request-id": request_id} if request_id else None
-    return JSONResponse(error_payload(error), status_code=error.http_status, headers=headers)
+    headers = {"x-request-id": request_id} if request_id else {}
+    retry_after_s = getattr(error, "retry_after_s", None)  # a rate limit says when to come back
+    if retry_after_s is not None:
+        headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
+    return JSONResponse(error_payload(error), status_code=error.http_status, headers=headers or None)
 
 
 def request_id_of(request: Request) -> str | None:

@@ -91,6 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    p.add_argument("--api-keys-file", type=Path, default=None,
+                   help="more keys, one per line; re-read when it changes (rotation without a restart)")
     p.add_argument("--tool-call-parser", default="", help="how tool_choice=auto reads calls: hermes (default), "
                    "llama3_json, pythonic, gemma4")
     p.add_argument("--reasoning-parser", default="", help="think or gemma4: split reasoning from answers")
@@ -174,6 +176,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),
         "TOOL_CALL_PARSER": args.tool_call_parser, "REASONING_PARSER": args.reasoning_parser,
         "GENERATION_CONFIG": args.generation_config, "INSTANCE_ID": router_id,
+        **({"API_KEYS_FILE": str(args.api_keys_file.resolve())} if args.api_keys_file else {}),
         "STATIC_INSTANCES": "" if args.redis_url else static,
     }, http_port=args.port)
     router.instance_id = router_id
