@@ -39,6 +39,8 @@ class RouterSettings(BaseSettings):
                              description="named by /health, so a supervisor knows it reached this router")
     mode: Literal["disagg", "colocated"] = Field(default="disagg", description="how the backend serves requests")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")
+    internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
+                                "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
     static_instances: str = Field(default="", description="without Redis: 'service=host:port,...' to poll")
     max_model_len: int = Field(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -134,8 +135,11 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         raise ConfigError("--prefill and --decode must be >= 1")
     engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
+    # one random token per stack: its services answer only each other (shared/grpc_auth.py)
+    token = secrets.token_urlsafe(24)
     common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
-              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir)}
+              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir),
+              "INTERNAL_TOKEN": token}
     engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads),
                      "DTYPE": args.dtype, "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANTIZATION": args.quantization}
     stack = Stack()
@@ -153,6 +157,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     if args.mode == "disagg":
         add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST,
                                                           "REGISTRY_NAMESPACE": args.registry_namespace,
+                                                          "INTERNAL_TOKEN": token,
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})

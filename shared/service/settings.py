@@ -29,6 +29,8 @@ class EngineServiceSettings(BaseSettings):
     metrics_port: int = Field(default=0, ge=-1, le=65535, description="Prometheus port; 0 = any, -1 = off")
     instance_id: str = Field(default="", description="registry id; default: hostname-random")
     redis_url: str = Field(default="", description="registry; empty = no registration")
+    internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
+                                "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
     heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
     block_size: int = Field(default=16, ge=1, le=256)
