@@ -66,7 +66,7 @@ def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: 
     service = RouterService(settings, backend, model)
     app = FastAPI(title="baton router", version="0.1.0", **_FASTAPI_OPTIONS)
     app.state.router = service
-    install_error_handlers(app, service.record_error_status)
+    install_error_handlers(app, service.record_error_status, settings.hide_internal_errors)
     app.add_middleware(ErrorBoundary)
     gate = KeyGate(KeyRing(settings.api_keys, settings.api_keys_file),
                    KeyLimits(settings.max_concurrent_per_key, settings.requests_per_minute_per_key))
@@ -107,7 +107,7 @@ class RouterService:
         self.model_name = model.name
         self.metrics = RouterMetrics()
         self.runner = GenerationRunner(backend, model.tokenizer, settings.abort_timeout_s)
-        self.responder = Responder(self.runner, self.metrics)
+        self.responder = Responder(self.runner, self.metrics, settings.hide_internal_errors)
         self.token_strings = TokenStrings(model.tokenizer)
         self.created = int(time.time())
         self.response_store = _response_store(settings)

@@ -71,6 +71,8 @@ class RouterSettings(BaseSettings):
     abort_timeout_s: float = Field(default=10.0, gt=0, description="time allowed for a backend abort call")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = Field(default="INFO", description="logging level name")
+    hide_internal_errors: bool = Field(default=False, description="5xx answers say only that an error happened "
+                                       "(the log keeps the detail under the request id)")
 
     @field_validator("api_keys", mode="before")
     @classmethod
