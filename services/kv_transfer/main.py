@@ -21,6 +21,7 @@ from services.kv_transfer.server import SERVICE_NAME, KVTransferMetrics, KVTrans
 from services.kv_transfer.settings import KVTransferSettings
 from services.kv_transfer.slots import make_policy
 from services.kv_transfer.store import HandoffStore
+from shared.grpc_auth import AuthCollector, set_internal_token
 from shared.grpc_common import GrpcServer, make_server
 from shared.kv.remote import AgentAddress, SlotSpace
 from shared.registry import connect_registry
@@ -84,6 +85,7 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
     agent_name = f"kv_transfer-{uuid.uuid4().hex[:12]}"
     transport, address = await asyncio.to_thread(_make_slab, settings, agent_name)
     metrics = KVTransferMetrics(CollectorRegistry())
+    metrics.registry.register(AuthCollector())
     store = HandoffStore(
         settings.capacity_bytes, slab_space(agent_name, address.space.base_addr, settings.slot_nbytes,
                                             settings.capacity_bytes),
@@ -161,6 +163,7 @@ async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None)
 
 def main() -> None:
     settings = KVTransferSettings()
+    set_internal_token(settings.internal_token)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -19,6 +19,8 @@ class KVTransferSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="interface the gRPC server binds")
     port: int = Field(default=50053, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
+    internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
+                                "carries and every server requires (health checks excepted); empty = open")
     capacity_bytes: int = Field(
         default=2 << 30,
         ge=0,

@@ -21,6 +21,7 @@ from services.router.grpc_backend import GrpcBackend, InstanceCache
 from services.router.settings import RouterSettings
 from services.router.static_registry import StaticRegistryPoller, parse_targets
 from shared.errors import ConfigError
+from shared.grpc_auth import set_internal_token
 from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
 from shared.registry import connect_registry
@@ -89,6 +90,7 @@ async def serve(settings: RouterSettings) -> None:
 
 def main() -> None:
     settings = RouterSettings()
+    set_internal_token(settings.internal_token)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("baton-router")
     asyncio.run(serve(settings))

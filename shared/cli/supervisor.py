@@ -3,8 +3,9 @@ knows its own router, and a bounded restart policy when a child exits.
 
     plan ─► every port free? (no: refuse, naming the port and who needed it) ─► start children
          ─► ready when each answers its health check (the router with the instance id given it)
-         ─► a child exits: restart it after 1, 2, 4 ... s (at most --max-restarts times each, logged)
-                           restarts used up: stop the rest and exit non-zero
+         ─► a child fails (non-zero exit, a signal): restart it after 1, 2, 4 ... s (at most
+                           --max-restarts times each, logged); restarts used up: stop the rest, exit 1
+         ─► a child exits cleanly (drained on SIGTERM): not restarted; the router doing so stops the stack
 
 A stack that half-runs is worse than one that stops: with the router's port taken by another stack,
 the old `baton up` took that stack's health answer for its own router's, said "ready", and kept
@@ -68,14 +69,16 @@ class _State:
 
 @dataclass
 class Supervisor:
-    """Restarts exited children per the policy; `poll` says why the stack must stop, or None."""
+    """Restarts failed children per the policy; `poll` says why the stack must stop, or None."""
 
     children: list[SupervisedChild]
     policy: RestartPolicy
     restart: Callable[[SupervisedChild], None]
     say: Callable[[str], None] = print
     clock: Callable[[], float] = time.monotonic
+    front: str = "router"  # without it nothing is served: its clean exit stops the stack too
     _states: dict[str, _State] = field(default_factory=dict)
+    _done: set[str] = field(default_factory=set)  # exited cleanly
 
     def poll(self) -> str | None:
         now = self.clock()
@@ -89,7 +92,13 @@ class Supervisor:
                              f"{self.policy.max_restarts})")
                 continue
             code = child.exit_code()
-            if code is None:
+            if code is None or child.name in self._done:
+                continue
+            if code == 0:  # drained (an operator's SIGTERM): leaving is what it was asked to do
+                if child.name == self.front:
+                    return f"{child.name} exited: stopping the stack"
+                self._done.add(child.name)
+                self.say(f"baton: {child.name} exited cleanly (drained); not restarted")
                 continue
             if state.restarts >= self.policy.max_restarts:
                 return (f"{child.name} exited with {code}" + (f" after {state.restarts} restarts" if state.restarts

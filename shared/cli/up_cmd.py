@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -91,6 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    p.add_argument("--api-keys-file", type=Path, default=None,
+                   help="more keys, one per line; re-read when it changes (rotation without a restart)")
     p.add_argument("--tool-call-parser", default="", help="how tool_choice=auto reads calls: hermes (default), "
                    "llama3_json, pythonic, gemma4")
     p.add_argument("--reasoning-parser", default="", help="think or gemma4: split reasoning from answers")
@@ -132,8 +135,11 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         raise ConfigError("--prefill and --decode must be >= 1")
     engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
+    # one random token per stack: its services answer only each other (shared/grpc_auth.py)
+    token = secrets.token_urlsafe(24)
     common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
-              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir)}
+              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir),
+              "INTERNAL_TOKEN": token}
     engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads),
                      "DTYPE": args.dtype, "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANTIZATION": args.quantization}
     stack = Stack()
@@ -151,6 +157,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     if args.mode == "disagg":
         add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST,
                                                           "REGISTRY_NAMESPACE": args.registry_namespace,
+                                                          "INTERNAL_TOKEN": token,
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
@@ -174,6 +181,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),
         "TOOL_CALL_PARSER": args.tool_call_parser, "REASONING_PARSER": args.reasoning_parser,
         "GENERATION_CONFIG": args.generation_config, "INSTANCE_ID": router_id,
+        **({"API_KEYS_FILE": str(args.api_keys_file.resolve())} if args.api_keys_file else {}),
         "STATIC_INSTANCES": "" if args.redis_url else static,
     }, http_port=args.port)
     router.instance_id = router_id

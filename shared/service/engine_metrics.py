@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.kv_stats import BUCKETS_S
+from shared.grpc_auth import AuthCollector
 
 
 class EngineCollector(Collector):
@@ -113,4 +114,5 @@ class EngineCollector(Collector):
 def engine_registry(aengine: AsyncEngine, role: str) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(EngineCollector(aengine, role))
+    registry.register(AuthCollector())
     return registry

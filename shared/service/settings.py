@@ -31,6 +31,8 @@ class EngineServiceSettings(BaseSettings):
                                    "serving: a health check's way to it when port is 0 (host networking)")
     instance_id: str = Field(default="", description="registry id; default: hostname-random")
     redis_url: str = Field(default="", description="registry; empty = no registration")
+    internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
+                                "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
     heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
     block_size: int = Field(default=16, ge=1, le=256)

@@ -83,3 +83,15 @@ def test_a_taken_port_is_refused_naming_it_and_its_child() -> None:
                               FakeChild("router", {"BATON_ROUTER_PORT": str(port), "BATON_ROUTER_MODEL": "x"})],
                              "127.0.0.1")
     check_ports_free([FakeChild("router", {"BATON_ROUTER_PORT": str(port)})], "127.0.0.1")  # released: free
+
+
+def test_a_clean_exit_is_not_restarted_unless_it_is_the_router() -> None:
+    prefill, router = FakeChild("prefill-1"), FakeChild("router")
+    sup, clock, said = supervisor([prefill, router])
+    prefill.code = 0  # drained after SIGTERM
+    assert sup.poll() is None
+    clock.now += 60
+    assert sup.poll() is None and prefill.starts == 0 and said == ["baton: prefill-1 exited cleanly (drained); "
+                                                                    "not restarted"]
+    router.code = 0
+    assert sup.poll() == "router exited: stopping the stack"
