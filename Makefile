@@ -17,7 +17,7 @@ UP_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps kernels run demo test lint bench clean
+.PHONY: setup system-deps container-deps wheelhouse image kernels run demo test lint bench clean
 
 setup: system-deps $(STAMP)
 
@@ -30,6 +30,35 @@ system-deps:
 			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server g++ >/dev/null; \
 		else echo "make: install redis-server and g++ (e.g. sudo apt-get install redis-server g++)" >&2; exit 1; fi; \
 	fi
+
+# podman (tests/deploy builds the image and runs the compose stack and the manifests for real): Debian's
+# podman with runc and raised ulimits, mmdebstrap for the offline base image (docs/CONTAINERS.md)
+CONTAINERS_CONF := /etc/containers/containers.conf
+container-deps:
+	@if ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1 || ! command -v mmdebstrap >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap >/dev/null; \
+		else echo "make: install podman, runc and mmdebstrap (e.g. sudo apt-get install podman runc mmdebstrap)" >&2; exit 1; fi; \
+	fi
+	@if [ ! -f $(CONTAINERS_CONF) ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			mkdir -p $$(dirname $(CONTAINERS_CONF)) && \
+			printf '[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]\n[engine]\nruntime = "runc"\n' > $(CONTAINERS_CONF); \
+		else echo "make: write $(CONTAINERS_CONF) as docs/CONTAINERS.md says" >&2; exit 1; fi; \
+	fi
+
+# the image: pip inside a build reaches no index, so the host's pip fills deploy/docker/wheelhouse first
+BATON_MODELS ?= smollm2-135m gemma3-270m
+BASE_IMAGE ?= python:3.11-slim
+IMAGE ?= baton:0.1.0-cpu
+wheelhouse: setup
+	$(BIN)/python deploy/docker/wheelhouse.py --torch-spec '$(TORCH_SPEC)' --models $(BATON_MODELS) \
+		$(if $(TORCH_INDEX_URL),--torch-index-url $(TORCH_INDEX_URL))
+
+image: wheelhouse
+	podman build --format docker --network=host -f deploy/docker/Dockerfile -t $(IMAGE) \
+		--build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg BATON_MODELS='$(BATON_MODELS)' .
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,7 +85,7 @@ demo: setup
 	$(BIN)/baton generate --model $(MODEL) --chat --max-tokens 96 \
 		--prompt "In two sentences, why split LLM serving into prefill and decode?"
 
-test: kernels
+test: kernels container-deps  # tests/deploy builds and runs the image
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup

@@ -7,9 +7,11 @@ fp32 and their range, and at batch 1 the fraction of the DRAM roofline for the b
 step reads (weights as stored; read bandwidth measured before each round, median).
 
     .venv/bin/python -m bench.precisions [--model smollm2-135m] [--batch 1 16] [--rounds 5] [--new-tokens 64]
-        [--precisions float32 bfloat16 int8 gguf]
+        [--precisions float32 bfloat16 int8 gguf] [--isa avx2] [--readme]
 
-Writes JSON to bench/results/precisions-<stamp>.json and prints it as the last line.
+`--isa` runs the CPU kernels at a lower instruction-set level than the CPU's best (the AVX2 paths on an
+AVX-512 machine). Writes JSON to bench/results/precisions-<stamp>.json and prints it as the last line;
+`--readme` regenerates bench/README.md's precisions table from it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import Any
 import torch
 
 from bench.engine import QUESTIONS, log, machine, read_bandwidth_gbs, time_baton, weight_bytes
+from bench.serve_report import write_block
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.ops.cpu_isa import best_isa
+from shared.ops.cpu_isa import active_isa, best_isa, use_isa
 from shared.tokenizer import encode_prompt
 
 # name -> EngineConfig fields
@@ -54,7 +57,42 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["float32", "bfloat16", "int8", "gguf"],
                         choices=list(PRECISIONS))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--isa", default=None, help="run the kernels at this level (default: the CPU's best)")
+    parser.add_argument("--readme", action="store_true", help="regenerate bench/README.md's precisions table")
     args = parser.parse_args()
+    if args.isa is None:
+        result = run(args)
+    else:
+        with use_isa(args.isa):
+            result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"precisions-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    result["file"] = path.name
+    path.write_text(json.dumps(result, indent=2))
+    log(f"wrote {path}")
+    if args.readme:
+        write_block(Path(__file__).parent / "README.md", f"precisions:{result['isa']}", readme_table(result))
+    print(json.dumps(result))
+
+
+def readme_table(result: dict[str, Any]) -> str:
+    """The README's decode-throughput table of one run."""
+    lines = [f"Decode throughput by precision (`{result['file']}`: {result['model']}, {result['new_tokens']} new "
+             f"tokens a request, {result['rounds']} alternating rounds, kernels at {result['isa']}, "
+             f"{result['threads']} threads, read bandwidth {result['read_bandwidth_gbs']['median']:.1f} GB/s; "
+             "bench/precisions.py):", "",
+             "| batch | precision | weights | KV cache | tok/s (range) | vs fp32 (range) | of batch-1 roofline |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        roof = f"{r['fraction_of_roofline']:.0%}" if "fraction_of_roofline" in r else "-"
+        lines.append(f"| {r['batch']} | {r['precision']} | {r['weights']} | {r['kv_cache_dtype']} | "
+                     f"{r['tok_s']['median']:.1f} ({r['tok_s']['min']:.1f}-{r['tok_s']['max']:.1f}) | "
+                     f"{r['vs_float32']['median']:.2f} ({r['vs_float32']['min']:.2f}-{r['vs_float32']['max']:.2f}) | "
+                     f"{roof} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     names = ["float32", *[n for n in args.precisions if n != "float32"]]
     engines: dict[str, LLMEngine] = {}
     for name in names:
@@ -96,14 +134,9 @@ def main() -> None:
                 f"{row['tok_s']['max']:.1f}), x{row['vs_float32']['median']:.2f} of fp32 "
                 f"({row['vs_float32']['min']:.2f}-{row['vs_float32']['max']:.2f})"
                 + (f", {row['fraction_of_roofline']:.0%} of its roofline" if batch == 1 else ""))
-    result = {"bench": "precisions", "model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
-              "isa": best_isa(), "threads": torch.get_num_threads(), "machine": machine(),
-              "read_bandwidth_gbs": spread(bandwidths), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"precisions-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    log(f"wrote {path}")
-    print(json.dumps(result))
+    return {"bench": "precisions", "model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
+            "isa": active_isa(), "best_isa": best_isa(), "threads": torch.get_num_threads(), "machine": machine(),
+            "read_bandwidth_gbs": spread(bandwidths), "rows": rows}
 
 
 if __name__ == "__main__":

@@ -46,15 +46,20 @@ def vocab_ids(hf_dir: Path) -> list[int]:
     return [i for i in range(len(tok)) if i not in special]
 
 
-def plan(quick: bool) -> dict[str, Any]:
-    """Load levels and request counts; --quick shrinks everything to a smoke test."""
+def plan(quick: bool, concurrency_only: bool = False) -> dict[str, Any]:
+    """Load levels and request counts; --quick shrinks everything to a smoke test, --concurrency-only drops
+    the rate sweep and the chat set (a precision comparison: minutes per system, not ten)."""
     if quick:
-        return {"input_len": 64, "output_len": 16, "concurrency": [(1, 2), (8, 8)], "rates": [(1.0, 6)],
-                "chat": (4, 16), "timeout_s": 120.0}
-    # (level, requests): about a minute of work each at ~40 tok/s, the machine's measured range
-    return {"input_len": 256, "output_len": 128, "concurrency": [(1, 3), (8, 16), (32, 32)],
-            "rates": [(0.1, 6), (0.2, 8), (0.3, 12), (0.45, 18), (0.65, 24)], "chat": (8, 128),
-            "timeout_s": 240.0}
+        p = {"input_len": 64, "output_len": 16, "concurrency": [(1, 2), (8, 8)], "rates": [(1.0, 6)],
+             "chat": (4, 16), "timeout_s": 120.0}
+    else:
+        # (level, requests): about a minute of work each at ~40 tok/s, the machine's measured range
+        p = {"input_len": 256, "output_len": 128, "concurrency": [(1, 3), (8, 16), (32, 32)],
+             "rates": [(0.1, 6), (0.2, 8), (0.3, 12), (0.45, 18), (0.65, 24)], "chat": (8, 128),
+             "timeout_s": 240.0}
+    if concurrency_only:
+        p.update(rates=[], chat=None)
+    return p
 
 
 def bench_system(server: Server, ids: list[int], p: dict[str, Any], slo: SLO, seed: int) -> dict[str, Any]:
@@ -70,6 +75,8 @@ def bench_system(server: Server, ids: list[int], p: dict[str, Any], slo: SLO, se
         specs = random_token_set(n, *shape, ids, seed=seed + 1000 + int(rate * 100))
         out["rates"].append(run_point(server, specs, f"rate={rate}", rate=rate, seed=seed,
                                       timeout_s=p["timeout_s"], slo=slo))
+    if p["chat"] is None:  # --concurrency-only
+        return out
     att = {pt["rate"]: pt["slo_attainment"] for pt in out["rates"]}
     out["goodput"] = vars(goodput(att))
     num_chat, max_tokens = p["chat"]
@@ -84,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--goodput", action="store_true", help="also run the colocated/disaggregated experiment")
     parser.add_argument("--goodput-only", action="store_true", help="only the disaggregation experiment")
     parser.add_argument("--quick", action="store_true", help="tiny loads: a smoke test of the whole pipeline")
+    parser.add_argument("--concurrency-only", action="store_true",
+                        help="only the concurrency sweep (README block serve:precisions); systems may name a "
+                             "precision: baton-colocated@bfloat16, baton@int8, baton@gguf")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="SLO for the comparison sweep")
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0, help="SLO for the comparison sweep")
     parser.add_argument("--seed", type=int, default=0)
@@ -101,10 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = ServerConfig(work_dir=args.work_dir, hf_dir=export_hf(args.work_dir), vllm_venv=args.vllm_venv,
                           llamacpp_venv=args.llamacpp_venv, port=args.port)
     ids = vocab_ids(config.hf_dir)
-    p = plan(args.quick)
+    p = plan(args.quick, args.concurrency_only)
     slo = SLO(ttft_s=args.ttft_slo_ms / 1e3, tpot_s=args.tpot_slo_ms / 1e3)
     logger.info("measuring the machine ...")
-    result: dict[str, Any] = {"bench": "serve", "model": MODEL_NAME, "dtype": "float32", "quick": args.quick,
+    result: dict[str, Any] = {"bench": "serve", "model": MODEL_NAME, "quick": args.quick,
+                              "concurrency_only": args.concurrency_only,
                               "machine": machine_info(args.vllm_venv, args.llamacpp_venv), "plan": p,
                               "env": {"baton": BATON_ENV, "vllm": VLLM_ENV},
                               "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms,

@@ -111,6 +111,27 @@ def compare_tables(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def precision_table(result: dict[str, Any]) -> str:
+    """Markdown: the concurrency sweep of a --concurrency-only run (systems by precision), with each system's
+    out tok/s as a ratio to the first system's at the same load (the same-run baseline)."""
+    p = result["plan"]
+    ok = [s for s in result["systems"] if "error" not in s]
+    base = {pt["label"]: pt["output_tok_s"] for pt in ok[0]["concurrency"]} if ok else {}
+    lines = run_line(result) + [
+        f"Random-token prompts, {p['input_len']} in / {p['output_len']} out (ignore_eos), fixed concurrency; "
+        f"ratio: out tok/s over {ok[0]['system'] if ok else '-'}'s at the same load, same run:", "",
+        "| system | load | out tok/s | ratio | TTFT p50 (ms) | TPOT p50 / p99 (ms) | failed |",
+        "|---|---|---|---|---|---|---|"]
+    for s in ok:
+        for pt in s["concurrency"]:
+            ratio = pt["output_tok_s"] / base[pt["label"]] if base.get(pt["label"]) else None
+            lines.append(f"| {s['system']} | {pt['label']} | {_f(pt['output_tok_s'])} | {_f(ratio, 2)} | "
+                         f"{_f(pt['p50_ttft_ms'], 0)} | {_f(pt['p50_tpot_ms'])} / {_f(pt['p99_tpot_ms'])} | "
+                         f"{pt['num_failed']}/{pt['num_requests']} |")
+    lines += [f"| {s['system']} | failed: {s['error'][:120]} | | | | | |" for s in result["systems"] if "error" in s]
+    return "\n".join(lines)
+
+
 def experiment_tables(result: dict[str, Any]) -> str:
     """Markdown: attainment per rate of each stack, then goodput and ratio at each SLO scale."""
     g = result["goodput_experiment"]
@@ -147,8 +168,11 @@ def write_block(readme: Path, marker: str, body: str) -> None:
 
 def update_readme(result: dict[str, Any], readme: Path) -> None:
     """Replace the tables this run has between their markers."""
-    blocks = {"compare": compare_tables(result) if result["systems"] else None,
-              "goodput": experiment_tables(result) if "goodput_experiment" in result else None}
+    if result.get("concurrency_only"):
+        blocks = {"precisions": precision_table(result) if result["systems"] else None}
+    else:
+        blocks = {"compare": compare_tables(result) if result["systems"] else None,
+                  "goodput": experiment_tables(result) if "goodput_experiment" in result else None}
     for name, body in blocks.items():
         if body is not None:
             write_block(readme, f"serve:{name}", body)

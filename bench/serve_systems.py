@@ -37,6 +37,9 @@ from shared.models.loader import ALIASES
 HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m"
 SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "llamacpp")
+# a baton system may name its precision after an @ (baton-colocated@int8): the `baton up` flags it adds
+PRECISION_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"],
+                   "gguf": ["--quantization", "gguf"]}
 # Set when kv_transfer's 30 s lease could expire behind a long prefill queue (32 concurrent 256-token
 # prompts on one core: 499s). Prefill now renews the lease while its prompt waits; the published runs
 # kept this setting, so it stays until a run without it is compared.
@@ -78,21 +81,31 @@ class Server:
     def base_url(self) -> str:
         return f"http://{HOST}:{self.config.port}"
 
+    @property
+    def base_system(self) -> str:
+        return self.system.partition("@")[0]
+
+    @property
+    def precision_flags(self) -> list[str]:
+        return PRECISION_FLAGS[self.system.partition("@")[2] or "float32"]
+
     def __enter__(self) -> Server:
-        if self.system not in SYSTEMS:
-            raise ValueError(f"unknown system {self.system!r}; known: {', '.join(SYSTEMS)}")
+        base, _, precision = self.system.partition("@")
+        if base not in SYSTEMS or (precision and (precision not in PRECISION_FLAGS or not base.startswith("baton"))):
+            raise ValueError(f"unknown system {self.system!r}; known: {', '.join(SYSTEMS)}, a baton one with "
+                             f"@{'|'.join(PRECISION_FLAGS)}")
         log_dir = self.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.started_s = time.monotonic()
         try:
-            if self.system == "vllm":
+            if base == "vllm":
                 self._start_vllm(log_dir)
-            elif self.system == "llamacpp":
+            elif base == "llamacpp":
                 self._start_llamacpp(log_dir)
-            elif self.system.startswith("baton-pinned"):
-                self._start_pinned(log_dir, disagg=self.system.endswith("disagg"))
+            elif base.startswith("baton-pinned"):
+                self._start_pinned(log_dir, disagg=base.endswith("disagg"))
             else:
-                self._start_baton_up(log_dir, colocated=self.system == "baton-colocated")
+                self._start_baton_up(log_dir, colocated=base == "baton-colocated")
             self._wait_healthy(log_dir)
         except BaseException:
             self.stop()
@@ -117,7 +130,7 @@ class Server:
     def _start_baton_up(self, log_dir: Path, colocated: bool) -> None:
         argv = [sys.executable, "-m", "shared.cli.main", "up", "--model", MODEL_NAME,
                 "--port", str(self.config.port), "--max-model-len", str(self.config.max_model_len),
-                "--state-dir", str(log_dir / "state")]
+                "--state-dir", str(log_dir / "state"), *self.precision_flags]
         if colocated:
             argv += ["--mode", "colocated"]
         self._spawn([*argv, *self.up_args], {**BATON_ENV, **self.env}, log_dir / "up.log")
@@ -128,6 +141,7 @@ class Server:
             "up", "--model", MODEL_NAME, "--mode", "disagg" if disagg else "colocated",
             "--registry-namespace", "bench", "--port", str(self.config.port),
             "--max-model-len", str(self.config.max_model_len), "--torch-threads", "1" if disagg else "2",
+            *self.precision_flags,
         ])  # fmt: skip
         cores = {"prefill": "0", "decode": "1", "colocated": "0,1"}
         for child in plan_stack(args).children:

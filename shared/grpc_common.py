@@ -1,7 +1,8 @@
 """gRPC plumbing every baton service shares: servers, channels, health.
 
-A server made here has the error interceptor (`shared.grpc_errors`) and
-grpcio's health service installed, and message limits raised for KV data::
+A server made here has the error interceptor (`shared.grpc_errors`), the internal
+token check (`shared.grpc_auth`) and grpcio's health service installed, and message
+limits raised for KV data::
 
     handle = make_server("127.0.0.1:0")          # port 0: the OS picks one
     add_FooServicer_to_server(FooServicer(...), handle.server)
@@ -20,6 +21,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared.errors import ConfigError
+from shared.grpc_auth import TokenAuthInterceptor, client_interceptors
 from shared.grpc_errors import ErrorInterceptor
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one layer of KV for a long prompt fits
@@ -80,7 +82,7 @@ def make_server(
     """
     host, _ = split_address(address)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(), *interceptors],
+        interceptors=[ErrorInterceptor(), TokenAuthInterceptor(), *interceptors],
         options=channel_options(max_message_bytes),
     )
     health_servicer = health.aio.HealthServicer()
@@ -95,8 +97,10 @@ def make_server(
 
 
 def channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to `address` with the same message limits as the servers."""
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    """A grpc.aio channel to `address` with the same message limits as the servers, sending the process's
+    internal token (shared/grpc_auth.py) on every call."""
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
+                                     interceptors=client_interceptors())
 
 
 async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:

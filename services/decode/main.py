@@ -11,6 +11,7 @@ from proto.baton.v1 import decode_pb2_grpc
 from services.decode.server import SERVICE_NAME, DecodeServicer
 from services.decode.settings import DecodeSettings
 from shared.engine.async_engine import AsyncEngine
+from shared.grpc_auth import set_internal_token
 from shared.service.engine_host import RunningKVService, start_engine_service
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run_until_signal
@@ -31,6 +32,7 @@ async def start(settings: DecodeSettings) -> RunningKVService:
 
 def main() -> None:
     settings = DecodeSettings()
+    set_internal_token(settings.internal_token)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("baton-decode")
     asyncio.run(run_until_signal(lambda: start(settings)))

@@ -27,12 +27,13 @@ from services.kv_transfer.server import (
 from services.kv_transfer.settings import KVTransferSettings
 from services.kv_transfer.slots import make_policy
 from services.kv_transfer.store import HandoffStore
+from shared.grpc_auth import AuthCollector, set_internal_token
 from shared.grpc_common import GrpcServer, make_server
 from shared.kv.remote import AgentAddress, SlotSpace
-from shared.registry import make_registry
+from shared.registry import connect_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
-from shared.service.lifecycle import MetricsHTTP, cancel, every, run_until_signal
+from shared.service.lifecycle import MetricsHTTP, cancel, every, run_until_signal, write_port_file
 from shared.telemetry import setup_tracing
 from shared.transport import Transport
 from shared.transport.factory import service_transport
@@ -85,9 +86,12 @@ class RunningKVTransfer:
 
 async def start(settings: KVTransferSettings) -> RunningKVTransfer:
     """Build the slab and its agent, the store, servicer, gRPC server (with health) and metrics; start them."""
+    # first: a registry that cannot be reached fails the start now, with its reason
+    registry = await connect_registry(settings.redis_url, settings.registry_namespace) if settings.redis_url else None
     agent_name = f"kv_transfer-{uuid.uuid4().hex[:12]}"
     transport, address = await asyncio.to_thread(_make_slab, settings, agent_name)
     metrics = KVTransferMetrics(CollectorRegistry())
+    metrics.registry.register(AuthCollector())
     store = HandoffStore(
         settings.capacity_bytes, slab_space(agent_name, address.space.base_addr, settings.slot_nbytes,
                                             settings.capacity_bytes),
@@ -112,9 +116,10 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
         raise
     sweeper = every(settings.sweep_interval_s, store.sweep, "kv_transfer-sweeper")
     running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http, transport)
-    if settings.redis_url:
-        running.registry = make_registry(settings.redis_url, settings.registry_namespace)
-        running.heartbeater = await _register(settings, running, running.registry)
+    if registry is not None:
+        running.registry = registry
+        running.heartbeater = await _register(settings, running, registry)
+    write_port_file(settings.port_file, server.port)
     logger.info(
         "kv_transfer listening on %s (%s transport, slab %d bytes, lease timeout %.1fs, metrics %s)",
         running.address, address.kind, settings.capacity_bytes, settings.lease_timeout_s,
@@ -165,6 +170,7 @@ async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None)
 
 def main() -> None:
     settings = KVTransferSettings()
+    set_internal_token(settings.internal_token)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -6,6 +6,8 @@ Parsed once, in `services.kv_transfer.main`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -17,6 +19,8 @@ class KVTransferSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="interface the gRPC server binds")
     port: int = Field(default=50053, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
+    internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
+                                "carries and every server requires (health checks excepted); empty = open")
     capacity_bytes: int = Field(
         default=2 << 30,
         ge=0,
@@ -60,6 +64,8 @@ class KVTransferSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
     instance_id: str = Field(default="", description="registry id; default: kv_transfer-hostname-random")
     advertise_host: str = Field(default="", description="host others reach us at; default: `host`")
+    port_file: Path | None = Field(default=None, description="file the bound gRPC port is written to once "
+                                   "serving: a health check's way to it when port is 0 (host networking)")
 
     @property
     def address(self) -> str:

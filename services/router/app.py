@@ -12,16 +12,17 @@ One module per endpoint family under endpoints/; this file wires them to routes.
 
 from __future__ import annotations
 
-import hmac
 import inspect
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from services.router.auth import KeyGate, KeyLimits, KeyRing, ReleaseKeySlots
 from services.router.backend import GenerationBackend
 from services.router.endpoints.chat import ChatFormat, ChatPlan, prepare_chat
 from services.router.endpoints.chat_batch import ChatBatchRequest, prepare_chat_batch
@@ -46,7 +47,7 @@ from services.router.routing import Router
 from services.router.serving import Responder, json_response, read_body, request_id
 from services.router.settings import RouterSettings
 from services.router.shapes import ModelCard, ModelList
-from shared.errors import AuthenticationError, ModelNotFoundError, UnavailableError
+from shared.errors import ModelNotFoundError, UnavailableError
 from shared.models.generation_config import GenerationDefaults
 
 logger = logging.getLogger(__name__)
@@ -66,9 +67,12 @@ def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: 
     service = RouterService(settings, backend, model)
     app = FastAPI(title="baton router", version="0.1.0", **_FASTAPI_OPTIONS)
     app.state.router = service
-    install_error_handlers(app, service.record_error_status)
+    install_error_handlers(app, service.record_error_status, settings.hide_internal_errors)
     app.add_middleware(ErrorBoundary)
-    auth = [Depends(api_key_checker(settings.api_keys))]
+    gate = KeyGate(KeyRing(settings.api_keys, settings.api_keys_file),
+                   KeyLimits(settings.max_concurrent_per_key, settings.requests_per_minute_per_key))
+    app.add_middleware(ReleaseKeySlots, gate=gate)
+    auth = [Depends(gate.check)]
     app.add_api_route("/health", service.health, methods=["GET"])
     app.add_api_route("/metrics", service.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", service.list_models, methods=["GET"], dependencies=auth)
@@ -85,23 +89,6 @@ def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: 
         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
     })
     return app
-
-
-def api_key_checker(api_keys: Sequence[str]) -> Callable[[Request], Awaitable[None]]:
-    """A dependency accepting `Authorization: Bearer <key>` for any configured key (none: open)."""
-    keys = [k.encode() for k in api_keys]
-
-    async def check(request: Request) -> None:
-        if not keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
-        # compare against every key so the time taken does not tell which one nearly matched
-        matches = [hmac.compare_digest(given, key) for key in keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            raise AuthenticationError("invalid or missing API key: send 'Authorization: Bearer <key>'")
-
-    return check
 
 
 def _response_store(settings: RouterSettings) -> ResponseStore:
@@ -124,7 +111,7 @@ class RouterService:
         if isinstance(router, Router):
             self.metrics.watch_routing(router)
         self.runner = GenerationRunner(backend, model.tokenizer, settings.abort_timeout_s)
-        self.responder = Responder(self.runner, self.metrics)
+        self.responder = Responder(self.runner, self.metrics, settings.hide_internal_errors)
         self.token_strings = TokenStrings(model.tokenizer)
         self.created = int(time.time())
         self.response_store = _response_store(settings)
@@ -138,7 +125,8 @@ class RouterService:
     # ---- plain endpoints ----------------------------------------------------------------
     async def health(self) -> Response:
         if self.backend.healthy():
-            return Response('{"status":"ok"}', media_type="application/json")
+            return Response(json.dumps({"status": "ok", "instance_id": self.settings.instance_id}),
+                            media_type="application/json")
         return error_response(UnavailableError("no healthy backend"))
 
     async def metrics_text(self) -> Response:

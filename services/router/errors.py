@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -60,9 +61,25 @@ def error_payload(error: BatonError) -> dict[str, Any]:
     }
 
 
+INTERNAL_DETAIL_HIDDEN = "the server had an error processing this request; its log has the details for the request id"
+
+
+def public_error(error: BatonError, hide_internal: bool) -> BatonError:
+    """What a client is told: with `hide_internal`, a 5xx says only that it happened (the log keeps the
+    detail, under the request id); 4xx messages are about the request and stay."""
+    if not hide_internal or error.http_status < 500:
+        return error
+    hidden = BatonError(INTERNAL_DETAIL_HIDDEN)
+    hidden.http_status, hidden.code = error.http_status, error.code  # instance attributes: the class keeps its own
+    return hidden
+
+
 def error_response(error: BatonError, request_id: str | None = None) -> JSONResponse:
-    headers = {"x-request-id": request_id} if request_id else None
-    return JSONResponse(error_payload(error), status_code=error.http_status, headers=headers)
+    headers = {"x-request-id": request_id} if request_id else {}
+    retry_after_s = getattr(error, "retry_after_s", None)  # a rate limit says when to come back
+    if retry_after_s is not None:
+        headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
+    return JSONResponse(error_payload(error), status_code=error.http_status, headers=headers or None)
 
 
 def request_id_of(request: Request) -> str | None:
@@ -94,8 +111,10 @@ def parse_json(body: bytes) -> Any:
         raise malformed_json(str(e)) from None
 
 
-def install_error_handlers(app: FastAPI, record_status: StatusRecorder | None = None) -> None:
-    """Register the three handlers; `record_status(request, status)` sees every error response."""
+def install_error_handlers(app: FastAPI, record_status: StatusRecorder | None = None,
+                           hide_internal: bool = False) -> None:
+    """Register the three handlers; `record_status(request, status)` sees every error response; with
+    `hide_internal`, 5xx bodies keep their detail to the log (public_error)."""
 
     def respond(request: Request, error: BatonError) -> JSONResponse:
         request_id = request_id_of(request)
@@ -105,7 +124,7 @@ def install_error_handlers(app: FastAPI, record_status: StatusRecorder | None = 
             logger.info("request %s: %d %s", request_id, error.http_status, error.message)
         if record_status is not None:
             record_status(request, error.http_status)
-        return error_response(error, request_id)
+        return error_response(public_error(error, hide_internal), request_id)
 
     async def on_baton_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, BatonError)

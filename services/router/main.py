@@ -22,9 +22,10 @@ from services.router.routing import Router
 from services.router.settings import RouterSettings
 from services.router.static_registry import StaticRegistryPoller, parse_targets
 from shared.errors import ConfigError
+from shared.grpc_auth import set_internal_token
 from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
-from shared.registry import make_registry
+from shared.registry import connect_registry
 from shared.registry.base import Registry
 from shared.telemetry import setup_tracing
 
@@ -56,7 +57,7 @@ async def build(settings: RouterSettings) -> RouterParts:
     defaults = load_generation_defaults(settings.generation_config, settings.model, hf_dir)
     poller = None
     if settings.redis_url:
-        registry: Registry = make_registry(settings.redis_url, settings.registry_namespace)
+        registry: Registry = await connect_registry(settings.redis_url, settings.registry_namespace)
     elif settings.static_instances:
         poller = StaticRegistryPoller(parse_targets(settings.static_instances))
         await poller.start()
@@ -91,6 +92,7 @@ async def serve(settings: RouterSettings) -> None:
 
 def main() -> None:
     settings = RouterSettings()
+    set_internal_token(settings.internal_token)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("baton-router")
     asyncio.run(serve(settings))

@@ -29,7 +29,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from services.router.errors import error_payload, from_validation_errors, parse_json, request_id_of
+from services.router.errors import (
+    error_payload,
+    from_validation_errors,
+    parse_json,
+    public_error,
+    request_id_of,
+)
 from services.router.generation import Delta, GenerationRunner, PreparedRequest
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.openai_format import Collected, ResponseFormat, usage
@@ -113,9 +119,10 @@ async def read_body(request: Request, model: type[ModelT], limit_bytes: int) -> 
 class Responder:
     """Runs prepared requests and answers them as JSON or SSE, recording status metrics."""
 
-    def __init__(self, runner: GenerationRunner, metrics: RouterMetrics) -> None:
+    def __init__(self, runner: GenerationRunner, metrics: RouterMetrics, hide_internal: bool = False) -> None:
         self.runner = runner
         self.metrics = metrics
+        self.hide_internal = hide_internal  # 5xx detail stays in the log (errors.public_error)
 
     async def respond(
         self, request: Request, prepared: PreparedRequest, fmt: ResponseFormat, timer: RequestTimer
@@ -168,7 +175,7 @@ class Responder:
             status = e.http_status
             span.record_exception(e)
             logger.warning("request %s: stream failed: %s (%s)", prepared.request_id, e.message, e.code)
-            yield f"data: {_dumps(error_payload(e))}\n\n{DONE_EVENT}"
+            yield f"data: {_dumps(error_payload(public_error(e, self.hide_internal)))}\n\n{DONE_EVENT}"
         except Exception as e:
             status = 500
             span.record_exception(e)

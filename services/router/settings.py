@@ -5,6 +5,7 @@ For example `BATON_ROUTER_PORT=8000`, `BATON_ROUTER_API_KEYS=key1,key2`.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -25,8 +26,17 @@ class RouterSettings(BaseSettings):
     )
     cache_dir: Path = Field(default=DEFAULT_CACHE_DIR, description="where converted models (the tokenizer) live")
     api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="accepted bearer keys, comma-separated; empty turns auth off"
+        default_factory=list, description="accepted bearer keys, comma-separated; empty (and no keys file) "
+                                          "turns auth off"
     )
+    api_keys_file: Path | None = Field(default=None, description="more keys, one per line (# comments); re-read "
+                                       "when it changes, so keys rotate without a restart")
+    max_concurrent_per_key: int = Field(default=0, ge=0, description="requests one API key may have in flight "
+                                        "(429 with Retry-After past it); 0 = no limit")
+    requests_per_minute_per_key: float = Field(default=0.0, ge=0, description="requests one API key may start "
+                                               "a minute (a bucket of a minute's worth); 0 = no limit")
+    instance_id: str = Field(default_factory=lambda: f"router-{uuid.uuid4().hex[:12]}",
+                             description="named by /health, so a supervisor knows it reached this router")
     mode: Literal["disagg", "colocated"] = Field(default="disagg", description="how the backend serves requests")
     routing_policy: Literal["kv", "least_loaded", "round_robin"] = Field(
         default="kv", description="how prefill and decode instances are chosen: kv (the cost model in "
@@ -36,6 +46,8 @@ class RouterSettings(BaseSettings):
         "of its prompt tokens (short prompt, or a long prefix hit there) is prefilled on that decode instance, "
         "with no handoff; 0 = never, -1 = the cost model's break-even length")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")
+    internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
+                                "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
     static_instances: str = Field(default="", description="without Redis: 'service=host:port,...' to poll")
     max_model_len: int = Field(
@@ -66,6 +78,8 @@ class RouterSettings(BaseSettings):
     abort_timeout_s: float = Field(default=10.0, gt=0, description="time allowed for a backend abort call")
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     log_level: str = Field(default="INFO", description="logging level name")
+    hide_internal_errors: bool = Field(default=False, description="5xx answers say only that an error happened "
+                                       "(the log keeps the detail under the request id)")
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from shared.cli import generate_cmd, make_tiny_cmd, service_cmds, train_draft_cmd, up_cmd
+from shared.cli import generate_cmd, healthcheck_cmd, make_tiny_cmd, service_cmds, train_draft_cmd, up_cmd
 from shared.errors import BatonError
 
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     service_cmds.register(sub)
     train_draft_cmd.register(sub)
     make_tiny_cmd.register(sub)
+    healthcheck_cmd.register(sub)
     return parser
 
 

@@ -7,6 +7,9 @@
     waits for every health check ─► "baton ready: http://127.0.0.1:PORT/v1"
     writes .baton/stack.json; Ctrl-C / SIGTERM stops everything it started.
 
+Ports are checked free before anything starts, and a child that exits is restarted
+a bounded number of times (see supervisor.py).
+
 Services find each other through Redis when `--redis-url` is given; otherwise
 the router keeps an in-process registry fed by polling the addresses given here.
 Each child is configured only through its `BATON_<SERVICE>_*` environment.
@@ -17,17 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.cache_dir import DEFAULT_CACHE_DIR
+from shared.cli.supervisor import RestartPolicy, SupervisedChild, Supervisor, check_ports_free
 from shared.engine.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, resolve_precision
 from shared.errors import ConfigError, UnavailableError
 from shared.models.loader import check_checkpoint
@@ -45,6 +51,10 @@ class Child:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    instance_id: str = ""  # the router's: its /health names it, so an answer from another stack is not taken
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
 
 
 @dataclass
@@ -82,6 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    p.add_argument("--api-keys-file", type=Path, default=None,
+                   help="more keys, one per line; re-read when it changes (rotation without a restart)")
     p.add_argument("--tool-call-parser", default="", help="how tool_choice=auto reads calls: hermes (default), "
                    "llama3_json, pythonic, gemma4")
     p.add_argument("--reasoning-parser", default="", help="think or gemma4: split reasoning from answers")
@@ -100,6 +112,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--state-dir", type=Path, default=Path(".baton"))
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of a child that exits (backoff doubling from --restart-backoff); then the "
+                        "stack stops, exit 1")
+    p.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before a child's first restart")
     p.set_defaults(func=run_up)
 
 
@@ -119,8 +135,11 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         raise ConfigError("--prefill and --decode must be >= 1")
     engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
+    # one random token per stack: its services answer only each other (shared/grpc_auth.py)
+    token = secrets.token_urlsafe(24)
     common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
-              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir)}
+              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir),
+              "INTERNAL_TOKEN": token}
     engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads),
                      "DTYPE": args.dtype, "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANTIZATION": args.quantization}
     stack = Stack()
@@ -138,6 +157,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     if args.mode == "disagg":
         add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST,
                                                           "REGISTRY_NAMESPACE": args.registry_namespace,
+                                                          "INTERNAL_TOKEN": token,
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
@@ -156,12 +176,15 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     for i in range(args.decode):
         add(f"decode-{i}", role, "DECODE", {**engine_common, **spec, "ROLE": role, "INSTANCE_ID": f"decode-{i}"})
     static = ",".join(f"{c.service}={c.address}" for c in stack.children)
-    add("router", "router", "ROUTER", {
+    router_id = f"router-{uuid.uuid4().hex[:12]}"
+    router = add("router", "router", "ROUTER", {
         **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),
         "TOOL_CALL_PARSER": args.tool_call_parser, "REASONING_PARSER": args.reasoning_parser,
-        "GENERATION_CONFIG": args.generation_config,
+        "GENERATION_CONFIG": args.generation_config, "INSTANCE_ID": router_id,
+        **({"API_KEYS_FILE": str(args.api_keys_file.resolve())} if args.api_keys_file else {}),
         "STATIC_INSTANCES": "" if args.redis_url else static,
     }, http_port=args.port)
+    router.instance_id = router_id
     return stack
 
 
@@ -170,23 +193,32 @@ def start_children(stack: Stack, state_dir: Path) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     for child in stack.children:
         child.log_path = logs / f"{child.name}.log"
-        command = {"kv_transfer": "kv-transfer", "colocated": "decode"}.get(child.service, child.service)
-        log = child.log_path.open("wb")
+        child.log_path.write_bytes(b"")
+        start_child(child)
+
+
+def start_child(child: Child) -> None:
+    """Start (or restart: its log goes on) one child."""
+    assert child.log_path is not None
+    command = {"kv_transfer": "kv-transfer", "colocated": "decode"}.get(child.service, child.service)
+    with child.log_path.open("ab") as log:  # the child holds its own descriptor
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli.main", command], env={**os.environ, **child.env},
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        print(f"baton: started {child.name} (pid {child.proc.pid}) on {child.address}, log {child.log_path}",
-              flush=True)
+    print(f"baton: started {child.name} (pid {child.proc.pid}) on {child.address}, log {child.log_path}",
+          flush=True)
 
 
 def healthy(child: Child) -> bool:
     if child.service == "router":
         try:
             with urllib.request.urlopen(f"http://{child.address}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
+                body = json.loads(r.read() or b"{}")
+        except (OSError, ValueError):
             return False
+        # another server on the port answers too: only our router names the id it was given
+        return body.get("instance_id") == child.instance_id
     import asyncio
 
     from shared.grpc_common import check_health
@@ -210,6 +242,13 @@ def wait_ready(stack: Stack, timeout_s: float, stopping: Callable[[], bool]) -> 
             names = ", ".join(c.name for c in pending)
             print(f"baton: waiting for {names} (loading models) ...", flush=True)
             time.sleep(1.0)
+
+
+def write_stack_json(stack: Stack, state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / "stack.json.tmp"  # whole or absent: tests and operators read it while we run
+    tmp.write_text(json.dumps(stack.to_json(), indent=2))
+    tmp.replace(state_dir / "stack.json")
 
 
 def stop_children(stack: Stack, grace_s: float = 20.0) -> None:
@@ -237,6 +276,7 @@ def run_up(args: argparse.Namespace) -> int:
     print(f"baton: precision (--dtype {args.dtype}, --kv-cache-dtype {args.kv_cache_dtype}, --quantization "
           f"{args.quantization}): {weights}", flush=True)
     stack = plan_stack(args)
+    check_ports_free(list(stack.children), HOST)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -250,17 +290,24 @@ def run_up(args: argparse.Namespace) -> int:
         wait_ready(stack, args.ready_timeout, lambda: stopping)
         if stopping:
             return 130
-        args.state_dir.mkdir(parents=True, exist_ok=True)
-        (args.state_dir / "stack.json").write_text(json.dumps(stack.to_json(), indent=2))
+        write_stack_json(stack, args.state_dir)
         print(f"baton ready: http://{HOST}:{args.port}/v1", flush=True)
-        reported: set[str] = set()
+
+        def restart(child: SupervisedChild) -> None:
+            assert isinstance(child, Child)
+            start_child(child)
+            write_stack_json(stack, args.state_dir)  # its new pid
+
+        supervisor = Supervisor(list(stack.children), RestartPolicy(args.max_restarts, args.restart_backoff), restart,
+                                say=lambda line: print(line, flush=True))
         while not stopping:
             time.sleep(0.2)
-            for child in stack.children:  # a dead child is reported, not fatal: the rest keep serving
-                if child.name not in reported and child.proc is not None and child.proc.poll() is not None:
-                    print(f"baton: {child.name} exited with {child.proc.returncode}", flush=True)
-                    reported.add(child.name)
+            reason = supervisor.poll()
+            if reason is not None:
+                print(f"baton: {reason}", flush=True)
+                return 1
     finally:
         print("baton: stopping ...", flush=True)
         stop_children(stack)
     return 0
+

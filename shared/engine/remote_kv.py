@@ -35,6 +35,7 @@ from shared.errors import BatonError, InvalidRequestError, KVTransferError
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, usable_pool_prefix
 
 if TYPE_CHECKING:
+    from shared.engine.block_pool import BlockPool
     from shared.engine.config import EngineConfig
     from shared.engine.kv_manager import KVCacheManager
     from shared.engine.runner import ModelRunner
@@ -51,9 +52,12 @@ class HandoffEngine(Protocol):
     layout: KVLayout
     runner: ModelRunner
     kv: KVCacheManager
+    pool: BlockPool
     scheduler: Scheduler
 
     def admit_new(self, request: Request, num_steps_done: int = 0) -> None: ...
+
+    def spec_add_hidden(self, request_id: str, hidden_states: torch.Tensor, start: int) -> None: ...
 
 logger = logging.getLogger(__name__)
 

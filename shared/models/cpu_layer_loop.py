@@ -41,8 +41,14 @@ class LoopModel(Protocol):
     forward would call (the loop runs only where each is the CPU kernel it calls itself)."""
 
     spec: Any  # DecoderSpec
-    layers: Sequence[DecoderLayerWeights]
-    ropes: Mapping[float, RotaryEmbedding]
+
+    # read-only (properties): a model's list and dict then match the protocol's Sequence and Mapping
+    @property
+    def layers(self) -> Sequence[DecoderLayerWeights]: ...
+
+    @property
+    def ropes(self) -> Mapping[float, RotaryEmbedding]: ...
+
     attention: Callable[..., Any]
     _norm: Callable[..., Any]
     _add_norm: Callable[..., Any]

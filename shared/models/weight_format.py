@@ -3,7 +3,8 @@
     dtype float32    fp32 (oneDNN, and the fp32 GEMV copy for decode batches)
     dtype bfloat16   bf16 packed for the bf16 GEMV (CPU; on CUDA the model's dtype)
     int8             int8 per channel, quantized at load from the fp32 weights
-    gguf             the GGUF file's own blocks (Q4_0, Q4_1, Q8_0), read by shared/models/gguf_weights.py
+    gguf             the GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q8_0; Q4_K, Q6_K), read by
+                     shared/models/gguf_weights.py
 
 Quantized formats run on the CPU through `csrc/qgemv_cpu.cpp`, every batch size.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.ops.kquant import KQuantCodes
 from shared.ops.linear import LinearWeight
 from shared.ops.quant import BLOCK as QUANT_BLOCK
 from shared.ops.quant import QuantCodes, int8_per_channel
@@ -27,7 +29,7 @@ class WeightFormat:
     dtype: torch.dtype = torch.float32
     quantization: str = "none"  # one of QUANTIZATIONS
     # gguf: our projection names (model.layers.{i}.qkv, ..., lm_head) -> the file's codes
-    gguf_codes: Mapping[str, QuantCodes] = field(default_factory=dict, compare=False, repr=False)
+    gguf_codes: Mapping[str, QuantCodes | KQuantCodes] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:

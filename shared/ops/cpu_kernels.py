@@ -5,15 +5,28 @@ the baton cache dir; `.ci/run` installs g++): `make run` and `make test` build
 them up front (`python -m shared.ops.cpu_kernels`), and otherwise the first
 use does. Where they do not build, every caller falls back to its torch path
 and the reason is logged once.
+
+An image carries them prebuilt, and no compiler (deploy/docker/Dockerfile):
+
+    python -m shared.ops.cpu_kernels --prebuilt      (at image build, where the package is installed)
+      -> shared/ops/prebuilt/{baton_cpu_kernels.so, stamp.json}   portable: the baseline ISA on x86-64
+    _build()  stamp == this package's sources + torch + machine ?  torch.ops.load_library(.so)
+                                                         else   compile into the cache dir (as before)
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
+import json
 import logging
 import platform
+import shutil
+import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +39,8 @@ _SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "ge
                                       "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp",
                                       "moe_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
+PREBUILT_DIR = Path(__file__).parent / "prebuilt"
+_LIBRARY = "baton_cpu_kernels.so"
 _lock = threading.Lock()
 _built: bool | None = None
 
@@ -71,11 +86,21 @@ def _x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _arch_flags() -> list[str]:
+def _arch_flags(portable: bool = False) -> list[str]:
     """On x86-64 the library is built for the baseline, tuned for this CPU: the kernels that use newer
     instructions are compiled per level inside it (csrc/isa_variants.h) and picked at load. Elsewhere
-    -march=native builds the portable loops for what the CPU has."""
+    -march=native builds the portable loops for what the CPU has. A portable build (an image's) is tuned
+    for no CPU in particular and, off x86-64, built for the architecture's baseline."""
+    if portable:
+        return ["-mtune=generic"] if _x86_64() else []
     return ["-mtune=native"] if _x86_64() else ["-march=native"]
+
+
+def sources_stamp() -> dict[str, str]:
+    """What a prebuilt library must have been built from to load here: these sources, this torch, this
+    machine architecture."""
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)).hexdigest()
+    return {"sources_sha256": digest, "torch": torch.__version__, "machine": platform.machine().lower()}
 
 
 def _cpu_tag() -> str:
@@ -95,25 +120,46 @@ def cpu_kernels_available() -> bool:
         return _built
 
 
+def _compile(build_dir: Path, portable: bool = False) -> None:
+    """Compile (or reuse torch's up-to-date build in `build_dir`) and load the library."""
+    from torch.utils.cpp_extension import load
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
+    # torch rebuilds when a source or a flag changes, never for a header: the headers' hash is a flag
+    headers = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
+    # torch's own lock is a file that a build killed midway (Ctrl-C, OOM) leaves behind, and every later
+    # build then waits on it forever; ours is an flock, released by the kernel when its holder dies, so
+    # holding it means nobody else is building here and torch's leftover can go
+    with open(build_dir / "baton-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        load(name="baton_cpu_kernels", sources=_staged_sources(build_dir),
+             extra_cflags=["-O3", *_arch_flags(portable), "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"],
+             build_directory=str(build_dir), is_python_module=False, verbose=False)
+
+
+def _load_prebuilt(prebuilt_dir: Path = PREBUILT_DIR) -> bool:
+    """Load the library an image build left beside these sources, when its stamp matches them."""
+    library, stamp_path = prebuilt_dir / _LIBRARY, prebuilt_dir / "stamp.json"
+    if not library.is_file() or not stamp_path.is_file():
+        return False
+    stamp = json.loads(stamp_path.read_text())
+    if stamp != sources_stamp():
+        logger.warning("prebuilt CPU kernels in %s were built from other sources or another torch (%s): "
+                       "compiling", prebuilt_dir, stamp)
+        return False
+    torch.ops.load_library(str(library))
+    logger.info("CPU kernels: prebuilt %s", library)
+    return True
+
+
 def _build() -> bool:
     try:
-        from torch.utils.cpp_extension import load
-
-        build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("building the CPU kernels (cached in %s)", build_dir)
-        # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
-        # torch rebuilds when a source or a flag changes, never for a header: the headers' hash is a flag
-        headers = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
-        # torch's own lock is a file that a build killed midway (Ctrl-C, OOM) leaves behind, and every later
-        # build then waits on it forever; ours is an flock, released by the kernel when its holder dies, so
-        # holding it means nobody else is building here and torch's leftover can go
-        with open(build_dir / "baton-build.lock", "w") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
-            (build_dir / "lock").unlink(missing_ok=True)
-            load(name="baton_cpu_kernels", sources=_staged_sources(build_dir), extra_cflags=["-O3", *_arch_flags(),
-                 "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"], build_directory=str(build_dir),
-                 is_python_module=False, verbose=False)
+        if not _load_prebuilt():
+            build_dir = _build_dir()
+            logger.info("building the CPU kernels (cached in %s)", build_dir)
+            _compile(build_dir)
         logger.info("CPU kernels: instruction set %s (the best this CPU runs)", torch.ops.baton_cpu.active_isa())
         return True
     except Exception as exc:  # no compiler, headers, ...: serve with the torch paths
@@ -121,12 +167,34 @@ def _build() -> bool:
         return False
 
 
-if __name__ == "__main__":  # `make run` / `make test` build them up front, not inside a service's start-up
-    import sys
-    import time
+def write_prebuilt(out_dir: Path = PREBUILT_DIR) -> Path:
+    """Compile a portable library and leave it with its stamp in `out_dir` (an image build does this once)."""
+    with tempfile.TemporaryDirectory(prefix="baton-kernels-") as tmp:
+        _compile(Path(tmp), portable=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(tmp) / _LIBRARY, out_dir / _LIBRARY)
+    (out_dir / "stamp.json").write_text(json.dumps(sources_stamp(), indent=1) + "\n")
+    return out_dir / _LIBRARY
 
+
+def main(argv: list[str] | None = None) -> int:
+    """`make run` / `make test` build them up front, not inside a service's start-up; an image build
+    writes them prebuilt (`--prebuilt [DIR]`)."""
+    parser = argparse.ArgumentParser(description="build the C++ CPU kernels")
+    parser.add_argument("--prebuilt", nargs="?", const=PREBUILT_DIR, type=Path, default=None, metavar="DIR",
+                        help=f"write a portable library and its stamp to DIR (default {PREBUILT_DIR})")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.monotonic()
+    if args.prebuilt is not None:
+        library = write_prebuilt(args.prebuilt)
+        print(f"CPU kernels written to {library} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+        return 0
     ok = cpu_kernels_available()
     print(f"CPU kernels {'ready' if ok else 'unavailable: serving uses the torch paths'} "
           f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,9 +30,10 @@ bytes a decode step streams, vdpbf16ps where the CPU has AVX512-BF16 (rows
 rounded to bf16), weights widened to fp32 in registers below it. Its reference
 is `F.linear` against the bf16-rounded weight.
 
-Quantized weights (`LinearWeight.quantized`: GGUF Q4_0 / Q4_1 / Q8_0 blocks as
-the file holds them, or int8 per channel; `shared/ops/quant.py`) keep only the
-kernel's packed blocks (`csrc/qgemv_cpu.cpp`), for every batch size.
+Quantized weights (`LinearWeight.quantized`: GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0
+blocks and Q4_K / Q6_K super-blocks as the file holds them, or int8 per channel;
+`shared/ops/quant.py`, `shared/ops/kquant.py`) keep only the kernel's packed
+blocks (`csrc/qgemv_cpu.cpp`), for every batch size.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from shared.ops.cpu_kernels import cpu_has_avx512, cpu_kernels_available
 
 if TYPE_CHECKING:
+    from shared.ops.kquant import KQuantCodes
     from shared.ops.quant import QuantCodes
 
 logger = logging.getLogger(__name__)
@@ -89,7 +91,6 @@ class LinearWeight:
         self.out_features, self.in_features = weight.shape
         self.gemv: torch.Tensor | None = None
         self.gemv_k_block = 0
-        self.bits = 0  # a quantized weight's code width (LinearWeight.quantized)
         if weight_dtype == torch.bfloat16 and backend == "auto" and weight.device.type == "cpu" and gemv_enabled():
             self.backend = "gemv_bf16"
             self.weight = torch.ops.baton_cpu.gemv_bf16_pack(weight.contiguous())
@@ -111,7 +112,7 @@ class LinearWeight:
             self._pack_gemv(weight)
 
     @classmethod
-    def quantized(cls, codes: QuantCodes) -> LinearWeight:
+    def quantized(cls, codes: QuantCodes | KQuantCodes) -> LinearWeight:
         """A weight served in its block format by the quantized GEMV kernel (needs the CPU kernels)."""
         if not cpu_kernels_available():
             raise RuntimeError("quantized weights need the C++ CPU kernels, which did not build (see the log)")
@@ -120,7 +121,6 @@ class LinearWeight:
         self.gemv, self.gemv_k_block = None, 0
         self.backend = "qgemv"
         self.weight = codes.pack()
-        self.bits = codes.bits
         return self
 
     def _pack_gemv(self, weight: torch.Tensor) -> None:
@@ -146,7 +146,7 @@ class LinearWeight:
         if self.backend == "gemv_bf16":
             return torch.ops.baton_cpu.gemv_bf16(x.float().contiguous(), self.weight, self.out_features)
         if self.backend == "qgemv":
-            return torch.ops.baton_cpu.qgemv(x.float().contiguous(), self.weight, self.out_features, self.bits)
+            return torch.ops.baton_cpu.qgemv(x.float().contiguous(), self.weight, self.out_features)
         if self.backend == "onednn":
             if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32:
                 return torch.ops.baton_cpu.gemv(x.contiguous(), self.gemv, self.out_features, self.gemv_k_block)

@@ -1,5 +1,5 @@
-"""Weights served in a quantized block format: GGUF's Q4_0, Q4_1, Q8_0 as the file holds them, or int8 per
-channel made from fp32 weights.
+"""Weights served in a quantized block format: GGUF's Q4_0, Q4_1, Q5_0, Q8_0 as the file holds them, or int8
+per channel made from fp32 weights (GGUF's K-quant super-blocks: `shared/ops/kquant.py`).
 
 Every format becomes u8 codes with a fp16 scale d and offset m per block of 32
 inputs of an output, w = d * c + m, without changing a code (`csrc/qgemv_layout.h`):
@@ -7,6 +7,7 @@ inputs of an output, w = d * c + m, without changing a code (`csrc/qgemv_layout.
     format   file block (32 weights)          codes c       d          m
     Q4_0     d, 16 bytes of nibbles q         q (0..15)     d          -8 d
     Q4_1     d, m, 16 bytes of nibbles q      q (0..15)     d          m
+    Q5_0     d, 4 bytes of bit 4, 16 of nibbles q (0..31)   d          -16 d
     Q8_0     d, 32 int8 q                     q + 128       d          -128 d
     int8     (per output row: d = max|w| / 127, q = round(w / d))  as Q8_0, one d per row
 
@@ -17,13 +18,14 @@ llama.cpp does), with AVX512-VNNI where the CPU has it. `qgemv_ref` is its oracl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 BLOCK = 32
 # GGUF block types served as they are, and the bits of their codes
-GGUF_FORMATS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+GGUF_FORMATS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q8_0": 8}
 
 
 @dataclass(frozen=True)
@@ -33,16 +35,16 @@ class QuantCodes:
     codes: torch.Tensor  # [N, K] uint8
     d: torch.Tensor  # [N, K / 32] float16
     m: torch.Tensor  # [N, K / 32] float16
-    bits: int  # 4 or 8: the largest code fits in this many bits
+    bits: int  # 4, 5 or 8: the largest code fits in this many bits
     fmt: str  # where they came from: "Q4_0", "Q4_1", "Q8_0", "int8"
 
     def rows(self, index: torch.Tensor) -> QuantCodes:  # index [N'] int64: these rows, in this order
         return QuantCodes(self.codes[index], self.d[index], self.m[index], self.bits, self.fmt)
 
-    def dequantize(self) -> torch.Tensor:  # [N, K] float32, as ggml dequantizes it
-        scale = self.d.float().repeat_interleave(BLOCK, dim=1)
-        offset = self.m.float().repeat_interleave(BLOCK, dim=1)
-        return scale * self.codes.float() + offset
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, K]; float32 as ggml does
+        scale = self.d.to(dtype).repeat_interleave(BLOCK, dim=1)
+        offset = self.m.to(dtype).repeat_interleave(BLOCK, dim=1)
+        return scale * self.codes.to(dtype) + offset
 
     def pack(self) -> torch.Tensor:
         """The kernel's layout (csrc/qgemv_layout.h)."""
@@ -64,20 +66,23 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) ->
     n, k = shape
     if k % BLOCK:
         raise ValueError(f"a [{n}, {k}] tensor is not whole blocks of {BLOCK}")
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[type_name]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, block_bytes)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
     if type_name == "Q8_0":
         codes = blocks[:, :, 2:].reshape(n, k) ^ np.uint8(0x80)  # int8 q + 128, bit for bit
         m = (d.astype(np.float32) * -128).astype(np.float16)  # exact: a power of two times a fp16
     else:
-        first = 4 if type_name == "Q4_1" else 2
+        first = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[type_name]
         qs = blocks[:, :, first:first + 16]
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)  # ggml: low nibbles are 0..15
+        if type_name == "Q5_0":  # bit i of the little-endian u32 is bit 4 of weight i
+            high = np.unpackbits(blocks[:, :, 2:6], axis=2, bitorder="little").reshape(n, k)
+            codes = codes | (high << np.uint8(4)).astype(np.uint8)
         if type_name == "Q4_1":
             m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
-        else:
-            m = (d.astype(np.float32) * -8).astype(np.float16)
+        else:  # exact: a power of two times a fp16
+            m = (d.astype(np.float32) * (-16 if type_name == "Q5_0" else -8)).astype(np.float16)
     return QuantCodes(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
                       torch.from_numpy(np.ascontiguousarray(m)), GGUF_FORMATS[type_name], type_name)
 
@@ -105,11 +110,15 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return q.to(torch.int8).reshape(m, k), d, d * q.sum(dim=2)
 
 
-def qgemv_ref(x: torch.Tensor, w: QuantCodes) -> torch.Tensor:  # [M, K] -> [M, N] float32
-    """The kernel's formula in float64: per block d_w d_x (codes . q_x) + m_w s_x, summed over blocks."""
-    xq, xd, xs = quantize_rows_ref(x)
+class Dequantizes(Protocol):
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+
+def qgemv_ref(x: torch.Tensor, w: Dequantizes) -> torch.Tensor:  # [M, K] -> [M, N] float32
+    """Dequantize, then matmul, in float64: the rows as the kernel quantizes them (codes times their block's
+    scale) against the weight's codes as their format defines them. The kernel's int32 block sums are exact,
+    so it differs from this by its fp32 additions only."""
+    xq, xd, _ = quantize_rows_ref(x)
     m, k = x.shape
-    dots = torch.einsum("mbk,nbk->mnb", xq.reshape(m, k // BLOCK, BLOCK).double(),
-                        w.codes.reshape(-1, k // BLOCK, BLOCK).double())
-    y = dots * w.d.double()[None] * xd.double()[:, None] + w.m.double()[None] * xs.double()[:, None]
-    return y.sum(dim=2).float()
+    rows = (xq.reshape(m, k // BLOCK, BLOCK).double() * xd.double()[..., None]).reshape(m, k)
+    return (rows @ w.dequantize(torch.float64).T).float()

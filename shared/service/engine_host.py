@@ -24,13 +24,13 @@ import torch
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
 from shared.grpc_common import GrpcServer, make_server
-from shared.registry import make_registry
+from shared.registry import connect_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
 from shared.registry.kv_summary import KVSummary, summarize
 from shared.service.engine_metrics import engine_registry
 from shared.service.kv_client import KVTransferClient
-from shared.service.lifecycle import MetricsHTTP
+from shared.service.lifecycle import MetricsHTTP, write_port_file
 from shared.service.settings import EngineServiceSettings
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ async def start_engine_service(
 ) -> RunningEngineService:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    # before the model load: a registry that cannot be reached fails the start now, with its reason
+    registry = await connect_registry(settings.redis_url, settings.registry_namespace) if settings.redis_url else None
     logger.info("%s: loading %s (role %s) ...", service, settings.model, role)
     engine = await asyncio.to_thread(LLMEngine, settings.engine_config(role))
     # handoffs move through kv_transfer's slots (the transport agents are made on first use)
@@ -97,9 +99,8 @@ async def start_engine_service(
     metrics = None
     if settings.metrics_port >= 0:
         metrics = MetricsHTTP(settings.host, settings.metrics_port, engine_registry(aengine, role))
-    running = RunningEngineService(settings, service, aengine, server, metrics, None, None)
-    if settings.redis_url:
-        running.registry = make_registry(settings.redis_url, settings.registry_namespace)
+    running = RunningEngineService(settings, service, aengine, server, metrics, registry, None)
+    if running.registry is not None:
         info = InstanceInfo(
             service=service, instance_id=settings.resolved_instance_id(service), address=running.address,
             metrics_url=metrics.url if metrics else "", model=settings.model, load=_load(aengine),
@@ -108,6 +109,7 @@ async def start_engine_service(
         running.heartbeater = Heartbeater(running.registry, info, lambda: _load(aengine), settings.heartbeat_ttl_s,
                                           kv_fn=lambda: engine_kv_summary(aengine))
         await running.heartbeater.start()
+    write_port_file(settings.port_file, server.port)
     logger.info("%s ready on %s (metrics %s)", service, running.address, metrics.url if metrics else "off")
     return running
 

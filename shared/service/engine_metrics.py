@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.kv_stats import BUCKETS_S
+from shared.grpc_auth import AuthCollector
 
 
 class EngineCollector(Collector):
@@ -45,14 +46,14 @@ class EngineCollector(Collector):
         idle.add_metric([self.role], clock.idle_ratio)
         yield idle
         masks = self.aengine.engine.runner.masks
-        for name, doc, value in (
+        for name, doc, seconds in (
             ("baton_logits_mask_build_seconds", "Time building grammar bitmasks and penalty inputs (a worker "
              "thread, beside the forward)", masks.build_s),
             ("baton_logits_mask_wait_seconds", "Executor time blocked on masks after the forward (their cost "
              "the forward did not hide)", masks.wait_s),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.role], value)
+            c.add_metric([self.role], seconds)
             yield c
         yield from self._spec_metrics()
         yield from self._kv_transfer_metrics()
@@ -113,4 +114,5 @@ class EngineCollector(Collector):
 def engine_registry(aengine: AsyncEngine, role: str) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(EngineCollector(aengine, role))
+    registry.register(AuthCollector())
     return registry

@@ -9,6 +9,7 @@ import logging
 import signal
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
@@ -37,6 +38,17 @@ async def run_until_signal(start: Callable[[], Awaitable[Stoppable]], stop: asyn
         await running.stop()
         for sig in handled:
             loop.remove_signal_handler(sig)
+
+
+def write_port_file(path: Path | None, port: int) -> None:
+    """Leave the port a service bound (the OS's pick when asked for 0) where its health check reads it;
+    written whole (a rename), so a reader never sees half a number."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
 
 
 def every(interval_s: float, fn: Callable[[], Awaitable[object] | object], name: str) -> asyncio.Task[None]:

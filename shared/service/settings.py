@@ -27,8 +27,12 @@ class EngineServiceSettings(BaseSettings):
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
     advertise_host: str = Field(default="", description="host others reach us at; default: `host`")
     metrics_port: int = Field(default=0, ge=-1, le=65535, description="Prometheus port; 0 = any, -1 = off")
+    port_file: Path | None = Field(default=None, description="file the bound gRPC port is written to once "
+                                   "serving: a health check's way to it when port is 0 (host networking)")
     instance_id: str = Field(default="", description="registry id; default: hostname-random")
     redis_url: str = Field(default="", description="registry; empty = no registration")
+    internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
+                                "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
     heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
     block_size: int = Field(default=16, ge=1, le=256)

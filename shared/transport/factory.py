@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from typing import Any
 
 from shared.transport.base import Transport, TransportError, TransportUnavailableError
+
+logger = logging.getLogger(__name__)
 
 TRANSPORT_KINDS = ("nixl", "ucxx", "tcp")  # preference order
 _BACKENDS = {
@@ -49,7 +52,11 @@ def available_transports() -> list[str]:
 def resolve_kind(kind: str) -> str:
     """`auto` -> the first backend that works here; anything else is checked and returned."""
     if kind == "auto":
-        return available_transports()[0]
+        chosen = available_transports()[0]
+        skipped = {k: unavailable_reason(k) for k in TRANSPORT_KINDS[: TRANSPORT_KINDS.index(chosen)]}
+        logger.info("transport auto: %s (preference %s%s)", chosen, " > ".join(TRANSPORT_KINDS),
+                    "".join(f"; {k} unavailable: {why}" for k, why in skipped.items()))
+        return chosen
     reason = unavailable_reason(kind)
     if reason is not None:
         raise TransportUnavailableError(f"transport {kind} cannot run here: {reason}")

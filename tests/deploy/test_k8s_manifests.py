@@ -60,7 +60,7 @@ def rendered(request: pytest.FixtureRequest) -> tuple[str, list[Resource]]:
 def test_every_manifest_is_valid_for_the_kubernetes_api(rendered: tuple[str, list[Resource]]) -> None:
     kv = require_module("kubernetes_validate", "kubernetes-validate")
     _, resources = rendered
-    assert len(resources) == 21
+    assert len(resources) == 27  # 21 workload resources and 6 network policies
     for version in (kv.latest_version(), OLDEST_SUPPORTED):
         for r in resources:
             kv.validate(r, version, strict=True)  # raises ValidationError with the path and reason
@@ -217,3 +217,51 @@ def test_overlays_pick_image_device_and_resources(rendered: tuple[str, list[Reso
         assert "nvidia.com/gpu" not in _container(deployments[name])["resources"].get("limits", {})
     if overlay == "cpu":
         assert _container(deployments["baton-prefill"])["resources"]["requests"]["cpu"] == "4"
+
+
+# (from component, to component, port) the design uses; None = any port (the transports pick theirs)
+DESIGN_PATHS = {
+    ("router", "prefill", 50051), ("router", "decode", 50052), ("router", "kv-transfer", 50053),
+    ("prefill", "kv-transfer", None), ("decode", "kv-transfer", None),
+    ("kv-transfer", "prefill", None), ("kv-transfer", "decode", None),
+    *((c, "redis", 6379) for c in ("router", "prefill", "decode", "kv-transfer")),
+}
+COMPONENTS = ["router", "prefill", "decode", "kv-transfer", "redis"]
+PUBLIC = {("router", 8000), ("prefill", 9401), ("decode", 9402), ("kv-transfer", 9403)}  # API and metrics
+
+
+def _allows(policies: list[Resource], source: str | None, target: str, port: int) -> bool:
+    """Whether some policy selecting `target` admits TCP `port` from a pod of component `source` (None: a
+    client outside baton's pods)."""
+    labels = {"app.kubernetes.io/name": "baton", "app.kubernetes.io/component": source} if source else {}
+    target_labels = {"app.kubernetes.io/name": "baton", "app.kubernetes.io/component": target}
+
+    def selects(selector: dict[str, Any], pod: dict[str, str]) -> bool:
+        return all(pod.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+    for policy in policies:
+        spec = policy["spec"]
+        if not selects(spec["podSelector"], target_labels):
+            continue
+        for rule in spec.get("ingress", []):
+            sources = rule.get("from")
+            from_ok = sources is None or any("podSelector" in s and source and selects(s["podSelector"], labels)
+                                             for s in sources)
+            ports = rule.get("ports")
+            port_ok = ports is None or any(p.get("port") == port for p in ports)
+            if from_ok and port_ok:
+                return True
+    return False
+
+
+def test_network_policies_admit_exactly_the_designs_paths(rendered: tuple[str, list[Resource]]) -> None:
+    policies = [r for r in rendered[1] if r["kind"] == "NetworkPolicy"]
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and "ingress" not in p["spec"]]
+    assert len(deny) == 1 and deny[0]["spec"]["policyTypes"] == ["Ingress"], "no default deny"
+    probe_ports = [50051, 50052, 50053, 6379, 8000, 9401, 9402, 9403, 33333]  # 33333: a transport's pick
+    for target in COMPONENTS:
+        for port in probe_ports:
+            for source in [None, *COMPONENTS]:
+                designed = (target, port) in PUBLIC or (source is not None and any(
+                    (source, target, p) in DESIGN_PATHS for p in (port, None)))
+                assert _allows(policies, source, target, port) == designed, (source, target, port)

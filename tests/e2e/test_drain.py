@@ -24,9 +24,14 @@ def test_sigterm_drains_prefill_and_decode(tmp_path: Path, redis_url: str) -> No
         async def run() -> list[object]:
             async with httpx.AsyncClient(timeout=90) as client:
                 tasks = [asyncio.create_task(stream_text(client, url, body(i, True, 40))) for i in range(8)]
-                await asyncio.sleep(1.0)
+                # the drain is only shown if decode-1 holds requests when the signal comes
+                deadline = time.monotonic() + 60
+                while (running := stack.metric("decode-1", "baton_num_requests_running")) == 0:
+                    assert time.monotonic() < deadline, "no request reached decode-1"
+                    await asyncio.sleep(0.05)
                 os.kill(stack.service("prefill-1")["pid"], signal.SIGTERM)
                 os.kill(stack.service("decode-1")["pid"], signal.SIGTERM)
+                held_at_sigterm.append(running)
                 t0 = time.monotonic()
                 results = await asyncio.gather(*tasks, return_exceptions=True)
                 assert time.monotonic() - t0 < 30, "a request hung through the drain"
@@ -36,7 +41,9 @@ def test_sigterm_drains_prefill_and_decode(tmp_path: Path, redis_url: str) -> No
                 assert [r.status_code for r in after] == [200] * 4
                 return results
 
+        held_at_sigterm: list[float] = []
         results = asyncio.run(run())
+        assert held_at_sigterm and held_at_sigterm[0] > 0
         completed = [r for r in results if isinstance(r, tuple) and r[1] in ("stop", "length")]
         # a drained decode finishes its running batch: nothing it held is cut off
         assert len(completed) == len(results), [r for r in results if r not in completed]
@@ -50,6 +57,8 @@ def test_sigterm_drains_prefill_and_decode(tmp_path: Path, redis_url: str) -> No
                 time.sleep(0.2)
             else:
                 raise AssertionError(f"{name} did not exit after SIGTERM")
+        # drained cleanly: `baton up` does not restart them
+        assert any("decode-1 exited cleanly (drained); not restarted" in line for line in stack.output)
         for name in ("prefill-0", "decode-0"):
             deadline = time.monotonic() + 10
             while stack.metric(name, "baton_kv_blocks_free") != stack.metric(name, "baton_kv_blocks_total"):

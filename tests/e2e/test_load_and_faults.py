@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,8 +109,10 @@ def test_killing_one_prefill_keeps_serving(tmp_path: Path, redis_url: str) -> No
         stack.stop()
 
 
-def test_killing_the_only_decode_gives_errors_not_hangs(tmp_path: Path, redis_url: str) -> None:
-    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "1", "--decode", "1")
+def test_killing_the_only_decode_gives_errors_not_hangs_then_the_supervisor_restarts_it(
+        tmp_path: Path, redis_url: str) -> None:
+    # the restart waits 20 s: long enough that the stack is seen without a decode first
+    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "1", "--decode", "1", "--restart-backoff", "20")
     try:
         url = stack.base_url
 
@@ -124,10 +129,33 @@ def test_killing_the_only_decode_gives_errors_not_hangs(tmp_path: Path, redis_ur
                 assert all(isinstance(r, (AssertionError, httpx.HTTPError)) for r in results), results
                 r = await client.post(f"{url}/chat/completions", json=body(0, False, 4), headers=HEADERS)
                 assert r.status_code == 503 and r.json()["error"]["message"]
+                old_pid = stack.service("decode-0")["pid"]
+                deadline = time.monotonic() + 180
+                while True:  # restarted (a new process), loaded, registered: served again
+                    r = await client.post(f"{url}/chat/completions", json=body(0, False, 4), headers=HEADERS)
+                    if r.status_code == 200:
+                        break
+                    assert time.monotonic() < deadline, r.text
+                    await asyncio.sleep(1.0)
+                assert stack.service("decode-0")["pid"] != old_pid
+                assert any("restarted decode-0 (restart 1 of 3)" in line for line in stack.output)
 
         asyncio.run(run())
     finally:
         stack.stop()
+
+
+def test_a_taken_router_port_stops_baton_up_before_it_starts_anything(tmp_path: Path) -> None:
+    """Another server on the port once answered the health check for the router that could not bind it."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "shared.cli.main", "up", *MODEL_ARGS, "--port", str(port),
+                               "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"port {port} on 127.0.0.1, which router needs, is in use" in done.stderr
+    assert "started" not in done.stdout and not (tmp_path / "logs").exists()
 
 
 def test_full_kv_store_is_429_and_small_requests_still_pass(tmp_path: Path, redis_url: str) -> None:

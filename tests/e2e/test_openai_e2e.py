@@ -165,3 +165,32 @@ def test_api_surface_through_the_split_path(disagg_stack: BatonStack) -> None:
                                 max_output_tokens=4, temperature=0)
     assert follow.usage is not None and response.usage is not None
     assert follow.usage.input_tokens > response.usage.input_tokens
+
+
+def test_services_refuse_calls_without_the_stacks_token(disagg_stack: BatonStack) -> None:
+    """`baton up` gives its services one random internal token: the stack serves (the tests above), and a
+    caller on the same host without it is refused by each service and counted."""
+    import asyncio
+
+    import grpc.aio
+
+    from proto.baton.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
+
+    async def stranger() -> list[grpc.StatusCode]:
+        codes = []
+        async with grpc.aio.insecure_channel(disagg_stack.service("decode-0")["address"]) as ch:
+            try:
+                await decode_pb2_grpc.DecodeServiceStub(ch).GetLoad(decode_pb2.DecodeLoadRequest(), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        async with grpc.aio.insecure_channel(disagg_stack.service("kv_transfer")["address"]) as ch:
+            try:  # releasing someone's handoff by guessing its id
+                await kv_transfer_pb2_grpc.KVTransferServiceStub(ch).Release(
+                    kv_transfer_pb2.ReleaseRequest(handoff_id="guessed"), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        return codes
+
+    assert asyncio.run(stranger()) == [grpc.StatusCode.UNAUTHENTICATED] * 2
+    assert disagg_stack.metric("decode-0", "baton_grpc_unauthenticated_total") >= 1
+    assert disagg_stack.metric("kv_transfer", "baton_grpc_unauthenticated_total") >= 1

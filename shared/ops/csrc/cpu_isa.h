@@ -7,7 +7,8 @@
 //
 //   level         instructions it needs                       what it adds
 //   portable      none (plain loops)                           every kernel, for any CPU
-//   avx2          AVX2, FMA, F16C                              256-bit fp32 GEMV and attention, bf16 widened
+//   avx2          AVX2, FMA, F16C                              256-bit fp32 GEMV and attention, bf16 widened,
+//                                                              vpmaddubsw quantized GEMV
 //   avx512        AVX-512 F/BW/VL/DQ                           512-bit paths, 8-row GEMV passes with prefetch
 //   avx512_bf16   + AVX512-BF16, AVX512-VNNI                   vdpbf16ps bf16 GEMV, vpdpbusd quantized GEMV
 //   amx           + AMX-TILE, AMX-BF16, AMX-INT8               (what AMX adds is listed in cpu_isa.cpp)
@@ -33,20 +34,23 @@ enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, k
 #define BATON_ISA_AMX 4
 
 using GemvFn = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t k_block);
-// Rows of x quantized to int8 per block of 32 (qgemv_cpu.cpp): codes, and per block the scale and the scale
-// times the codes' sum
+// Rows of x quantized to int8 per block of 32 (qgemv_cpu.cpp): codes, per block the scale and the scale times
+// the codes' sum, and per 16 codes their integer sum (Q6_K's offset of 32 needs it)
 struct QRows {
   const int8_t* codes;
   int64_t ld_codes;
   const float* scales;
   const float* sums;
   int64_t ld_blocks;
+  const int32_t* sums16;  // [rows, K / 16]: ld_blocks * 2 apart
   QRows offset(int64_t rows) const {
-    return {codes + rows * ld_codes, ld_codes, scales + rows * ld_blocks, sums + rows * ld_blocks, ld_blocks};
+    return {codes + rows * ld_codes, ld_codes, scales + rows * ld_blocks, sums + rows * ld_blocks, ld_blocks,
+            sums16 + rows * 2 * ld_blocks};
   }
 };
-using QgemvFn = void (*)(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels, int64_t nblocks,
-                         int64_t N, int64_t bits, float* y);
+// units: blocks or super-blocks a panel has (qgemv_layout.h); format: a QFormat
+using QgemvFn = void (*)(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels, int64_t units,
+                         int64_t N, int64_t format, float* y);
 using GemvBf16Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 using PagedDecodeFn = void (*)(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq,
@@ -57,7 +61,7 @@ struct KernelTable {
   GemvFn gemv_f32;              // gemv_cpu.cpp
   GemvBf16Fn gemv_bf16;         // gemv_bf16_cpu.cpp
   PagedDecodeFn paged_decode;   // paged_decode_cpu.cpp (fp32 or bf16 KV)
-  QgemvFn qgemv_rows;           // qgemv_cpu.cpp (4- and 8-bit block codes)
+  QgemvFn qgemv_rows;           // qgemv_cpu.cpp (GGUF block and super-block formats, int8)
 };
 
 // The table of the level picked (the best one supported, unless set_isa chose another).
@@ -79,4 +83,4 @@ BATON_DECLARE_VARIANTS(void paged_decode(torch::Tensor out, torch::Tensor query,
                                          int64_t window))
 BATON_DECLARE_VARIANTS(torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features))
 BATON_DECLARE_VARIANTS(void qgemv_rows(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels,
-                                       int64_t nblocks, int64_t N, int64_t bits, float* y))
+                                       int64_t units, int64_t N, int64_t format, float* y))

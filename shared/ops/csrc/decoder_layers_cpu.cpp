@@ -16,12 +16,11 @@
 #include <vector>
 
 #include "kernels_cpu.h"
-#include "qgemv_layout.h"
 
 namespace {
 
 // A projection as the GEMV kernels take it: the weight packed by gemv_pack (fp32; with its K blocking), by
-// gemv_bf16_pack (bf16) or by qgemv_pack (u8 block codes, their bits told by the block's size), and its output
+// gemv_bf16_pack (bf16) or by qgemv_pack(_k) (u8 codes, their format told by the unit's size), and its output
 // width.
 struct Projection {
   torch::Tensor packed;
@@ -30,7 +29,7 @@ struct Projection {
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (packed.scalar_type() == at::kBFloat16) return gemv_bf16(x.contiguous(), packed, out_features);
     if (packed.scalar_type() == at::kByte)
-      return qgemv(x, packed, out_features, packed.size(2) == q_block_bytes(4) ? 4 : 8);
+      return qgemv(x, packed, out_features);
     return gemv(x.contiguous(), packed, out_features, k_block);
   }
 };

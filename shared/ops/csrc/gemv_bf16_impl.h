@@ -1,7 +1,8 @@
 // The bf16 GEMV's loops, compiled once per instruction-set level (isa_variants.h; contract and layout in
 // gemv_bf16_cpu.cpp). avx512_bf16 and up: vdpbf16ps over the rows rounded to bf16 (two products per lane
 // and instruction, as oneDNN's and vLLM's bf16 paths round activations). Below it the weights are widened in
-// registers (a shift per pair of k) and multiply the fp32 rows exactly: half the bytes, fp32 arithmetic.
+// registers (a shift or a mask per pair of k; 256-bit on AVX2, 512-bit on AVX-512) and multiply the fp32 rows
+// exactly: half the bytes, fp32 arithmetic.
 
 // Rows per pass over a panel: with AVX-512 eight rows' partial sums (two registers each) stay in registers.
 constexpr int kBf16RowsPerPass = BATON_ISA >= BATON_ISA_AVX512 ? 8 : 2;
@@ -61,9 +62,33 @@ static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx,
     _mm512_storeu_ps(out[m], acc[m][0]);
     _mm512_storeu_ps(out[m] + 16, acc[m][1]);
   }
+#elif BATON_ISA >= BATON_ISA_AVX2
+  (void)xpairs;
+  // a pair kk's 32 lanes as 4 groups of 8: one 256-bit load holds a group's even and odd k, widened by a
+  // shift (even) and a mask (odd); the FMAs in the widening paths' order
+  __m256 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < 4; ++g) acc[m][g] = _mm256_setzero_ps();
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* w = panel + kk * 2 * kGemvLanes;
+    const int64_t k = 2 * kk;
+    for (int g = 0; g < 4; ++g) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * g));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd_mask));
+      for (int m = 0; m < MR; ++m) {
+        const __m256 x0 = _mm256_set1_ps(x[m * ldx + k]);
+        const __m256 x1 = _mm256_set1_ps(k + 1 < K ? x[m * ldx + k + 1] : 0.f);
+        acc[m][g] = _mm256_fmadd_ps(x1, wo, _mm256_fmadd_ps(x0, we, acc[m][g]));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(out[m] + 8 * g, acc[m][g]);
 #else
   (void)xpairs;
-  // portable (and AVX2, which the compiler vectorises from these loops): lanes l of the pair kk sit at
+  // portable: lanes l of the pair kk sit at
   // [l * 2] (even k) and [l * 2 + 1] (odd k)
   float acc[MR][kGemvLanes] = {};
   for (int64_t kk = 0; kk < K2; ++kk) {

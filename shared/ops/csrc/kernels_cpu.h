@@ -12,7 +12,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, 
 // gemv_bf16_cpu.cpp
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // qgemv_cpu.cpp
-torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t bits);
+torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // norm_rope_cpu.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta,

@@ -51,11 +51,14 @@ def test_leaving_a_stream_early_aborts_and_frees() -> None:
         async for _ in stream:
             break  # the client goes away after one token
         await stream.aclose()
-        # the abort runs on the engine thread; wait for the pool to be whole again
-        for _ in range(100):
+        # the abort runs on the engine thread; wait for the pool to be whole again (before stop(), which
+        # would free everything anyway)
+        for _ in range(250):
             if engine.num_free_kv_blocks == engine.num_kv_blocks and not engine.has_unfinished():
                 return
             await asyncio.sleep(0.02)
+        raise AssertionError(f"the abort freed nothing: {engine.num_free_kv_blocks} of {engine.num_kv_blocks} "
+                             f"blocks free, requests unfinished: {engine.has_unfinished()}")
 
     try:
         asyncio.run(main())

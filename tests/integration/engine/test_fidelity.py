@@ -14,6 +14,7 @@ import torch
 from shared.engine.request import SamplingParams
 from shared.tokenizer import encode_prompt
 from tests.helpers.models import packaged, reference_logits
+from tests.helpers.near_tie import NEAR_TIE, assert_near_tie
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,6 @@ CHAT_PROMPTS = [
     "Explain in one paragraph why the sky is blue.",
 ]
 PLAIN_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
-NEAR_TIE = 1e-3
 NUM_TOKENS = 64
 
 
@@ -46,9 +46,7 @@ def assert_same_greedy(ours: list[int], theirs: list[int], hf: Any, prompt: list
     i = next(k for k, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + theirs[:i]])).logits[0, -1]
-    top2 = torch.topk(logits, 2).values
-    margin = (top2[0] - top2[1]).item()
-    assert margin < NEAR_TIE, f"diverged at token {i} with a clear winner (margin {margin:.4g})"
+    assert_near_tie(logits, ours[i], theirs[i], i)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
@@ -107,7 +105,9 @@ def _assert_same_tie_rule(a: Any, b: Any) -> None:
     if a.token_ids == b.token_ids:
         return
     i = next(k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
-    (_, first), (_, second) = a.logprobs[i].top[:2]
+    (first_id, first), (second_id, second) = a.logprobs[i].top[:2]
+    assert (first_id, second_id) == (a.token_ids[i], b.token_ids[i]), \
+        f"token {i}: {b.token_ids[i]} is not the second choice ({second_id}) beside {first_id}"
     assert first - second < NEAR_TIE, f"diverged at token {i} with a clear winner ({first - second:.4g})"
 
 

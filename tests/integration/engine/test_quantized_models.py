@@ -1,5 +1,6 @@
 """The packaged SmolLM2 served from its GGUF file's own Q4_1 / Q8_0 blocks (`--quantization gguf`), and in
-bf16 and int8: the weights are the file's, and the logits stay close to fp32's."""
+bf16 and int8, and the packaged Gemma 3 270M from its Q4_K_M file's Q4_K / Q6_K / Q5_0 / Q8_0 blocks: the
+weights are the file's, and the logits stay close to fp32's."""
 
 from __future__ import annotations
 
@@ -58,11 +59,36 @@ def test_gguf_needs_a_gguf_model(tmp_path) -> None:  # type: ignore[no-untyped-d
         _gguf_file(str(tmp_path))
 
 
-def test_gguf_block_types_not_served_quantized_are_a_clear_error() -> None:
-    """Gemma 3's file holds Q5_0, Q4_K and Q6_K blocks, which --quantization gguf does not serve yet: the error
-    names the first such tensor and its block type (which one comes first is the loader's order)."""
-    from shared.errors import ConfigError
+def test_gemma3_k_quant_codes_are_the_weights_transformers_dequantized() -> None:
+    """Gemma 3's Q4_K_M file: Q4_K and Q6_K super-blocks, Q5_0 and Q8_0 blocks (q, k, v mixed), read as
+    transformers dequantized them, to the bit."""
+    from safetensors.torch import load_file
 
-    with pytest.raises(ConfigError, match=r"blk\.\d+\.\S+: GGUF block type (Q5_0|Q4_K|Q6_K) is not served quantized"):
-        load_model("gemma3-270m", pick_attention("auto", "cpu"), max_model_len=1024,
-                   weight_format=WeightFormat(quantization="gguf"))
+    from shared.models.families import spec_from_config
+    from shared.models.loader import read_config, resolve_model
+
+    hf_dir = resolve_model("gemma3-270m")  # the weights, not a model: building one packs 10^8 LM-head weights
+    codes = read_gguf_projections(_gguf_file("gemma3-270m"), spec_from_config(read_config(hf_dir)[2]))
+    hf = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        hf.update(load_file(f))
+    assert {c.fmt for c in codes.values()} >= {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    for i in (0, 1, 17):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        assert torch.equal(codes[p + "qkv"].dequantize(), qkv)
+        assert torch.equal(codes[p + "o"].dequantize(), hf[p + "self_attn.o_proj.weight"])
+        assert torch.equal(codes[p + "down"].dequantize(), hf[p + "mlp.down_proj.weight"])
+
+
+def test_gemma3_served_from_its_gguf_blocks_stays_close_to_fp32() -> None:
+    fp32 = packaged("gemma3-270m")
+    low = load_model("gemma3-270m", pick_attention("auto", "cpu"), max_model_len=1024,
+                     weight_format=WeightFormat(quantization="gguf"))
+    assert low.model.layers[0].w_down.backend == "qgemv"
+    ids = fp32.tokenizer(TEXT)["input_ids"]
+    ref = reference_logits(fp32.model, ids, block_size=16).log_softmax(-1)
+    got = reference_logits(low.model, ids, block_size=16).log_softmax(-1)
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    assert top1 >= 0.9 and kl < 0.05, (top1, kl)

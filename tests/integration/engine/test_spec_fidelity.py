@@ -8,16 +8,15 @@ the plain run's own top-2 logits are within 1e-3 (a float-noise tie).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared.engine.request import SamplingParams
 from shared.tokenizer import encode_prompt
 from tests.helpers.models import packaged, reference_logits
+from tests.helpers.near_tie import assert_near_tie
 
 pytestmark = pytest.mark.slow
 
 NAME = "smollm2-135m"
-NEAR_TIE = 1e-3
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
         "How vexingly quick daft zebras jump!")
 PROMPTS = [
@@ -33,9 +32,7 @@ def assert_same_greedy(ours: list[int], plain: list[int], prompt: list[int]) -> 
         return
     i = next(k for k, (a, b) in enumerate(zip(ours, plain, strict=False)) if a != b)
     logits = reference_logits(packaged(NAME).model, prompt + plain[:i])[-1]
-    top2 = torch.topk(logits, 2).values
-    margin = (top2[0] - top2[1]).item()
-    assert margin < NEAR_TIE, f"diverged at token {i} with a clear winner (margin {margin:.4g})"
+    assert_near_tie(logits, ours[i], plain[i], i)
 
 
 def test_smollm2_greedy_ngram_equals_plain(make_packaged) -> None:

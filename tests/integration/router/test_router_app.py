@@ -184,7 +184,9 @@ async def test_models_health_metrics(tiny_http: httpx.AsyncClient) -> None:
     models = (await tiny_http.get("/v1/models")).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [TINY]
     assert models["data"][0]["object"] == "model"
-    assert (await tiny_http.get("/health")).status_code == 200
+    health = await tiny_http.get("/health")
+    # the instance id lets `baton up` tell its own router from another server on the port
+    assert health.status_code == 200 and health.json()["instance_id"].startswith("router-")
     await tiny_http.post("/v1/completions", json={"model": TINY, "prompt": "hi", "max_tokens": 3})
     metrics = (await tiny_http.get("/metrics")).text
     assert "baton_time_to_first_token_seconds_count 1.0" in metrics

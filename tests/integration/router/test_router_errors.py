@@ -184,6 +184,26 @@ async def test_backend_errors_map_to_status(smol_tokenizer: Any, error: Exceptio
         assert r.json()["error"]["message"] == str(error)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_hidden_internal_errors_keep_their_detail_to_the_log(smol_tokenizer: Any, caplog: Any,
+                                                                  stream: bool) -> None:
+    caplog.set_level(logging.INFO)
+    backend = ScriptedBackend([BackendChunk([28])] if stream else [],
+                              error=UnavailableError("decode 10.0.3.7:50052 lost its KV pool"))
+    async with client(make_app(smol_tokenizer, backend, hide_internal_errors=True)) as http:
+        r = await http.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        refused = await http.post("/v1/chat/completions", json={**CHAT, "temperature": -1})
+    if stream:  # failed after its first byte: the error is the stream's last event
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        error = json.loads(events[-2])["error"]
+    else:
+        error = assert_error(r, 503)
+    assert "10.0.3.7" not in r.text and error["code"] == "service_unavailable"
+    assert "log has the details" in error["message"]
+    assert any("10.0.3.7" in rec.getMessage() for rec in caplog.records)  # the operator still sees it
+    assert "temperature" in assert_error(refused, 400, "temperature")["message"]  # 4xx are about the request
+
+
 async def test_unexpected_backend_exception_is_500_and_logged(smol_tokenizer: Any, caplog: Any) -> None:
     caplog.set_level(logging.ERROR)
     async with client(make_app(smol_tokenizer, raising(RuntimeError("boom")))) as http:

@@ -68,3 +68,10 @@ def test_spec_tree_reaches_the_decode_engine(monkeypatch: pytest.MonkeyPatch, tm
     for key, value in decode.env.items():
         monkeypatch.setenv(key, value)
     assert DecodeSettings().engine_config("decode").spec_tree == "0;1;0.0"
+
+
+def test_every_service_gets_the_stacks_one_internal_token() -> None:
+    stack = plan("--decode", "2")
+    tokens = [v for c in stack.children for k, v in c.env.items() if k.endswith("_INTERNAL_TOKEN")]
+    assert len(tokens) == len(stack.children) == 5 and len(set(tokens)) == 1 and len(tokens[0]) >= 24
+    assert tokens[0] not in {v for c in plan().children for v in c.env.values()}  # one per stack

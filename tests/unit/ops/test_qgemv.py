@@ -1,7 +1,8 @@
-"""The quantized GEMV (`csrc/qgemv_cpu.cpp`) and the block formats it serves (`shared/ops/quant.py`).
+"""The quantized GEMV (`csrc/qgemv_cpu.cpp`) and the block formats it serves (`shared/ops/quant.py`,
+`shared/ops/kquant.py`).
 
-Oracles: gguf's own numpy (de)quantizers for the GGUF block layouts, and `qgemv_ref` (the kernel's formula
-in float64) for the products, at every instruction-set level this CPU runs; the integer block sums make every
+Oracles: gguf's own numpy (de)quantizers for the GGUF block layouts, and `qgemv_ref` (dequantize, then matmul in
+float64) for the products, at every instruction-set level this CPU runs; the integer block sums make every
 level give the same bits.
 """
 
@@ -13,10 +14,11 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from shared.ops import cpu_isa
+from shared.ops.kquant import gguf_codes
 from shared.ops.linear import LinearWeight
 from shared.ops.quant import QuantCodes, concat_rows, from_gguf_blocks, int8_per_channel, qgemv_ref
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int8"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "int8"]
 SHAPES = [(960, 576), (576, 1536), (70, 64), (5, 32)]
 
 
@@ -29,7 +31,7 @@ def weight_codes(fmt: str, n: int, k: int, seed: int = 0) -> tuple[QuantCodes, t
     return from_gguf_blocks(fmt, raw, (n, k)), w
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_gguf_blocks_dequantize_as_gguf_does(fmt: str) -> None:
     n, k = 48, 96
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
@@ -59,12 +61,12 @@ def test_matches_the_reference_at_every_row_count(fmt: str, out_features: int, i
     torch.testing.assert_close(batched, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     # quantized activations and weights stay close to the fp32 product (4 bits: ~12% rms for Gaussian weights)
     exact = x @ w.T
-    assert (batched - exact).norm() < (0.2 if codes.bits == 4 else 0.03) * exact.norm()
+    assert (batched - exact).norm() < {4: 0.2, 5: 0.1, 8: 0.03}[codes.bits] * exact.norm()
     for rows in (1, 2, 3, 8, 9):
         assert torch.equal(lin(x[:rows]), batched[:rows]), rows
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0", "Q8_0"])
 def test_every_level_gives_the_same_bits(fmt: str) -> None:
     codes, _ = weight_codes(fmt, 200, 576, seed=3)
     lin = LinearWeight.quantized(codes)
@@ -90,13 +92,17 @@ def test_rows_of_several_weights_concatenate() -> None:
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="Q6_K"):
         from_gguf_blocks("Q6_K", np.zeros(210, dtype=np.uint8), (1, 256))
+    with pytest.raises(ValueError, match="super-blocks"):
+        gguf_codes("Q6_K", np.zeros(210, dtype=np.uint8), (2, 128))
     with pytest.raises(ValueError, match="blocks"):
         int8_per_channel(torch.randn(4, 40))
     codes, _ = weight_codes("Q8_0", 16, 64)
     packed = codes.pack()
     with pytest.raises(RuntimeError, match="packed"):
-        torch.ops.baton_cpu.qgemv(torch.randn(1, 96), packed, 16, 8)
+        torch.ops.baton_cpu.qgemv(torch.randn(1, 96), packed, 16)
     with pytest.raises(RuntimeError, match="packed"):
-        torch.ops.baton_cpu.qgemv(torch.randn(1, 64), packed, 16, 4)
+        torch.ops.baton_cpu.qgemv(torch.randn(1, 64), packed[:, :, :-1].contiguous(), 16)
     with pytest.raises(RuntimeError, match="out_features"):
-        torch.ops.baton_cpu.qgemv(torch.randn(1, 64), packed, 40, 8)
+        torch.ops.baton_cpu.qgemv(torch.randn(1, 64), packed, 40)
+    with pytest.raises(RuntimeError, match="codes above 31"):
+        torch.ops.baton_cpu.qgemv_pack(torch.full((16, 32), 32, dtype=torch.uint8), codes.d[:, :1], codes.m[:, :1], 5)

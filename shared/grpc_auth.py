@@ -1,0 +1,139 @@
+"""A shared token on every internal gRPC call: who may run the model, claim a handoff or free slots.
+
+    service start ─► set_internal_token(settings.internal_token)      ("" = open, as before)
+    channel()     ─► every call carries `authorization: Bearer <token>` (a client interceptor)
+    make_server() ─► TokenAuthInterceptor: no token or a wrong one ─► UNAUTHENTICATED, counted
+                     (the health service stays open: probes and `baton up` carry no token)
+
+One token per stack: `baton up` makes a random one for its children; compose and Kubernetes
+read it from a secret. Compared in constant time. Mutual TLS is the stronger mode this
+leaves for later; the token already keeps a stray caller on the network out.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["AuthCollector", "TokenAuthInterceptor", "client_interceptors", "internal_token", "set_internal_token",
+           "unauthenticated_calls"]
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_state = {"token": ""}
+_refused = {"count": 0}
+_lock = threading.Lock()
+
+
+def set_internal_token(token: str) -> None:
+    """The token this process's gRPC servers require and its channels send ("" = none)."""
+    _state["token"] = token
+
+
+def internal_token() -> str:
+    return _state["token"]
+
+
+def unauthenticated_calls() -> int:
+    """Calls this process's servers refused for a missing or wrong token (baton_grpc_unauthenticated)."""
+    return _refused["count"]
+
+
+class AuthCollector(Collector):
+    """baton_grpc_unauthenticated_total: for a service's own metrics registry."""
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily("baton_grpc_unauthenticated", "Internal gRPC calls refused for a missing or "
+                                     "wrong token")
+        family.add_metric([], unauthenticated_calls())
+        yield family
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call but health checks unless it carries the process's internal token."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        token = internal_token()
+        method = handler_call_details.method or ""
+        if not token or method.startswith(_HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(given, bytes):
+            given = given.decode(errors="replace")
+        if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return await continuation(handler_call_details)
+        with _lock:
+            _refused["count"] += 1
+        logger.warning("refused %s: %s internal token", method, "wrong" if given else "no")
+        handler = await continuation(handler_call_details)
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
+
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token (BATON_*_INTERNAL_TOKEN)")
+
+    async def abort_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(request, context)
+        yield  # pragma: no cover (an async generator: the abort raised before it)
+
+    if handler is not None and handler.request_streaming:
+        raise_ = abort_stream if handler.response_streaming else abort
+        return (grpc.stream_stream_rpc_method_handler if handler.response_streaming
+                else grpc.stream_unary_rpc_method_handler)(raise_)
+    if handler is not None and handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort_stream)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class _BearerToken:
+    """Adds the internal token to a call's metadata (beside the trace context callers send)."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
+
+
+# one class per call kind: a channel files each interceptor under the first kind it is an instance of
+class _UnaryUnaryToken(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _UnaryStreamToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _StreamUnaryToken(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+class _StreamStreamToken(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    token = internal_token()
+    kinds = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
+    return [kind(token) for kind in kinds] if token else []

@@ -1,0 +1,79 @@
+"""The internal token on a real grpc.aio server: refused without it (unary and streaming calls alike),
+served with it, health checks always open, refusals counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import grpc.aio
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proto.baton.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
+from shared.grpc_auth import AuthCollector, set_internal_token, unauthenticated_calls
+from shared.grpc_common import channel, check_health, make_server
+from tests.unit.test_grpc_errors import FailingDecode, FailingServicer, _rpc_error
+
+
+@pytest.fixture
+def token() -> Iterator[str]:
+    set_internal_token("stack-secret")
+    yield "stack-secret"
+    set_internal_token("")
+
+
+def test_calls_without_the_token_are_unauthenticated_and_counted(token: str) -> None:
+    async def scenario() -> None:
+        handle = make_server("127.0.0.1:0")
+        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(FailingDecode(), handle.server)
+        await handle.start("baton.v1.KVTransferService")
+        try:
+            before = unauthenticated_calls()
+            # a stranger's channel: no token, then a wrong one
+            for metadata in ((), (("authorization", "Bearer guess"),)):
+                async with grpc.aio.insecure_channel(handle.address) as ch:
+                    stub = kv_transfer_pb2_grpc.KVTransferServiceStub(ch)
+                    exc = await _rpc_error(stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="x"),
+                                                        metadata=metadata))
+                    assert exc.code() is grpc.StatusCode.UNAUTHENTICATED and "internal token" in exc.details()
+                    stream = decode_pb2_grpc.DecodeServiceStub(ch).Generate(
+                        decode_pb2.DecodeRequest(handoff_id="context"), metadata=metadata)
+                    assert (await _rpc_error(stream)).code() is grpc.StatusCode.UNAUTHENTICATED
+            assert unauthenticated_calls() - before == 4
+            registry = CollectorRegistry()
+            registry.register(AuthCollector())
+            assert registry.get_sample_value("baton_grpc_unauthenticated_total") == unauthenticated_calls()
+            assert await check_health(handle.address, "baton.v1.KVTransferService")  # probes carry no token
+            # our own channels send it (with the caller's metadata beside it)
+            async with channel(handle.address) as ch:
+                stub = kv_transfer_pb2_grpc.KVTransferServiceStub(ch)
+                ok = await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="fine"),
+                                        metadata=(("x-request-id", "req-1"),))
+                assert ok.found
+                stream = decode_pb2_grpc.DecodeServiceStub(ch).Generate(  # a stream carries it too
+                    decode_pb2.DecodeRequest(handoff_id="context"), metadata=(("x-request-id", "req-2"),))
+                assert (await _rpc_error(stream)).code() is grpc.StatusCode.INVALID_ARGUMENT  # served, then failed
+            assert unauthenticated_calls() - before == 4
+        finally:
+            await handle.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_without_a_token_servers_are_open() -> None:
+    async def scenario() -> None:
+        handle = make_server("127.0.0.1:0")
+        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
+        await handle.start()
+        try:
+            async with grpc.aio.insecure_channel(handle.address) as ch:
+                ok = await kv_transfer_pb2_grpc.KVTransferServiceStub(ch).Release(
+                    kv_transfer_pb2.ReleaseRequest(handoff_id="fine"))
+                assert ok.found
+        finally:
+            await handle.stop(0)
+
+    asyncio.run(scenario())
