@@ -45,9 +45,10 @@ CARD = {"type": "object", "properties": {k: {"type": "string", "maxLength": 16} 
         "required": CARD_KEYS, "additionalProperties": False}
 
 
-def engine_for(model: str, fast_forward: bool) -> LLMEngine:
+def engine_for(model: str, fast_forward: bool, fast_forward_max_batch: int) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, max_model_len=2048, kv_cache_bytes=256 << 20,
-                                  grammar_fast_forward=fast_forward))
+                                  grammar_fast_forward=fast_forward,
+                                  grammar_fast_forward_max_batch=fast_forward_max_batch))
 
 
 def timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, overlap: bool = True) -> dict[str, Any]:
@@ -120,17 +121,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="batch 1 only, one round (smoke run)")
+    parser.add_argument("--fast-forward-max-batch", type=int, default=EngineConfig.grammar_fast_forward_max_batch,
+                        help="the engines' grammar_fast_forward_max_batch (a large value measures fast-forward at "
+                             "every batch)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite bench/README.md's table")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.repeats = [1], 1
     log(f"loading {args.model} (two engines: fast-forward off and on)")
-    plain, forward = engine_for(args.model, False), engine_for(args.model, True)
+    plain = engine_for(args.model, False, args.fast_forward_max_batch)
+    forward = engine_for(args.model, True, args.fast_forward_max_batch)
     tok = plain.loaded.tokenizer
     long_text = GrammarSpec("json_schema", json.dumps(LONG_TEXT))
     card = GrammarSpec("json_schema", json.dumps(CARD))
     out: dict[str, Any] = {"bench": "structured", "model": args.model, "machine": machine(), "repeats": args.repeats,
+                           "fast_forward_max_batch": args.fast_forward_max_batch,
                            "loadavg_1m_before": os.getloadavg()[0], "results": []}
     for batch in args.batch:
         questions = [f"{q} Answer in JSON." for q in (QUESTIONS * 4)[:batch]]

@@ -62,6 +62,11 @@ class EngineConfig:
     # grammar fast-forward: the tokens a request's grammar forces next are drafted for free and verified in
     # one pass (shared/spec/grammar_drafts.py); works with spec_method "none" too
     grammar_fast_forward: bool = True
+    # ... only while at most this many requests decode: forced drafts lengthen every verification chunk, and
+    # once the batch makes the step compute-bound they cost more than the steps they save (SmolLM2 on two
+    # CPU cores, bench/structured.py with no limit: 1.63x at batch 1, 1.29x at 2, 0.97x at 4, 0.94x at 8,
+    # 0.86x at 16)
+    grammar_fast_forward_max_batch: int = 2
     # CUDA: replay decode steps from CUDA graphs captured at start (one per padded batch size; one KV
     # block more is allocated for padding rows). False = launch every kernel eagerly (vLLM's --enforce-eager)
     cuda_graphs: bool = True

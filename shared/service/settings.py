@@ -79,6 +79,8 @@ class EngineServiceSettings(BaseSettings):
                               "false = launch kernels eagerly")
     grammar_fast_forward: bool = Field(default=True, description="draft the tokens a request's grammar forces "
                                        "next and verify them in one pass (structured outputs)")
+    grammar_fast_forward_max_batch: int = Field(default=2, ge=0, description="fast-forward only while at most "
+                                                "this many requests decode (larger batches are compute-bound)")
 
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(
@@ -94,6 +96,7 @@ class EngineServiceSettings(BaseSettings):
             aux_hidden_layers=self.aux_hidden_layers,
             async_scheduling=self.async_scheduling, cuda_graphs=self.cuda_graphs,
             grammar_fast_forward=self.grammar_fast_forward,
+            grammar_fast_forward_max_batch=self.grammar_fast_forward_max_batch,
         )
 
     @property

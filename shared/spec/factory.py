@@ -52,7 +52,7 @@ def build_speculator(
             return None
         logger.info("speculative decoding: grammar fast-forward drafts only")
         return Speculator(NoProposer(), MAX_FORCED_DRAFTS, max_model_len, loaded.spec.vocab_size,
-                          grammar_drafter=drafter)
+                          grammar_drafter=drafter, grammar_max_batch=config.grammar_fast_forward_max_batch)
     proposer: Proposer
     if config.spec_method in ("draft", "eagle") and not isinstance(loaded.spec, DecoderSpec):
         raise ConfigError(f"spec method {config.spec_method!r} drafts for Llama and Gemma 3 models, not "
@@ -77,4 +77,4 @@ def build_speculator(
         logger.info("greedy requests draft a tree of %d nodes, %d deep", tree.num_drafts, tree.max_depth)
     return Speculator(proposer, config.num_speculative_tokens, max_model_len, loaded.spec.vocab_size,
                       hidden_window=config.spec_eagle_window, disable_batch_size=config.spec_disable_batch_size,
-                      tree=tree, grammar_drafter=drafter)
+                      tree=tree, grammar_drafter=drafter, grammar_max_batch=config.grammar_fast_forward_max_batch)

@@ -95,6 +95,7 @@ class Speculator:
         disable_batch_size: int | None = None,
         tree: DraftTree | None = None,
         grammar_drafter: GrammarDrafter | None = None,
+        grammar_max_batch: int | None = None,
     ) -> None:
         """`grammar_drafter`: drafts what a request's grammar forces (shared/spec/grammar_drafts.py) before
         the proposer is asked; None = off."""
@@ -104,6 +105,7 @@ class Speculator:
             raise ConfigError(f"{type(proposer).__name__} drafts chains only: a draft tree needs an EAGLE head")
         self.proposer = proposer
         self.grammar_drafter = grammar_drafter
+        self.grammar_max_batch = grammar_max_batch  # more requests decoding: no forced drafts this step
         self.tree = tree
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -167,8 +169,9 @@ class Speculator:
             self.stats.num_steps_over_batch_limit += 1
             return
         batch: list[tuple[Request, ProposalInput]] = []
+        forced_ok = self.grammar_max_batch is None or len(decoding) <= self.grammar_max_batch
         for request in decoding:
-            if self._grammar_drafts(request) or self.proposes_nothing:
+            if (forced_ok and self._grammar_drafts(request)) or self.proposes_nothing:
                 continue
             if request.spec_disabled:
                 continue

@@ -178,7 +178,7 @@ def test_fast_forward_drafts_what_the_grammar_forces_and_changes_nothing(make: M
     batch = prompts()
     expected = [r.token_ids for r in make(grammar_fast_forward=False).generate(batch, greedy())]
     for config in [dict(), dict(spec_method="ngram"), dict(async_scheduling=True)]:
-        engine = make(**config)
+        engine = make(**config, grammar_fast_forward_max_batch=len(batch))
         assert [r.token_ids for r in engine.generate(batch, greedy())] == expected, config
         stats = engine.speculator.stats if engine.speculator is not None else None
         assert stats is not None
@@ -186,6 +186,19 @@ def test_fast_forward_drafts_what_the_grammar_forces_and_changes_nothing(make: M
             # every key of the schema is forced text: most of it came as drafts and was accepted
             assert stats.num_forced_drafts > 20 * len(batch), config
             assert stats.num_accepted_tokens >= stats.num_forced_drafts * 0.9, config
+
+
+def test_fast_forward_waits_while_the_batch_is_over_its_limit(make: MakeEngine) -> None:
+    """Over grammar_fast_forward_max_batch decoding requests a step drafts nothing (forced drafts would make it
+    compute-bound); as requests finish and the batch shrinks, fast-forward resumes. Output unchanged."""
+    batch = prompts()
+    expected = [r.token_ids for r in make(grammar_fast_forward=False).generate(batch, greedy())]
+    never = make(grammar_fast_forward_max_batch=0)
+    assert [r.token_ids for r in never.generate(batch, greedy())] == expected
+    assert never.speculator is not None and never.speculator.stats.num_forced_drafts == 0
+    alone = make(grammar_fast_forward_max_batch=1)
+    assert [r.token_ids for r in alone.generate(batch[:1], greedy())] == expected[:1]
+    assert alone.speculator is not None and alone.speculator.stats.num_forced_drafts > 20
 
 
 @pytest.mark.parametrize("choice", ["\x94", "é-x", "€€"])
