@@ -80,8 +80,14 @@ class KeyRing:
             logger.warning("API keys file %s unreadable (%s): keeping the last keys", self._path, exc.strerror)
             return
         if mtime_ns != self._mtime_ns:
-            keys = read_keys_file(self._path)
             first = self._mtime_ns is None
+            try:
+                keys = read_keys_file(self._path)
+            except ConfigError:
+                if first:
+                    raise
+                logger.warning("API keys file %s unreadable: keeping the last keys", self._path)
+                return
             self._file_keys, self._mtime_ns = keys, mtime_ns
             logger.info("API keys file %s %s: %d keys", self._path, "read" if first else "changed, re-read", len(keys))
 
