@@ -1,5 +1,5 @@
 """`baton up`'s watch over its children: ports checked before anything starts, a health check that
-knows its own router, and a bounded restart policy when a child exits.
+knows its own router, and a bounded restart policy when a child fails.
 
     plan ─► every port free? (no: refuse, naming the port and who needed it) ─► start children
          ─► ready when each answers its health check (the router with the instance id given it)
@@ -52,7 +52,7 @@ def check_ports_free(children: list[SupervisedChild], host: str) -> None:
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    max_restarts: int = 3  # per child; 0 = the first exit stops the stack
+    max_restarts: int = 3  # per child; 0 = the first failure stops the stack
     first_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
 
