@@ -106,31 +106,28 @@ class _BearerToken:
     def __init__(self, token: str) -> None:
         self._header = ("authorization", f"Bearer {token}")
 
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    async def _forward(self, continuation: Any, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        """Every call kind's hook: the same details plus the token (`request` is an iterator for streams)."""
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
+        return await continuation(grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
+                                                             details.credentials, details.wait_for_ready), request)
 
 
 # one class per call kind: a channel files each interceptor under the first kind it is an instance of
 class _UnaryUnaryToken(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+    intercept_unary_unary = _BearerToken._forward
 
 
 class _UnaryStreamToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+    intercept_unary_stream = _BearerToken._forward
 
 
 class _StreamUnaryToken(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._details(details), request_iterator)
+    intercept_stream_unary = _BearerToken._forward
 
 
 class _StreamStreamToken(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._details(details), request_iterator)
+    intercept_stream_stream = _BearerToken._forward
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
