@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from proto.baton.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from shared.grpc_auth import AuthCollector, set_internal_token, unauthenticated_calls
-from shared.grpc_common import channel, check_health, make_server
-from tests.unit.test_grpc_errors import FailingDecode, FailingServicer, _rpc_error
+from shared.grpc_common import channel, check_health
+from tests.unit.test_grpc_errors import _rpc_error, failing_server
 
 
 @pytest.fixture
@@ -26,11 +26,7 @@ def token() -> Iterator[str]:
 
 def test_calls_without_the_token_are_unauthenticated_and_counted(token: str) -> None:
     async def scenario() -> None:
-        handle = make_server("127.0.0.1:0")
-        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(FailingDecode(), handle.server)
-        await handle.start("baton.v1.KVTransferService")
-        try:
+        async with failing_server() as handle:
             before = unauthenticated_calls()
             # a stranger's channel: no token, then a wrong one
             for metadata in ((), (("authorization", "Bearer guess"),)):
@@ -57,23 +53,15 @@ def test_calls_without_the_token_are_unauthenticated_and_counted(token: str) -> 
                     decode_pb2.DecodeRequest(handoff_id="context"), metadata=(("x-request-id", "req-2"),))
                 assert (await _rpc_error(stream)).code() is grpc.StatusCode.INVALID_ARGUMENT  # served, then failed
             assert unauthenticated_calls() - before == 4
-        finally:
-            await handle.stop(0)
 
     asyncio.run(scenario())
 
 
 def test_without_a_token_servers_are_open() -> None:
     async def scenario() -> None:
-        handle = make_server("127.0.0.1:0")
-        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
-        await handle.start()
-        try:
-            async with grpc.aio.insecure_channel(handle.address) as ch:
-                ok = await kv_transfer_pb2_grpc.KVTransferServiceStub(ch).Release(
-                    kv_transfer_pb2.ReleaseRequest(handoff_id="fine"))
-                assert ok.found
-        finally:
-            await handle.stop(0)
+        async with failing_server() as handle, grpc.aio.insecure_channel(handle.address) as ch:
+            ok = await kv_transfer_pb2_grpc.KVTransferServiceStub(ch).Release(
+                kv_transfer_pb2.ReleaseRequest(handoff_id="fine"))
+            assert ok.found
 
     asyncio.run(scenario())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -23,7 +24,7 @@ from shared.errors import (
     RequestAbortedError,
     UnavailableError,
 )
-from shared.grpc_common import channel, check_health, make_server
+from shared.grpc_common import GrpcServer, channel, check_health, make_server
 from shared.grpc_errors import (
     REQUEST_ID_KEY,
     error_from_rpc,
@@ -151,13 +152,22 @@ async def _rpc_error(call: object) -> grpc.aio.AioRpcError:
     raise AssertionError("the call did not fail")
 
 
+@contextlib.asynccontextmanager
+async def failing_server() -> AsyncIterator[GrpcServer]:
+    """A real grpc.aio server (make_server's interceptors) with the failing kv_transfer and decode servicers."""
+    handle = make_server("127.0.0.1:0")
+    kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(FailingDecode(), handle.server)
+    await handle.start("baton.v1.KVTransferService")
+    try:
+        yield handle
+    finally:
+        await handle.stop(0)
+
+
 def test_interceptor_maps_errors_from_every_rpc_kind(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
-        handle = make_server("127.0.0.1:0")
-        kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(FailingDecode(), handle.server)
-        await handle.start("baton.v1.KVTransferService")
-        try:
+        async with failing_server() as handle:
             async with channel(handle.address) as ch:
                 stub = kv_transfer_pb2_grpc.KVTransferServiceStub(ch)
                 ok = await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="fine"))
@@ -189,8 +199,6 @@ def test_interceptor_maps_errors_from_every_rpc_kind(caplog: pytest.LogCaptureFi
                 watch.cancel()
             assert await check_health(handle.address, "baton.v1.KVTransferService")
             assert not await check_health(handle.address, "baton.v1.NoSuchService")
-        finally:
-            await handle.stop(0)
 
     with caplog.at_level(logging.INFO, logger="shared.grpc_errors"):
         asyncio.run(scenario())
