@@ -15,10 +15,11 @@ counted as failed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,21 +170,28 @@ async def run_load(
                 records[i] = await send_one(client, model, spec, timeout_s)
 
         start = time.perf_counter()
-        tasks = []
-        deadline = start + timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                for i, spec in enumerate(specs):
-                    tasks.append(asyncio.create_task(one(i, spec)))
-                    if rate is not None and i + 1 < len(specs):
-                        await asyncio.sleep(rng.expovariate(rate))
-                await asyncio.gather(*tasks)
-        except TimeoutError:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        end = min(time.perf_counter(), deadline)
+        await launch_arrivals([functools.partial(one, i, spec) for i, spec in enumerate(specs)], rate, rng,
+                              timeout_s)
+        end = min(time.perf_counter(), start + timeout_s)
     return records, end - start
+
+
+async def launch_arrivals(jobs: Sequence[Callable[[], Awaitable[None]]], rate: float | None, rng: random.Random,
+                          timeout_s: float) -> None:
+    """Start each job after a Poisson gap at `rate` per second (None: all at once) and wait for them all;
+    whatever is still running at `timeout_s` is cancelled (its record says so)."""
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            for i, job in enumerate(jobs):
+                tasks.append(asyncio.create_task(job()))
+                if rate is not None and i + 1 < len(jobs):
+                    await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+    except TimeoutError:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def warm_up(base_url: str, model: str, vocab_ids: Sequence[int], timeout_s: float = 120.0,

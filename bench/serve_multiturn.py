@@ -14,13 +14,14 @@ wall-clock timeout, after which turns still open are cancelled and count as fail
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 
-from bench.serve_load import RequestSpec, send_one
+from bench.serve_load import RequestSpec, launch_arrivals, send_one
 from bench.serve_stats import SLO, RequestRecord, percentile, summarize
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "da", "zu", "ho", "ri", "mo", "te", "bi")
@@ -88,19 +89,8 @@ async def run_conversations(base_url: str, model: str, convs: Sequence[Conversat
     loop = asyncio.get_running_loop()
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout_s) as client:
         start = loop.time()
-        tasks = []
-        try:
-            async with asyncio.timeout(timeout_s):
-                for i, conv in enumerate(convs):
-                    tasks.append(asyncio.create_task(
-                        _run_conversation(client, model, i, conv, output_tokens, timeout_s, records)))
-                    if i + 1 < len(convs):
-                        await asyncio.sleep(rng.expovariate(rate))
-                await asyncio.gather(*tasks)
-        except TimeoutError:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await launch_arrivals([functools.partial(_run_conversation, client, model, i, conv, output_tokens, timeout_s,
+                                                 records) for i, conv in enumerate(convs)], rate, rng, timeout_s)
         duration_s = loop.time() - start
     sent = {(r.conversation, r.turn) for r in records}
     for i, conv in enumerate(convs):  # turns never sent (an earlier turn failed, or the timeout) are failures
