@@ -42,12 +42,8 @@ def key_id(key: bytes) -> str:
     return "key-" + hashlib.sha256(key).hexdigest()[:8]
 
 
-def read_keys_file(path: Path) -> list[bytes]:
+def parse_keys(text: str) -> list[bytes]:
     """One key per line; blank lines and `#` comments skipped."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the API keys file {path}: {exc.strerror}") from None
     return [line.strip().encode() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -72,24 +68,19 @@ class KeyRing:
 
     def _reload(self) -> None:
         assert self._path is not None
+        first = self._mtime_ns is None
         try:
             mtime_ns = os.stat(self._path).st_mtime_ns
+            if mtime_ns == self._mtime_ns:
+                return
+            keys = parse_keys(self._path.read_text())
         except OSError as exc:
-            if self._mtime_ns is None:  # at start: a missing file is a configuration error
+            if first:  # at start: a missing or unreadable file is a configuration error
                 raise ConfigError(f"cannot read the API keys file {self._path}: {exc.strerror}") from None
             logger.warning("API keys file %s unreadable (%s): keeping the last keys", self._path, exc.strerror)
             return
-        if mtime_ns != self._mtime_ns:
-            first = self._mtime_ns is None
-            try:
-                keys = read_keys_file(self._path)
-            except ConfigError:
-                if first:
-                    raise
-                logger.warning("API keys file %s unreadable: keeping the last keys", self._path)
-                return
-            self._file_keys, self._mtime_ns = keys, mtime_ns
-            logger.info("API keys file %s %s: %d keys", self._path, "read" if first else "changed, re-read", len(keys))
+        self._file_keys, self._mtime_ns = keys, mtime_ns
+        logger.info("API keys file %s %s: %d keys", self._path, "read" if first else "changed, re-read", len(keys))
 
     def keys(self) -> list[bytes]:
         if self._path is not None:
