@@ -2,6 +2,7 @@
 
     baton make-tiny gemma4 --out DIR [--moe] [--k-eq-v] [--kv-shared-layers N] [--ple-size N]
                            [--double-wide-mlp] [--layers N] [--hidden-size N] [--multimodal] [--seed S]
+                           [--vision] [--audio] [--bidirectional-vision]
     baton make-tiny gemma4-assistant --target DIR --out ADIR [--ordered-embeddings]
     baton up --model DIR --spec gemma4_assistant --spec-draft-model ADIR
 
@@ -36,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--sliding-window", type=int, default=32)
     p.add_argument("--multimodal", action="store_true",
                    help="save as Gemma4ForConditionalGeneration (as published checkpoints are)")
+    p.add_argument("--vision", action="store_true", help="with a tiny vision tower (implies --multimodal)")
+    p.add_argument("--audio", action="store_true", help="with a tiny audio tower (implies --multimodal)")
+    p.add_argument("--bidirectional-vision", action="store_true",
+                   help="an image's soft tokens attend to each other on sliding layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="40MB", help="safetensors shard size (default 40MB)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
@@ -52,7 +57,8 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     opts = TinyGemma4(num_layers=args.layers, hidden_size=args.hidden_size, moe=args.moe, k_eq_v=args.k_eq_v,
                       kv_shared_layers=args.kv_shared_layers, ple_size=args.ple_size,
                       double_wide_mlp=args.double_wide_mlp, sliding_window=args.sliding_window,
-                      multimodal=args.multimodal, seed=args.seed)
+                      multimodal=args.multimodal, vision=args.vision, audio=args.audio,
+                      bidirectional_vision=args.bidirectional_vision, seed=args.seed)
     tokenizer_dir = resolve_model("gemma3-270m", args.cache_dir)
     print(write_checkpoint(args.out, opts, tokenizer_dir, args.max_shard_size))
     return 0

@@ -11,6 +11,11 @@ at positions `p` with `p <= pos` and, on sliding-window layers,
 A draft tree's verification chunk (shared/spec/tree.py) is the exception:
 `tree_masks` names its ancestor mask, its queries attend to the context before
 the chunk and to their own ancestors only, and it runs with the long chunks.
+So is a chunk holding an image whose soft tokens see each other (Gemma 4's
+`use_bidirectional_attention: "vision"`): on sliding-window layers a query inside
+one of `bidirectional_spans` also sees the later keys of its span (still within
+the window: `p > pos - sliding_window`); full layers stay causal, as transformers'.
+The scheduler never splits such a span across chunks.
 
 The reference runs anywhere (the CPU serving path uses it); the Triton kernel in
 `triton_attention.py` computes the same thing on CUDA.
@@ -45,6 +50,9 @@ class AttentionMetadata:
     # draft-tree verification chunks: sequence index -> [query_len, query_len] bool, True where query i may
     # see the chunk's key j (j is i or an ancestor); `positions` holds the tree depths, not consecutive ones
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # sequence index -> [start, end) positions of the images in its chunk whose tokens attend to each other on
+    # sliding-window layers (multimodal prompts of Gemma 4 models that ask for it)
+    bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     # (block_tables, slot_mapping) of each further KV layer group (shared/engine/hybrid_kv.py), as above
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # per-step values every layer shares (index tensors, masks), built once by the first layer
@@ -128,8 +136,23 @@ def _chunk_mask(
         mask = _position_mask(context + depth, torch.arange(s_len, device=device), sliding_window)
         if tree is not None:  # ancestors lie within the window: a tree is far shallower than any window
             mask[:, context:] = tree
+        spans = meta.bidirectional_spans.get(seq) if sliding_window is not None else None
+        if spans:
+            mask |= _span_mask(context + depth, torch.arange(s_len, device=device), spans, sliding_window)
         meta.step_cache[key] = mask
     return mask  # type: ignore[return-value]
+
+
+def _span_mask(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, spans: list[tuple[int, int]], sliding_window: int | None
+) -> torch.Tensor:  # [num_queries, num_keys] bool
+    """Where a query and a key lie in the same span (and the key within the query's window)."""
+    mask = torch.zeros((query_pos.shape[0], key_pos.shape[0]), dtype=torch.bool, device=query_pos.device)
+    for lo, hi in spans:
+        mask |= ((query_pos >= lo) & (query_pos < hi)).unsqueeze(-1) & ((key_pos >= lo) & (key_pos < hi))
+    if sliding_window is not None:
+        mask &= key_pos.unsqueeze(-2) > (query_pos.unsqueeze(-1) - sliding_window)
+    return mask
 
 
 def _sdpa_grouped(
@@ -197,7 +220,8 @@ def split_sequences(meta: AttentionMetadata) -> tuple[list[int], list[int], list
         short_seqs: list[int] = []
         long_seqs: list[int] = []
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-            short = (q_len == 1 or (q_len <= _SHORT_MAX_QUERY and s_len > q_len)) and i not in meta.tree_masks
+            short = (q_len == 1 or (q_len <= _SHORT_MAX_QUERY and s_len > q_len)) and i not in meta.tree_masks \
+                and i not in meta.bidirectional_spans
             (short_seqs if short else long_seqs).append(i)
         starts = list(itertools.accumulate(meta.query_lens_host, initial=0))
         cached = meta.step_cache["split"] = (short_seqs, long_seqs, starts)

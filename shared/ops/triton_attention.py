@@ -294,7 +294,7 @@ def paged_attention_triton(
     `key`/`value` are accepted only so this and `paged_attention_ref` are
     interchangeable: the kernel reads every key, this step's included, from the cache.
     """
-    if meta.tree_masks:  # draft-tree verification: the kernel knows causal masks only
+    if meta.tree_masks or meta.bidirectional_spans:  # trees, images seen both ways: the kernel is causal only
         return paged_attention_ref(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
     del key, value
     _check_inputs(query, k_cache, v_cache, meta)

@@ -74,6 +74,7 @@ class Gemma4Spec:
     moe: MoESpec | None = None
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = True
+    pad_token_id: int = 0  # multimodal placeholders take its per-layer input (the PLE vocabulary may lack theirs)
 
     @property
     def kv_layers(self) -> tuple[LayerKV, ...]:
@@ -171,4 +172,5 @@ def gemma4_spec(config: Any, max_positions: int) -> Gemma4Spec:
         moe=moe,
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        pad_token_id=int(getattr(config, "pad_token_id", 0) or 0),
     )

@@ -41,6 +41,8 @@ from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
 from shared.ops.cpu_attention import write_kv_cpu
 from shared.ops.cpu_kernels import cpu_kernels_available
 
+# multimodal soft tokens of a forward: (flat rows [m] int64, their embeddings [m, hidden])
+SoftTokens = tuple[torch.Tensor, torch.Tensor]
 # per layer, (keys, values) it attends over: [num_blocks, block_size, num_kv_heads, head_dim] each
 LayerCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -96,10 +98,16 @@ class Gemma4TextLM:
         meta: AttentionMetadata,
         on_layer_done: LayerDoneFn | None = None,
         captured: dict[int, torch.Tensor] | None = None,
+        soft_tokens: SoftTokens | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        """The final (normed) hidden states; `captured`'s keys name layers whose outputs are stored into it."""
+        """The final (normed) hidden states; `captured`'s keys name layers whose outputs are stored into it;
+        `soft_tokens` replaces the embeddings of multimodal placeholder rows (multimodal.py)."""
         s, w = self.spec, self.w
         x = F.embedding(input_ids, w.embed) * torch.tensor(s.hidden_size**0.5, dtype=self.dtype)
+        if soft_tokens is not None:
+            rows, values = soft_tokens
+            input_ids = input_ids.index_fill(0, rows, s.pad_token_id)  # their per-layer inputs: the pad token's
+            x = x.index_copy(0, rows, values.to(x.dtype))
         ple = self._per_layer_inputs(input_ids, x) if w.ple_projection is not None else None
         cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.ropes.items()}
         metas = [meta, *(replace(meta, block_tables=tables, slot_mapping=slots) for tables, slots in meta.group_tables)]

@@ -5,8 +5,10 @@ the whole stack up on these: transformers' own Gemma 4 code builds the model
 from a small config with every feature asked for, the weights are drawn wide
 (so greedy decoding has clear winners) and `save_pretrained` writes sharded
 safetensors with their index. `multimodal` saves a Gemma4ForConditionalGeneration
-(text config nested, text weights under `model.language_model.`, no vision or
-audio tower), as the published checkpoints are.
+(text config nested, text weights under `model.language_model.`), as the published
+checkpoints are; `vision` and `audio` add tiny towers (vision.py, audio.py) with
+their embedders and a `processor_config.json` (image processor and audio feature
+extractor settings, as Gemma4Processor saves them) sized for the tiny towers.
 
 The tokenizer is a stand-in: the packaged Gemma 3 tokenizer (the same 262,144
 token vocabulary, but without Gemma 4's control tokens such as `<|turn>`, which
@@ -45,7 +47,68 @@ class TinyGemma4:
     sliding_window: int = 32
     vocab_size: int = GEMMA_VOCAB
     multimodal: bool = False  # save as Gemma4ForConditionalGeneration
+    vision: bool = False  # with a vision tower (implies multimodal)
+    audio: bool = False  # with an audio tower (implies multimodal)
+    bidirectional_vision: bool = False  # use_bidirectional_attention="vision"
     seed: int = 0
+
+
+# the tiny towers' image processor: 4 px patches pooled 2 x 2, at most 70 soft tokens (the smallest budget
+# transformers' Gemma4ImageProcessor accepts), so an image of up to 280 patches
+TINY_IMAGE_PROCESSOR: dict[str, Any] = dict(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+# placeholder and delimiter ids inside a tiny vocabulary (the published ones lie past 256)
+SMALL_VOCAB_TOKEN_IDS: dict[str, int] = dict(video_token_id=249, image_token_id=250, audio_token_id=251,
+                                             boi_token_id=252, eoi_token_id=253, boa_token_id=254,
+                                             eoa_token_index=255)
+
+
+def vision_config() -> Any:
+    """A tiny `Gemma4VisionConfig` (GQA, clipped projections, standardized output, 2-D RoPE)."""
+    from transformers import Gemma4VisionConfig
+
+    return Gemma4VisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, patch_size=TINY_IMAGE_PROCESSOR["patch_size"],
+        pooling_kernel_size=TINY_IMAGE_PROCESSOR["pooling_kernel_size"], position_embedding_size=256,
+        use_clipped_linears=True, standardize=True)
+
+
+def audio_config() -> Any:
+    """A tiny `Gemma4AudioConfig`: 128 mel bins in (the feature extractor's), chunks of 4 frames."""
+    from transformers import Gemma4AudioConfig
+
+    return Gemma4AudioConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
+        conv_kernel_size=5, attention_chunk_size=4, attention_context_left=5, attention_context_right=0,
+        output_proj_dims=48, use_clipped_linears=True)
+
+
+def multimodal_model_config(text: Any, vision: bool, audio: bool, token_ids: dict[str, int] | None = None) -> Any:
+    """A `Gemma4Config` around `text` with the tiny towers asked for."""
+    from transformers import Gemma4Config
+
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision_config().to_dict() if vision else None,
+                        audio_config=audio_config().to_dict() if audio else None, **(token_ids or {}))
+
+
+def tiny_processor_config() -> dict[str, Any]:
+    """The tiny towers' processor settings, shaped as Gemma4Processor's `processor_config.json`."""
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    image = Gemma4ImageProcessorPil(**TINY_IMAGE_PROCESSOR).to_dict()
+    audio = {k: v for k, v in Gemma4AudioFeatureExtractor().to_dict().items() if k not in ("mel_filters", "window")}
+    return {"processor_class": "Gemma4Processor", "image_processor": image, "feature_extractor": audio,
+            "image_seq_length": TINY_IMAGE_PROCESSOR["max_soft_tokens"], "audio_seq_length": 750,
+            "audio_ms_per_token": 40}
+
+
+def write_processor_config(out_dir: Path) -> None:
+    """`processor_config.json` as Gemma4Processor writes it: its image processor and feature extractor."""
+    import json
+
+    config = tiny_processor_config()
+    (out_dir / "processor_config.json").write_text(json.dumps(config, indent=2, default=str))
 
 
 def text_config(opts: TinyGemma4) -> Any:
@@ -78,19 +141,26 @@ def randomize(model: Any, seed: int = 0, std: float = 0.2) -> Any:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * std)
         for name, buffer in model.named_buffers():
-            if name.endswith("layer_scalar"):
+            if name.endswith("layer_scalar") or name.endswith("std_scale"):
                 buffer.copy_(0.5 + torch.rand(buffer.shape, generator=gen))
+            elif name.endswith("std_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * std)
+            elif name.endswith(("input_min", "input_max", "output_min", "output_max")):  # clipped linears: bite
+                bound = 1.0 + float(torch.rand((), generator=gen))
+                buffer.fill_(-bound if name.endswith("_min") else bound)
     return model
 
 
 def build(opts: TinyGemma4) -> Any:
     """The transformers model (Gemma4ForCausalLM, or Gemma4ForConditionalGeneration when multimodal)."""
-    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers import AutoModelForCausalLM, Gemma4ForConditionalGeneration
 
     text = text_config(opts)
-    if opts.multimodal:
-        config = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
-        model = Gemma4ForConditionalGeneration(config)
+    if opts.bidirectional_vision:
+        text.use_bidirectional_attention = "vision"
+    if opts.multimodal or opts.vision or opts.audio:
+        token_ids = SMALL_VOCAB_TOKEN_IDS if opts.vocab_size <= 256 else None
+        model = Gemma4ForConditionalGeneration(multimodal_model_config(text, opts.vision, opts.audio, token_ids))
     else:
         model = AutoModelForCausalLM.from_config(text)
     return randomize(model.eval(), opts.seed)
@@ -108,6 +178,8 @@ def write_checkpoint(out_dir: Path, opts: TinyGemma4, tokenizer_dir: Path | None
         for name in _TOKENIZER_FILES:
             shutil.copy(tokenizer_dir / name, out_dir / name)
     shutil.copy(CHAT_TEMPLATE, out_dir / "chat_template.jinja")
+    if opts.vision or opts.audio:
+        write_processor_config(out_dir)
     return out_dir
 
 

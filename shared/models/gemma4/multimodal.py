@@ -1,0 +1,107 @@
+"""Gemma 4's encoders as one piece: each tower, then its embedder into the text model's space.
+
+    image patches ──VisionTower──► [n, vision hidden] ──embed_vision──► [n, text hidden]
+    audio mel     ──AudioTower───► [n, audio out]     ──embed_audio───► [n, text hidden]
+    embedder: x ──RMSNorm (no scale)──► linear (no bias)
+
+The text model then takes these rows in place of the placeholder tokens' embeddings
+(`Gemma4TextLM.forward(..., soft_tokens=...)`): the placeholders' per-layer inputs
+use the pad token's identity (the PLE vocabulary may lack the placeholder ids).
+Where the text config says `use_bidirectional_attention: "vision"`, each image's
+soft tokens see each other on sliding layers (`MultimodalConfig.bidirectional_vision`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shared.models.gemma4.audio import AudioTower, audio_spec
+from shared.models.gemma4.encoder_common import TowerWeights, rms
+from shared.models.gemma4.vision import VisionTower, vision_spec
+
+
+@dataclass(frozen=True)
+class MultimodalConfig:
+    """What the serving stack needs to know of a multimodal checkpoint, without its weights."""
+
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    audio_token_id: int
+    boa_token_id: int
+    eoa_token_id: int
+    pad_token_id: int
+    has_vision: bool
+    has_audio: bool
+    bidirectional_vision: bool  # sliding layers let an image's soft tokens see each other
+
+
+def multimodal_config(config: Any) -> MultimodalConfig | None:
+    """The multimodal part of a `Gemma4Config` (None: a text-only config or checkpoint without towers)."""
+    vision, audio = getattr(config, "vision_config", None), getattr(config, "audio_config", None)
+    if vision is None and audio is None:
+        return None
+    text = config.text_config
+    return MultimodalConfig(
+        image_token_id=int(config.image_token_id), boi_token_id=int(config.boi_token_id),
+        eoi_token_id=int(config.eoi_token_id), audio_token_id=int(config.audio_token_id),
+        boa_token_id=int(config.boa_token_id), eoa_token_id=int(config.eoa_token_index),
+        pad_token_id=int(text.pad_token_id or 0), has_vision=vision is not None, has_audio=audio is not None,
+        bidirectional_vision=getattr(text, "use_bidirectional_attention", None) == "vision",
+    )
+
+
+class Embedder:
+    """transformers' Gemma4MultimodalEmbedder: RMSNorm without scale, then a projection."""
+
+    def __init__(self, weights: TowerWeights, in_size: int, out_size: int, eps: float) -> None:
+        self.proj = weights.get("embedding_projection.weight", (out_size, in_size))
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
+        return F.linear(rms(x.to(self.proj.dtype), None, self.eps), self.proj)
+
+
+class Gemma4Encoders:
+    """The vision and audio towers of a checkpoint with their embedders (either may be absent)."""
+
+    def __init__(self, config: Any, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        device = torch.device(device)
+        text_hidden = config.text_config.hidden_size
+        self.vision: VisionTower | None = None
+        self.audio: AudioTower | None = None
+        if config.vision_config is not None:
+            spec = vision_spec(config.vision_config)
+            self.vision = VisionTower(spec, weights, device, dtype)
+            self.embed_vision = Embedder(TowerWeights(weights, "model.embed_vision.", device, dtype),
+                                         spec.hidden_size, text_hidden, config.vision_config.rms_norm_eps)
+        if config.audio_config is not None:
+            aspec = audio_spec(config.audio_config)
+            self.audio = AudioTower(aspec, weights, device, dtype)
+            self.embed_audio = Embedder(TowerWeights(weights, "model.embed_audio.", device, dtype),
+                                        aspec.output_size, text_hidden, config.audio_config.rms_norm_eps)
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def encode_image(
+        self,
+        patches: torch.Tensor,  # [num_patches, 3 * patch_size**2]
+        positions: torch.Tensor,  # [num_patches, 2]
+    ) -> torch.Tensor:  # [num_soft_tokens, text hidden]
+        assert self.vision is not None, "checked by the caller: the model reads images"
+        return self.embed_vision(self.vision.forward(patches, positions).to(self.dtype))
+
+    @torch.inference_mode()
+    def encode_audio(
+        self,
+        mel: torch.Tensor,  # [num_frames, num_mel_bins]
+        frame_mask: torch.Tensor,  # [num_frames] bool
+    ) -> torch.Tensor:  # [num_soft_tokens, text hidden]
+        assert self.audio is not None, "checked by the caller: the model reads audio"
+        return self.embed_audio(self.audio.forward(mel, frame_mask))

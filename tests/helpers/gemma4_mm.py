@@ -1,0 +1,85 @@
+"""Tiny multimodal Gemma 4 models (vision and audio towers) and media to feed them, for fidelity tests.
+
+The text part is one of tests/helpers/gemma4.py's variants with the 256-token
+vocabulary; the placeholder and delimiter ids are `SMALL_VOCAB_TOKEN_IDS`.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.models.gemma4.tiny import (
+    SMALL_VOCAB_TOKEN_IDS,
+    multimodal_model_config,
+    randomize,
+)
+from tests.helpers.gemma4 import tiny_gemma4_config
+
+IMAGE_ID = SMALL_VOCAB_TOKEN_IDS["image_token_id"]
+AUDIO_ID = SMALL_VOCAB_TOKEN_IDS["audio_token_id"]
+BOI, EOI = SMALL_VOCAB_TOKEN_IDS["boi_token_id"], SMALL_VOCAB_TOKEN_IDS["eoi_token_id"]
+BOA, EOA = SMALL_VOCAB_TOKEN_IDS["boa_token_id"], SMALL_VOCAB_TOKEN_IDS["eoa_token_index"]
+
+
+def tiny_mm_config(variant: str = "all", bidirectional: bool = True, **overrides: Any) -> Any:
+    text = tiny_gemma4_config(variant, **overrides)
+    if bidirectional:
+        text.use_bidirectional_attention = "vision"
+    return multimodal_model_config(text, vision=True, audio=True, token_ids=SMALL_VOCAB_TOKEN_IDS)
+
+
+def tiny_mm_hf(variant: str = "all", bidirectional: bool = True, seed: int = 0, **overrides: Any) -> Any:
+    """A random transformers Gemma4ForConditionalGeneration with both towers."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    return randomize(Gemma4ForConditionalGeneration(tiny_mm_config(variant, bidirectional, **overrides)).eval(), seed)
+
+
+def media_processor() -> Any:
+    """The tiny towers' processor (what `baton make-tiny gemma4 --vision --audio` writes)."""
+    from shared.models.gemma4.tiny import tiny_processor_config
+    from shared.multimodal.processor import Gemma4MediaProcessor
+
+    return Gemma4MediaProcessor(tiny_processor_config())
+
+
+def random_image(width: int, height: int, seed: int = 0) -> Any:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    random_image(width, height, seed).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def random_wave(seconds: float, seed: int = 0, rate: int = 16_000) -> np.ndarray:
+    """A chirp plus noise: something with structure for the mel frames."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.5 * np.sin(2 * np.pi * (200 + 900 * t) * t) + 0.05 * rng.standard_normal(t.shape)).astype(np.float32)
+
+
+def wav_bytes(wave: np.ndarray, rate: int = 16_000, fmt: str = "WAV", subtype: str | None = None) -> bytes:
+    import soundfile
+
+    buf = io.BytesIO()
+    soundfile.write(buf, wave, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def text_weights(hf: Any) -> dict[str, torch.Tensor]:
+    """The text model's tensors of a ForConditionalGeneration, under the *ForCausalLM names baton reads."""
+    prefix = "model.language_model."
+    return {("model." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in hf.state_dict().items()}
+
+
+def mm_token_type_ids(ids: list[int]) -> torch.Tensor:  # [1, n]: 1 image, 3 audio, as Gemma4Processor marks them
+    return torch.tensor([[1 if t == IMAGE_ID else 3 if t == AUDIO_ID else 0 for t in ids]])
