@@ -21,23 +21,30 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from shared.multimodal.items import MediaItem, block_media_key
+
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
-    """Stable (cross-process) chained hash of one full block."""
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"",
+               media_key: bytes = b"") -> BlockHash:
+    """Stable (cross-process) chained hash of one full block. `extra` (the model's salt) names the chain's root;
+    `media_key` the images and audio whose soft tokens the block holds (shared/multimodal/items.py)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root:" + extra)
     h.update(array("q", token_ids).tobytes())
+    if media_key:
+        h.update(b"media:" + media_key)
     return h.digest()
 
 
-def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> list[BlockHash]:
-    """Chained hashes of every full block of `token_ids`."""
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
+                       media: Sequence[MediaItem] = ()) -> list[BlockHash]:
+    """Chained hashes of every full block of `token_ids` (with `media`: the prompt's images and audio)."""
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+    for i, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra, block_media_key(media, i, block_size))
         hashes.append(parent)
     return hashes
 

@@ -51,6 +51,7 @@ from shared.errors import BatonError, ConfigError, ContextLengthExceededError, I
 from shared.kv.layout import kv_groups
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
 from shared.models.loader import LoadedModel, load_model
+from shared.multimodal.items import AUDIO, IMAGE, MediaInput, MediaItem, check_placement
 from shared.ops.attention import paged_attention_ref
 from shared.spec.factory import build_speculator
 from shared.spec.speculator import Speculator
@@ -132,6 +133,7 @@ class LLMEngine:
             raise ConfigError(f"aux_hidden_layers {config.aux_hidden_layers} outside [0, {spec.num_layers})")
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
                                   tuple(config.aux_hidden_layers))
+        self.runner.media_encoder = self.loaded.media_encoder
         bind = getattr(self.speculator.proposer, "bind_target", None) if self.speculator is not None else None
         if bind is not None:  # a proposer that reads the target's cache (gemma4_assistant)
             bind(self.runner.model_kv, self.kv, self.layout)
@@ -167,7 +169,7 @@ class LLMEngine:
     # ---- intake -------------------------------------------------------------------
     def _new_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        output_token_ids: Sequence[int] = (),
+        output_token_ids: Sequence[int] = (), media: Sequence[MediaItem] = (),
     ) -> Request:
         prompt = list(prompt_token_ids)
         vocab = self.loaded.spec.vocab_size
@@ -179,34 +181,55 @@ class LLMEngine:
                 "(and at least one token must be generated)",
                 param="prompt",
             )
+        inputs = self._media_inputs(request_id, prompt, media) if media else []
         self._arrivals += 1
         return Request(
             request_id, prompt, params, eos_token_ids=self.loaded.eos_token_ids,
-            arrival_index=self._arrivals, output_token_ids=list(output_token_ids),
+            arrival_index=self._arrivals, output_token_ids=list(output_token_ids), media=inputs,
+            bidirectional_images=bool(inputs) and self.loaded.multimodal.bidirectional_vision,
         )
+
+    def _media_inputs(self, request_id: str, prompt: list[int], media: Sequence[MediaItem]) -> list[MediaInput]:
+        """A prompt's media, checked against its placeholders and (engines that compute prompts) encoded now, so
+        that undecodable media is the caller's 400, never a failed step."""
+        encoder, mm = self.loaded.media_encoder, self.loaded.multimodal
+        if encoder is None or mm is None:
+            raise InvalidRequestError("this model reads text only: images and audio cannot be given to it",
+                                      param="messages")
+        problem = check_placement(media, prompt, {IMAGE: mm.image_token_id, AUDIO: mm.audio_token_id})
+        if problem is not None:
+            raise InvalidRequestError(problem, param="messages")
+        inputs = [MediaInput(item) for item in media]
+        if self.config.role != "decode":  # a decode engine encodes only to recompute a preempted prompt
+            for m in inputs:
+                m.embeds = encoder.encode(m.item, request_id)
+        return inputs
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self.scheduler.requests or any(r.request_id == request_id for r, _ in self._pending_handoffs) \
                 or (self.remote is not None and self.remote.has(request_id)) or request_id in self.choices:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    media: Sequence[MediaItem] = ()) -> None:
         """Compute the prompt here, then decode (colocated; a decode engine too, when the router finds a
-        handoff would cost more than the prefill: a short prompt or a long prefix hit in its cache)."""
+        handoff would cost more than the prefill: a short prompt or a long prefix hit in its cache).
+        `media`: the prompt's images and audio, at their placeholder tokens."""
         self._check_new_id(request_id)
         if params.n == 1:
-            self.admit_new(self._new_request(request_id, prompt_token_ids, params))
+            self.admit_new(self._new_request(request_id, prompt_token_ids, params, media=media))
             return
-        holder, followers = self._new_choices(request_id, prompt_token_ids, params)
+        holder, followers = self._new_choices(request_id, prompt_token_ids, params, media=media)
         self.admit_new(holder)
         self.choices.hold(request_id, holder.request_id, followers)
         self._release_followers()
 
     def _new_choices(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     first_tokens: Sequence[FirstToken] = ()) -> tuple[Request, list[Request]]:
+                     first_tokens: Sequence[FirstToken] = (), media: Sequence[MediaItem] = (),
+                     ) -> tuple[Request, list[Request]]:
         """The validated requests of params.n choices: choice 0 (the holder), then its followers."""
         requests = [self._new_request(choice_id, prompt_token_ids, child_params(params, i),
-                                      [first_tokens[i].token_id] if first_tokens else [])
+                                      [first_tokens[i].token_id] if first_tokens else [], media)
                     for i, choice_id in enumerate(self.choices.add(request_id, params.n))]
         return requests[0], requests[1:]
 
@@ -242,15 +265,16 @@ class LLMEngine:
         return self.remote
 
     def add_pushed_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                           address: AgentAddress, slots: HandoffSlots) -> None:
-        """Prefill role: compute the prompt, writing its KV into `slots` layer by layer."""
+                           address: AgentAddress, slots: HandoffSlots, media: Sequence[MediaItem] = ()) -> None:
+        """Prefill role: compute the prompt (encoding its media), writing its KV into `slots` layer by layer."""
         assert self.remote is not None, "enable_remote_kv first"
         self._check_new_id(request_id)
         if params.n == 1:
-            self.remote.add_pushed(self._new_request(request_id, prompt_token_ids, params), address, slots)
+            self.remote.add_pushed(self._new_request(request_id, prompt_token_ids, params, media=media), address,
+                                   slots)
             return
         # n > 1: the holder ships the prompt's KV once; the followers only sample their first tokens
-        holder, followers = self._new_choices(request_id, prompt_token_ids, params)
+        holder, followers = self._new_choices(request_id, prompt_token_ids, params, media=media)
         holder.hand_off_always = True
         for follower in followers:
             follower.ships_kv = False
@@ -551,13 +575,15 @@ class LLMEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None = None,
+        media: Sequence[Sequence[MediaItem]] | None = None,
     ) -> list[GenerationResult]:
         """Run a batch of prompts to completion (continuous batching inside): a result per prompt, or per
-        choice with n > 1 (a prompt's choices in a row)."""
+        choice with n > 1 (a prompt's choices in a row). `media`: each prompt's images and audio."""
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, param_list, strict=True):
-            self.add_request(request_id, prompt, p)
+        media_list = list(media) if media is not None else [()] * len(prompts)
+        for request_id, prompt, p, items in zip(ids, prompts, param_list, media_list, strict=True):
+            self.add_request(request_id, prompt, p, media=items)
         results = self.run_to_completion(on_output)
         return [results[choice_request_id(i, k) if k else i] for i, p in zip(ids, param_list, strict=True)
                 for k in range(p.n)]

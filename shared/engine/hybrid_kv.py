@@ -19,12 +19,14 @@ request owns (reads of it are masked out: it lies outside every window).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.block_pool import BlockHash, BlockPool
 from shared.engine.kv_manager import KVCacheManager
 from shared.engine.request import Request
 from shared.kv.layout import KVGroup, cdiv
+from shared.multimodal.items import MediaInput
 
 # positions a step's start may move back after it was planned: its drafts, all rejected (at most 16, EngineConfig)
 _ROLLBACK_TOKENS = 17
@@ -60,7 +62,7 @@ class HybridKVCacheManager(KVCacheManager):
         if not hit:
             return hit, next_hash
         tokens = request.all_token_ids
-        hashes = self._chain(tokens, len(hit))
+        hashes = self._chain(tokens, len(hit), request.media)
         for n in range(len(hit), -1, -1):  # the longest hit every sliding group can serve
             found = [self._window_hits(w, tokens, hashes, n) for w in self.windows]
             if all(f is not None for f in found):
@@ -70,13 +72,15 @@ class HybridKVCacheManager(KVCacheManager):
         self._pending_hits[request.request_id] = [f for f in found if f is not None]
         return hit[:n], next_hash
 
-    def _chain(self, tokens: list[int], num_blocks: int) -> list[BlockHash]:
+    def _chain(self, tokens: list[int], num_blocks: int, media: Sequence[MediaInput] = ()) -> list[BlockHash]:
         from shared.engine.block_pool import hash_block
+        from shared.multimodal.items import block_media_key
 
         out: list[BlockHash] = []
         parent: BlockHash | None = None
         for i in range(num_blocks):
-            parent = hash_block(parent, tokens[i * self.block_size:(i + 1) * self.block_size], self.hash_salt)
+            parent = hash_block(parent, tokens[i * self.block_size:(i + 1) * self.block_size],
+                                self.hash_salt, block_media_key(media, i, self.block_size))
             out.append(parent)
         return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from shared.engine.block_pool import BlockHash, BlockPool, hash_block
 from shared.engine.request import Request
 from shared.kv.layout import cdiv
+from shared.multimodal.items import block_media_key
 
 
 class KVCacheManager:
@@ -52,7 +53,7 @@ class KVCacheManager:
         parent: BlockHash | None = None
         for i in range(max_blocks):
             block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block(parent, block_tokens, self.hash_salt)
+            parent = hash_block(parent, block_tokens, self.hash_salt, block_media_key(request.media, i, self.block_size))
             block_id = self.pool.lookup(parent, block_tokens)
             if block_id is None:
                 return hit, parent
@@ -125,7 +126,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         out: list[BlockHash] = []
         for i in range(len(hashes), num_full):
-            parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size], self.hash_salt)
+            parent = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size],
+                                self.hash_salt, block_media_key(request.media, i, self.block_size))
             out.append(parent)
         return out
 

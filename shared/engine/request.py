@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from shared.errors import InvalidRequestError
+from shared.multimodal.items import MediaInput
 from shared.spec.tree import DraftTree
 from shared.structured.spec import GrammarSpec, ReasoningSpec
 
@@ -216,6 +217,10 @@ class Request:
     # params.prompt_logprobs: the logprobs of prompt tokens 1 .. P-1 (what scores token 0?), as computed
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # images and audio in the prompt (shared/multimodal/items.py): soft tokens at their placeholders; the
+    # model's images attend to themselves both ways (no chunk may split one)
+    media: list[MediaInput] = field(default_factory=list)
+    bidirectional_images: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -32,9 +32,11 @@ from shared.engine.logits.request_state import RequestLogits
 from shared.engine.prompt_logprobs import prompt_logprobs
 from shared.engine.request import TokenLogprobs
 from shared.engine.sampler import Sampler, make_generator, skip_draws
-from shared.engine.scheduler import SchedulerPlan, StepResult
+from shared.engine.scheduler import ScheduledChunk, SchedulerPlan, StepResult
 from shared.kv.layout import KVLayout, cdiv
 from shared.models.common import LayerDoneFn, PagedCausalLM
+from shared.multimodal.encoder import MediaEncoder
+from shared.multimodal.items import IMAGE
 from shared.ops.attention import AttentionMetadata
 from shared.ops.host_copy import tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
@@ -77,6 +79,9 @@ class StepInputs:
     device_index: dict[str, torch.Tensor] = field(default_factory=dict)
     # index into plan.chunks -> the logits state of a sampling chunk's request, taken when planned
     logits_states: dict[int, RequestLogits] = field(default_factory=dict)
+    # multimodal prompt chunks: soft tokens at their flat rows, and the images seen both ways per chunk
+    soft_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # ([m] int64, [m, hidden])
+    bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     # set by `finish`: the true inputs
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -200,6 +205,7 @@ class ModelRunner:
         # constraints built on a worker thread during the forward (logits/overlap.py); False builds them after
         self.overlap_masks = True
         self.masks = MaskOverlap()
+        self.media_encoder: MediaEncoder | None = None  # a multimodal model's towers (set by the engine)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
         """Replay decode steps of up to `max_num_seqs` single-token sequences from CUDA graphs.
@@ -250,6 +256,9 @@ class ModelRunner:
         verify_chunks: list[int] = []
         trees: dict[int, DraftTree] = {}
         logits_states: dict[int, RequestLogits] = {}
+        soft_rows: list[int] = []
+        soft_values: list[torch.Tensor] = []
+        bidirectional: dict[int, list[tuple[int, int]]] = {}
         max_blocks = max((len(c.block_ids) for c in plan.chunks), default=1)
         tables = torch.zeros((len(plan.chunks), max_blocks), dtype=torch.int32)
         for i, chunk in enumerate(plan.chunks):
@@ -275,6 +284,8 @@ class ModelRunner:
                 spans[chunk.request_id] = (lo, len(ids))
             if chunk.return_spec_hidden:
                 spec_spans[chunk.request_id] = (lo, len(ids))
+            if chunk.media:
+                self._media_rows(chunk, i, lo, soft_rows, soft_values, bidirectional)
         dev = self.device
         cu = [0]
         for q in query_lens:
@@ -297,7 +308,11 @@ class ModelRunner:
             verify_chunks=verify_chunks,
             spec_hidden_spans=spec_spans,
             logits_states=logits_states,
+            bidirectional_spans=bidirectional,
         )
+        if soft_rows:
+            inputs.soft_tokens = (to_device(soft_rows, dtype=torch.int64, device=dev),
+                                  tensor_to_device(torch.cat(soft_values), dev))
         if plan.chunks and plan.chunks[0].group_block_ids:
             self._group_inputs(inputs, plan, query_lens)
         if trees:  # node j of a tree sits at slot start + j and RoPE position start + depth(j)
@@ -317,6 +332,22 @@ class ModelRunner:
         if not inputs.continues_previous:
             self.finish(inputs, None)
         return inputs
+
+    def _media_rows(self, chunk: ScheduledChunk, index: int, lo: int, rows: list[int], values: list[torch.Tensor],
+                    bidirectional: dict[int, list[tuple[int, int]]]) -> None:
+        """The soft tokens a prompt chunk covers (encoded now if no engine did yet: a decode engine recomputing
+        a preempted prompt), and its images seen both ways."""
+        start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
+        for media in chunk.media:
+            item = media.item
+            if media.embeds is None:
+                assert self.media_encoder is not None, "the engine admits media only for a multimodal model"
+                media.embeds = self.media_encoder.encode(item, chunk.request_id)
+            first, last = max(start, item.offset), min(end, item.end)
+            rows.extend(range(lo + first - start, lo + last - start))
+            values.append(media.embeds[first - item.offset : last - item.offset])
+            if chunk.bidirectional_images and item.kind == IMAGE:
+                bidirectional.setdefault(index, []).append((item.offset, item.end))
 
     def _group_inputs(self, inputs: StepInputs, plan: SchedulerPlan, query_lens: list[int]) -> None:
         """Block tables of the further layer groups (hybrid_kv.py), and which sequence each token is of."""
@@ -350,6 +381,7 @@ class ModelRunner:
             seq_lens_host=inputs.seq_lens_host,
             positions=positions,
             tree_masks=inputs.tree_masks,
+            bidirectional_spans=inputs.bidirectional_spans,
         )
         if inputs.group_tables:  # each group's slot of each token, from the same (slot) positions
             bs, slot_pos = self.layout.block_size, out.positions
@@ -373,10 +405,12 @@ class ModelRunner:
         plan = inputs.plan
         captured = {layer: torch.empty(0) for layer in self.aux_hidden_layers} if inputs.hidden_spans else None
         masks = self._start_masks(inputs, prev)
-        if self.graphs is not None and on_layer_done is None and captured is None and self.graphs.fits(meta):
+        if self.graphs is not None and on_layer_done is None and captured is None and inputs.soft_tokens is None \
+                and self.graphs.fits(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model.forward(input_ids, positions, self.model_kv, meta, on_layer_done, captured)
+            extra = {"soft_tokens": inputs.soft_tokens} if inputs.soft_tokens is not None else {}
+            hidden = self.model.forward(input_ids, positions, self.model_kv, meta, on_layer_done, captured, **extra)
         out = StepOutput(plan, inputs.rows, PrevOutputs.empty(self.device))
         for request_id, (lo, hi) in inputs.hidden_spans.items():
             parts = [hidden[lo:hi], *(captured[layer][lo:hi] for layer in self.aux_hidden_layers)] if captured \

@@ -70,6 +70,7 @@ from shared.engine.request import (
     SamplingParams,
     TokenLogprobs,
 )
+from shared.multimodal.items import MediaInput, fit_chunk_end
 from shared.spec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,10 @@ class ScheduledChunk:
     # the previous step emits. Empty when the request's params do not need it.
     output_token_ids: list[int] = field(default_factory=list)
     num_known_outputs: int = 0
+    # multimodal prompts: the items whose soft tokens this chunk covers (shared/multimodal/items.py), and whether
+    # an image's tokens attend to each other (the scheduler then never splits an image across chunks)
+    media: list[MediaInput] = field(default_factory=list)
+    bidirectional_images: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -213,7 +218,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         for request in list(self.running):
-            if budget == 0:
+            if budget <= 0:  # an image kept whole may take a chunk past the budget
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
@@ -221,7 +226,8 @@ class Scheduler:
                 request.spec_token_ids = []
                 request.spec_tree = None
                 continue
-            num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            num_new = _fit_media(request, request.num_computed_tokens,
+                                 min(request.num_tokens_ahead - request.num_computed_tokens, budget))
             tree = request.spec_tree
             drafts = self._fit_drafts(request, num_new, budget)
             if not self._reserve(request, num_new, plan, scheduled):
@@ -280,7 +286,7 @@ class Scheduler:
                     i += 1
                     continue
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = _fit_media(request, num_computed, min(request.num_tokens - num_computed, budget))
             if not self.kv.allocate_slots(request, num_computed + num_new, cached):
                 break
             del self.waiting[i]
@@ -350,6 +356,8 @@ class Scheduler:
             if params.prompt_logprobs is not None else [],
             output_token_ids=request.output_token_ids if params.needs_history else [],
             num_known_outputs=request.num_output_tokens,
+            media=[m for m in request.media if m.item.offset < end and m.item.end > start],
+            bidirectional_images=request.bidirectional_images,
         )
         request.num_computed_tokens = end + len(drafts)
         if sample:
@@ -453,3 +461,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
+
+
+def _fit_media(request: Request, start: int, num_new: int) -> int:
+    """`num_new` moved so that the chunk from `start` splits no image whose tokens attend to each other."""
+    if not request.bidirectional_images or start >= request.num_prompt_tokens:
+        return num_new
+    return fit_chunk_end(request.media, start, start + num_new) - start

@@ -122,6 +122,19 @@ def read_text_weights(hf_dir: Path, arch: Architecture) -> dict[str, torch.Tenso
     return weights
 
 
+def read_prefixed_weights(hf_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Every tensor whose name starts with one of `prefixes`, by its checkpoint name (the media towers)."""
+    from safetensors import safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in _shard_files(hf_dir):
+        with safe_open(str(f), framework="pt") as shard:
+            for name in shard.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if name.startswith(prefixes):
+                    weights[name] = shard.get_tensor(name)
+    return weights
+
+
 def read_text_shapes(hf_dir: Path, arch: Architecture) -> dict[str, tuple[int, ...]]:
     """Every text-model tensor's shape, from the shards' headers alone (no tensor is read)."""
     from safetensors import safe_open

@@ -40,6 +40,7 @@ from shared.models.common import AttentionFn
 from shared.models.families import build_model, expected_shapes, spec_from_config
 from shared.models.gguf_weights import read_gguf_projections
 from shared.models.weight_format import WeightFormat
+from shared.multimodal.loading import load_media_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class LoadedModel:
     model: Any  # DecoderLM | Gemma4TextLM (`PagedCausalLM`)
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    media_encoder: Any = None  # shared.multimodal.encoder.MediaEncoder of a checkpoint that reads media
+    multimodal: Any = None  # its shared.models.gemma4.multimodal.MultimodalConfig
 
     @property
     def chat_template(self) -> str | None:
@@ -214,6 +217,7 @@ def load_model(
                         weight_format=weight_format)
     logger.info("loaded %s (%s, %s, %d layers) in %.2f s", spec, arch_name, decoder_spec.model_type,
                 decoder_spec.num_layers, time.monotonic() - t0)
+    media = load_media_encoder(hf_dir, arch_name, device, dtype)
     return LoadedModel(
         name=spec,
         hf_dir=hf_dir,
@@ -222,4 +226,6 @@ def load_model(
         model=model,
         tokenizer=tokenizer,
         eos_token_ids=_eos_ids(hf_dir, config, tokenizer),
+        media_encoder=media[0] if media else None,
+        multimodal=media[1] if media else None,
     )

@@ -83,3 +83,53 @@ def text_weights(hf: Any) -> dict[str, torch.Tensor]:
 
 def mm_token_type_ids(ids: list[int]) -> torch.Tensor:  # [1, n]: 1 image, 3 audio, as Gemma4Processor marks them
     return torch.tensor([[1 if t == IMAGE_ID else 3 if t == AUDIO_ID else 0 for t in ids]])
+
+
+def tiny_mm_loaded(variant: str = "all", bidirectional: bool = True, seed: int = 0) -> tuple[Any, Any]:
+    """(baton's LoadedModel with its media encoder, transformers' model) on the same random weights."""
+    from pathlib import Path
+
+    from shared.engine.engine import pick_attention
+    from shared.models.families import build_model, spec_from_config
+    from shared.models.gemma4.multimodal import Gemma4Encoders, multimodal_config
+    from shared.models.loader import LoadedModel
+    from shared.multimodal.encoder import MediaEncoder
+
+    hf = tiny_mm_hf(variant, bidirectional, seed)
+    spec = spec_from_config(hf.config.text_config)
+    model = build_model(spec, text_weights(hf), pick_attention("auto", "cpu"))
+    encoder = MediaEncoder(media_processor(), Gemma4Encoders(hf.config, hf.state_dict()))
+    loaded = LoadedModel(name="tiny-gemma4-mm", hf_dir=Path("/nonexistent"), hf_config=hf.config.text_config,
+                         spec=spec, model=model, tokenizer=None, eos_token_ids=frozenset({1}),
+                         media_encoder=encoder, multimodal=multimodal_config(hf.config))
+    return loaded, hf
+
+
+def mm_prompt(text_before: list[int], media: list[tuple[str, bytes, int]], text_after: list[int],
+              audio_format: str = "wav") -> tuple[list[int], list[Any]]:
+    """A prompt with each (kind, data, num soft tokens) as its delimited placeholder run, and its MediaItems."""
+    from shared.multimodal.items import MediaItem
+    from shared.multimodal.media import content_hash
+
+    ids, items = list(text_before), []
+    for kind, data, n in media:
+        begin, token, end = (BOI, IMAGE_ID, EOI) if kind == "image" else (BOA, AUDIO_ID, EOA)
+        ids.append(begin)
+        items.append(MediaItem(kind, len(ids), n, content_hash(data), data, audio_format if kind == "audio" else ""))
+        ids += [token] * n + [end]
+    return ids + list(text_after), items
+
+
+def hf_mm_greedy(hf: Any, ids: list[int], images: list[Any], waves: list[Any], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of a prompt with these PIL images and 16 kHz waves."""
+    proc = media_processor()
+    kwargs: dict[str, Any] = {"mm_token_type_ids": mm_token_type_ids(ids)}
+    if images:
+        pix = proc.images(images=images, return_tensors="pt")
+        kwargs |= dict(pixel_values=pix["pixel_values"], image_position_ids=pix["image_position_ids"])
+    if waves:
+        feats = proc.audio_features(waves, return_tensors="pt")
+        kwargs |= dict(input_features=feats["input_features"], input_features_mask=feats["input_features_mask"])
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
+                      output_hidden_states=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, len(ids):].tolist()  # type: ignore[no-any-return]

@@ -1,0 +1,55 @@
+"""A checkpoint's media side: its multimodal config (router and engines) and its towers (engines only).
+
+A `Gemma4ForConditionalGeneration` checkpoint with a `vision_config` or an
+`audio_config` reads images or audio; its towers' tensors live under
+`model.vision_tower.`, `model.audio_tower.`, `model.embed_vision.` and
+`model.embed_audio.`, and its `processor_config.json` says how media is cut.
+Any other checkpoint is text-only: a media part sent to it is a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.models.checkpoint import read_prefixed_weights
+from shared.models.gemma4.multimodal import Gemma4Encoders, MultimodalConfig, multimodal_config
+from shared.multimodal.encoder import MediaEncoder
+from shared.multimodal.processor import Gemma4MediaProcessor
+
+logger = logging.getLogger(__name__)
+
+TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+MULTIMODAL_ARCHITECTURES = frozenset({"Gemma4ForConditionalGeneration"})
+
+
+def read_multimodal(hf_dir: Path, arch_name: str) -> tuple[MultimodalConfig, Gemma4MediaProcessor, Any] | None:
+    """(its multimodal config, its processor, the full HF config) when the checkpoint reads media, else None."""
+    if arch_name not in MULTIMODAL_ARCHITECTURES:
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    mm = multimodal_config(config)
+    if mm is None:
+        return None
+    return mm, Gemma4MediaProcessor.from_dir(hf_dir), config
+
+
+def load_media_encoder(hf_dir: Path, arch_name: str, device: str, dtype: torch.dtype,
+                       cache_items: int = 64) -> tuple[MediaEncoder, MultimodalConfig] | None:
+    """The checkpoint's towers, ready to encode (None: a text-only checkpoint)."""
+    found = read_multimodal(hf_dir, arch_name)
+    if found is None:
+        return None
+    mm, processor, config = found
+    t0 = time.monotonic()
+    encoders = Gemma4Encoders(config, read_prefixed_weights(hf_dir, TOWER_PREFIXES), device, dtype)
+    logger.info("loaded the media towers (%s) in %.2f s",
+                ", ".join(k for k, on in (("vision", mm.has_vision), ("audio", mm.has_audio)) if on),
+                time.monotonic() - t0)
+    return MediaEncoder(processor, encoders, cache_items=cache_items), mm

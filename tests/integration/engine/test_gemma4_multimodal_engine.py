@@ -1,0 +1,86 @@
+"""Images and audio through the engine: greedy tokens equal transformers' `generate` for the same inputs.
+
+The engine encodes each prompt's media at intake, merges the soft tokens at the
+placeholders chunk by chunk (a small token budget splits prompts, never an image
+whose tokens see each other), and keys prefix-cache blocks by the media's digest:
+the same text with another image misses the cache, the same image hits it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.request import SamplingParams
+from shared.errors import InvalidRequestError
+from tests.helpers.gemma4_mm import (
+    hf_mm_greedy,
+    image_bytes,
+    media_processor,
+    mm_prompt,
+    random_image,
+    random_wave,
+    tiny_mm_loaded,
+    wav_bytes,
+)
+from tests.helpers.models import tiny_engine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple:
+    return tiny_mm_loaded("all", bidirectional=True)
+
+
+def _image_prompt(size: tuple[int, int], seed: int, text: list[int]) -> tuple[list[int], list, object]:
+    proc = media_processor()
+    n = proc.image_tokens(*size)
+    ids, items = mm_prompt([2, 17, 99], [("image", image_bytes(*size, seed=seed), n)], text)
+    return ids, items, random_image(*size, seed=seed)
+
+
+@pytest.mark.parametrize("budget", [16, 512], ids=["chunked", "whole"])
+def test_image_and_audio_prompts_match_transformers(engines, models, budget: int) -> None:
+    loaded, hf = models
+    engine = tiny_engine(loaded, max_num_batched_tokens=budget)
+    engines.append(engine)
+    proc = media_processor()
+    img_ids, img_items, img = _image_prompt((40, 28), 3, [61, 7, 33])
+    wave = random_wave(0.5, seed=2)
+    aud_ids, aud_items = mm_prompt([2, 40], [("audio", wav_bytes(wave), proc.audio_tokens(len(wave)))], [5, 6])
+    text_only = [2, 9, 8, 7, 6, 5, 4, 3]
+    results = engine.generate([img_ids, aud_ids, text_only], GREEDY, media=[img_items, aud_items, []])
+    assert results[0].token_ids == hf_mm_greedy(hf, img_ids, [img], [], 8)
+    assert results[1].token_ids == hf_mm_greedy(hf, aud_ids, [], [wave], 8)
+    assert results[2].token_ids == hf_mm_greedy(hf, text_only, [], [], 8)
+
+
+def test_prefix_cache_keys_blocks_by_the_image(engines, models) -> None:
+    loaded, hf = models
+    engine = tiny_engine(loaded)
+    engines.append(engine)
+    ids_a, items_a, img_a = _image_prompt((40, 28), 3, [61, 7, 33] * 4)
+    ids_b, items_b, img_b = _image_prompt((40, 28), 4, [61, 7, 33] * 4)
+    assert ids_a == ids_b  # the same tokens: only the image differs
+    first = engine.generate([ids_a], GREEDY, media=[items_a])[0]
+    other = engine.generate([ids_b], GREEDY, media=[items_b])[0]
+    again = engine.generate([ids_a], GREEDY, media=[items_a])[0]
+    assert other.num_cached_tokens == 4  # only the block before the image is shared
+    assert again.num_cached_tokens >= len(ids_a) - 4
+    assert first.token_ids == again.token_ids == hf_mm_greedy(hf, ids_a, [img_a], [], 8)
+    assert other.token_ids == hf_mm_greedy(hf, ids_b, [img_b], [], 8)
+    assert loaded.media_encoder.num_cache_hits >= 1  # the repeated image was not encoded again
+
+
+def test_bad_media_is_refused_at_intake(engines, models) -> None:
+    loaded, _ = models
+    engine = tiny_engine(loaded)
+    engines.append(engine)
+    ids, items = mm_prompt([2], [("image", b"not an image", 4)], [3])
+    with pytest.raises(InvalidRequestError, match="could not be decoded"):
+        engine.add_request("bad-1", ids, GREEDY, media=items)
+    good_ids, good_items, _ = _image_prompt((40, 28), 3, [5])
+    with pytest.raises(InvalidRequestError, match="placeholder"):
+        engine.add_request("bad-2", good_ids[:-3], GREEDY, media=[good_items[0].__class__(
+            "image", 1, good_items[0].num_tokens, good_items[0].content_hash, good_items[0].data)])
+    assert not engine.has_unfinished()
