@@ -24,12 +24,14 @@ from fastapi.responses import Response
 
 from services.router.auth import KeyGate, KeyLimits, KeyRing, ReleaseKeySlots
 from services.router.backend import GenerationBackend
+from services.router.chat_messages import media_parts
 from services.router.endpoints.chat import ChatFormat, ChatPlan, prepare_chat
 from services.router.endpoints.chat_batch import ChatBatchRequest, prepare_chat_batch
 from services.router.endpoints.completions import CompletionFormat, prepare_completion
 from services.router.endpoints.tokenize import detokenize, tokenize
 from services.router.errors import REQUEST_ID_PREFIXES, ErrorBoundary, error_response, install_error_handlers
 from services.router.generation import GenerationRunner, PreparedRequest
+from services.router.media import RouterMedia, fetch_remote_images
 from services.router.metrics import RouterMetrics
 from services.router.model_context import ModelContext
 from services.router.openai_format import TokenStrings
@@ -61,9 +63,10 @@ _FASTAPI_OPTIONS: dict[str, Any] = (
 
 
 def create_app(settings: RouterSettings, backend: GenerationBackend, tokenizer: Any, model_name: str,
-               defaults: GenerationDefaults | None = None) -> FastAPI:
-    """The router app. The caller owns the backend's lifecycle (start before serving, close after)."""
-    model = ModelContext(model_name, tokenizer, settings, defaults or GenerationDefaults())
+               defaults: GenerationDefaults | None = None, media: RouterMedia | None = None) -> FastAPI:
+    """The router app. The caller owns the backend's lifecycle (start before serving, close after). `media`:
+    the model's media side when it reads images or audio (media.py)."""
+    model = ModelContext(model_name, tokenizer, settings, defaults or GenerationDefaults(), media)
     service = RouterService(settings, backend, model)
     app = FastAPI(title="baton router", version="0.1.0", **_FASTAPI_OPTIONS)
     app.state.router = service
@@ -189,6 +192,8 @@ class RouterService:
         timer = self.metrics.timer()
         body = await read_body(request, body_type, self.settings.max_request_body_bytes)
         self.check_model(body.model)
+        conversations = body.messages if isinstance(body, ChatBatchRequest) else [body.messages]
+        await fetch_remote_images(self.model.media, [p for c in conversations for p in media_parts(c)])
         prepared, plan = prepare(body, request_id(request), self.model)
         await self.model.grammar.check(prepared.params.structured, plan.grammar_param)
         fmt = ChatFormat(prepared, plan, self.model_name, self.token_strings)

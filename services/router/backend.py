@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from shared.engine.request import SamplingParams, TokenLogprobs
+from shared.multimodal.items import MediaItem
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class BackendRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    media: tuple[MediaItem, ...] = ()  # images and audio at their placeholder tokens
 
 
 @dataclass

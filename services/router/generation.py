@@ -32,6 +32,7 @@ from services.router.detokenizer import TextStream
 from services.router.metrics import RequestTimer
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import UnavailableError
+from shared.multimodal.items import MediaItem
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class PreparedRequest:
     include_stop_str: bool = False
     skip_special_tokens: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
+    media: list[list[MediaItem]] = field(default_factory=list)  # each prompt's images and audio (or none)
 
     @property
     def num_choices(self) -> int:
@@ -148,8 +150,9 @@ class GenerationRunner:
         ids = _backend_ids(prepared)
         choices = [_Choice(TextStream(self.tokenizer, prepared.stop, skip_special_tokens=prepared.skip_special_tokens))
                    for _ in range(prepared.num_choices)]
-        streams = [self.backend.generate(BackendRequest(rid, prompt, prepared.params))
-                   for rid, prompt in zip(ids, prepared.prompts, strict=True)]
+        media = prepared.media or [[] for _ in prepared.prompts]
+        streams = [self.backend.generate(BackendRequest(rid, prompt, prepared.params, tuple(items)))
+                   for rid, prompt, items in zip(ids, prepared.prompts, media, strict=True)]
         num_tokens = 0
         try:
             async with aclosing(_merged(streams)) as merged:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.router.media import RouterMedia
 from services.router.reasoning_parsers import ReasoningFormat, get_format
 from services.router.settings import RouterSettings
 from services.router.structured import GrammarChecker
@@ -21,6 +22,7 @@ class ModelContext:
     tokenizer: Any
     settings: RouterSettings
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    media: RouterMedia | None = None  # a model that reads images or audio (media.py); None: text only
 
     def __post_init__(self) -> None:
         self.grammar = GrammarChecker(self.tokenizer, self._eos_token_ids())

@@ -29,6 +29,7 @@ from shared.engine.handoff import KVHandoff
 from shared.engine.request import RequestOutput, SamplingParams
 from shared.errors import BatonError, RequestAbortedError, UnavailableError
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
+from shared.multimodal.items import MediaItem
 from shared.registry.kv_summary import MAX_SUMMARY_BLOCKS
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,13 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; the last one has `finished` set."""
-        return self._run(request_id, params, lambda: self.engine.add_request(request_id, prompt_token_ids, params))
+        """Stream the request's outputs; the last one has `finished` set. `media`: the prompt's images and
+        audio (encoded on the engine thread when the request is added)."""
+        return self._run(request_id, params,
+                         lambda: self.engine.add_request(request_id, prompt_token_ids, params, media=media))
 
     async def generate_from_handoff(
         self, request_id: str, params: SamplingParams, handoff: KVHandoff
@@ -116,11 +120,11 @@ class AsyncEngine:
 
     async def generate_pushed(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, address: AgentAddress,
-        slots: HandoffSlots,
+        slots: HandoffSlots, media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Prefill through kv_transfer: the final output's `handoff` is the push's `PushOutcome`."""
-        return self._run(request_id, params,
-                         lambda: self.engine.add_pushed_request(request_id, prompt_token_ids, params, address, slots))
+        return self._run(request_id, params, lambda: self.engine.add_pushed_request(
+            request_id, prompt_token_ids, params, address, slots, media=media))
 
     async def generate_pulled(
         self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff, address: AgentAddress,

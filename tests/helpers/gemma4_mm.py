@@ -85,7 +85,8 @@ def mm_token_type_ids(ids: list[int]) -> torch.Tensor:  # [1, n]: 1 image, 3 aud
     return torch.tensor([[1 if t == IMAGE_ID else 3 if t == AUDIO_ID else 0 for t in ids]])
 
 
-def tiny_mm_loaded(variant: str = "all", bidirectional: bool = True, seed: int = 0) -> tuple[Any, Any]:
+def tiny_mm_loaded(variant: str = "all", bidirectional: bool = True, seed: int = 0,
+                   **overrides: Any) -> tuple[Any, Any]:
     """(baton's LoadedModel with its media encoder, transformers' model) on the same random weights."""
     from pathlib import Path
 
@@ -95,7 +96,7 @@ def tiny_mm_loaded(variant: str = "all", bidirectional: bool = True, seed: int =
     from shared.models.loader import LoadedModel
     from shared.multimodal.encoder import MediaEncoder
 
-    hf = tiny_mm_hf(variant, bidirectional, seed)
+    hf = tiny_mm_hf(variant, bidirectional, seed, **overrides)
     spec = spec_from_config(hf.config.text_config)
     model = build_model(spec, text_weights(hf), pick_attention("auto", "cpu"))
     encoder = MediaEncoder(media_processor(), Gemma4Encoders(hf.config, hf.state_dict()))

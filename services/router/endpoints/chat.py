@@ -22,6 +22,7 @@ from services.router.chat_messages import encode_rendered, message_dicts, render
 from services.router.chat_output import ChoiceOutput, MessageDelta
 from services.router.engine_features import THINKING_BUDGET, require
 from services.router.generation import Delta, PreparedRequest
+from services.router.media import PendingMedia
 from services.router.model_context import ModelContext
 from services.router.openai_format import Collected, TokenStrings, clamp_logprob, prompt_logprobs_json, usage
 from services.router.protocol import ChatCompletionRequest, ChatMessage
@@ -101,11 +102,14 @@ def prepare_conversations(body: ChatCompletionRequest, conversations: Sequence[S
         raise InvalidRequestError(f"give 1 to {model.settings.max_prompts} conversations", param="messages")
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, model.tool_parser)
     grammar, grammar_param = _grammar(body, tools)
-    texts = [render_prompt(model, message_dicts(messages), tools.prompt_tools,
+    pending = [PendingMedia() for _ in conversations]
+    texts = [render_prompt(model, message_dicts(messages, model.media, media), tools.prompt_tools,
                            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                            continue_final_message=body.continue_final_message,
-                           template_kwargs=body.chat_template_kwargs) for messages in conversations]
-    prompts = [encode_rendered(model, text) for text in texts]
+                           template_kwargs=body.chat_template_kwargs)
+             for messages, media in zip(conversations, pending, strict=True)]
+    encoded = [encode_rendered(model, text, media) for text, media in zip(texts, pending, strict=True)]
+    prompts = [ids for ids, _ in encoded]
     fmt = model.reasoning
     # one template renders them all: a thinking section it opens, it opens for every conversation
     thinking_at_start = fmt is not None and texts[0].rstrip().endswith(fmt.start.rstrip())
@@ -125,6 +129,7 @@ def prepare_conversations(body: ChatCompletionRequest, conversations: Sequence[S
     keep_special = tools.needs_special_tokens or (fmt is not None and fmt.special_tokens)
     prepared = PreparedRequest(
         request_id=request_id, prompts=prompts, params=params, stop=stop_strings(body, model.settings),
+        media=[items for _, items in encoded] if any(items for _, items in encoded) else [],
         stream=bool(body.stream),
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         include_stop_str=body.include_stop_str_in_output,

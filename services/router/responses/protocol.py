@@ -58,8 +58,25 @@ def _text_of(content: Any) -> str:
     return "\n".join(texts)
 
 
+def _content_of(content: Any) -> Any:
+    """A message's content: text, or chat content parts when it holds images (`input_image`)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of(content)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not part.get("image_url"):
+                raise InvalidRequestError("input_image parts need an image_url (file ids are not stored here)",
+                                          param="input")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part])})
+    return parts
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses input items as chat messages (the API's dict form)."""
+    """Responses input items as chat messages (the API's dict form; `input_image` parts as `image_url` ones)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -67,7 +84,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
-            message: dict[str, Any] = {"role": item.get("role", "user"), "content": _text_of(item.get("content"))}
+            message: dict[str, Any] = {"role": item.get("role", "user"), "content": _content_of(item.get("content"))}
             if message["role"] == "assistant" and pending_reasoning is not None:
                 message["reasoning"], pending_reasoning = pending_reasoning, None
             messages.append(message)
