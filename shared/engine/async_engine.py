@@ -97,10 +97,13 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; the last one has `finished` set."""
-        return self._run(request_id, params, lambda: self.engine.add_request(request_id, prompt_token_ids, params))
+        """Stream the request's outputs; the last one has `finished` set. `output_token_ids`: a migrated
+        request's output so far (Engine.add_request); only the tokens after them are streamed."""
+        return self._run(request_id, params,
+                         lambda: self.engine.add_request(request_id, prompt_token_ids, params, output_token_ids))
 
     async def generate_from_handoff(
         self, request_id: str, params: SamplingParams, handoff: KVHandoff
