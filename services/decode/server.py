@@ -23,6 +23,7 @@ from opentelemetry import trace
 from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.request import RequestOutput
+from shared.errors import InvalidRequestError
 from shared.kv.remote import AgentAddress, ClaimedHandoff
 from shared.service.engine_host import engine_kv_summary
 from shared.service.kv_client import KVTransferClient
@@ -73,10 +74,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         req = request.request
         params = sampling_params_from_proto(req.params)
-        if not request.handoff_id:  # colocated role, or the router chose to prefill here (no handoff pays)
-            async for out in await self.aengine.generate(req.request_id, list(req.prompt_token_ids), params):
+        if not request.handoff_id:  # colocated role, the router chose to prefill here (no handoff pays), or
+            # a request migrated from a decode that died (its streamed tokens come as output_token_ids)
+            async for out in await self.aengine.generate(req.request_id, list(req.prompt_token_ids), params,
+                                                         list(req.output_token_ids)):
                 yield _response(out)
             return
+        if req.output_token_ids:
+            raise InvalidRequestError("output_token_ids (a resumed request) come without a handoff: the "
+                                      "instance computes them with the prompt", param="output_token_ids")
         address = request.kv_transfer_address
         claimed, agent = await self._claim(request)
         released = False

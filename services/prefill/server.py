@@ -94,6 +94,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise InvalidRequestError("Prefill needs a handoff_id and a kv_transfer_address")
         if not req.prompt_token_ids:
             raise InvalidRequestError("empty prompt", param="prompt")
+        if req.output_token_ids:  # a migrated request resumes on a decode instance, which computes its output
+            raise InvalidRequestError("prefill takes no output_token_ids", param="output_token_ids")
         address = request.kv_transfer_address
         slots, agent = await self.kv.reserve(address, self._spec(request))
         renewer = asyncio.create_task(self._renew(address, request.handoff_id, slots.lease_timeout_s))

@@ -76,7 +76,7 @@ class EngineBackend:
             raise CapacityError(f"server is at capacity ({self.max_active_requests} requests in flight)")
         self._active.add(req.request_id)
         try:
-            stream = await self.async_engine.generate(req.request_id, req.prompt_token_ids, req.params, req.media)
+            stream = await self.async_engine.generate(req.request_id, req.prompt_token_ids, req.params, media=req.media)
             outputs = cast(AsyncGenerator[RequestOutput, None], stream)  # typed AsyncIterator, is a generator
             async with aclosing(outputs):  # leaving early closes the stream, which aborts the request
                 async for out in outputs:

@@ -42,6 +42,13 @@ from proto.baton.v1 import (
     prefill_pb2_grpc,
 )
 from services.router.backend import BackendChunk, BackendRequest
+from services.router.migration import (
+    MIGRATABLE_CODES,
+    DecodeStalledError,
+    MigrationPolicy,
+    read_stream,
+    resumed_message,
+)
 from services.router.routing import Router
 from shared.engine.choices import split_choice_id
 from shared.errors import BatonError, InvalidRequestError, UnavailableError
@@ -59,8 +66,18 @@ logger = logging.getLogger(__name__)
 
 # a prefill failing with one of these before its first token is retried elsewhere (a full
 # kv_transfer store, RESOURCE_EXHAUSTED, is not the prefill's fault: it goes back as 429)
+_MAX_REFUSALS = 4  # decode calls refused before reaching an instance, retried as they were
+_WAIT_POLL_S = 0.25  # how often a request waiting for a live instance looks at the registry cache again
 _RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class _PrefillFailedError(Exception):
+    """Every prefill attempt failed on an instance fault (not the request's): `error` says how."""
+
+    def __init__(self, error: BatonError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass
@@ -107,7 +124,8 @@ class GrpcBackend:
     """GenerationBackend over the registry's prefill/decode/kv_transfer instances."""
 
     def __init__(self, cache: InstanceCache, mode: str = "disagg", prefill_attempts: int = 2,
-                 max_message_bytes: int = 64 << 20, router: Router | None = None) -> None:
+                 max_message_bytes: int = 64 << 20, router: Router | None = None,
+                 migration: MigrationPolicy | None = None) -> None:
         if mode not in ("disagg", "colocated"):
             raise InvalidRequestError(f"mode must be disagg or colocated, got {mode!r}")
         self.cache = cache
@@ -117,6 +135,7 @@ class GrpcBackend:
         self.router = router or Router()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[str, _InFlight] = {}
+        self.migration = migration or MigrationPolicy()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -138,9 +157,11 @@ class GrpcBackend:
                 async for chunk in self._decode(req, state, None, prompt, first_choice=local):
                     yield chunk
                 return
-            kv_transfer = pick_kv_transfer(self.cache.get("kv_transfer"), req.prompt_token_ids)
-            state.kv_transfer = kv_transfer.address
-            first = await self._prefill(req, state, prompt, kv_transfer.kv)
+            first = await self._prefill_or_fall_back(req, state, prompt)
+            if first is None:  # no prefill path works: a decode instance computes the prompt
+                async for chunk in self._decode(req, state, None, prompt):
+                    yield chunk
+                return
             state.done = bool(first.finish_reason)  # nothing left to abort once it finished
             yield BackendChunk(
                 token_ids=[first.first_token_id],
@@ -174,8 +195,28 @@ class GrpcBackend:
         self.router.num_local_prefills += 1
         return decode
 
+    async def _prefill_or_fall_back(self, req: BackendRequest, state: _InFlight,
+                                    prompt: PromptBlocks) -> prefill_pb2.PrefillResponse | None:
+        """Prefill's first token, or None when the prefill path failed before any token (its instances,
+        or the kv_transfer it writes to, died or none is live) and migration is on: a decode computes it."""
+        try:
+            kv_transfer = pick_kv_transfer(self.cache.get("kv_transfer"), req.prompt_token_ids)
+            state.kv_transfer = kv_transfer.address
+            return await self._prefill(req, state, prompt, kv_transfer.kv)
+        except (UnavailableError, _PrefillFailedError) as e:
+            error = e.error if isinstance(e, _PrefillFailedError) else e
+            if self.migration.limit == 0 or not self.cache.get("decode"):
+                raise error from None
+            logger.warning("request %s: prefill path failed (%s); a decode instance computes the prompt",
+                           req.request_id, error)
+            self.router.num_migrations += 1
+            await self._release(state)
+            state.prefill = None
+            return None
+
     async def _prefill(self, req: BackendRequest, state: _InFlight, prompt: PromptBlocks,
                        pool: KVSummary) -> prefill_pb2.PrefillResponse:
+        """Prefill's first token; _PrefillFailedError when every attempt failed on an instance fault."""
         tried: set[str] = set()
         message = prefill_pb2.PrefillRequest(request=_request(req), kv_transfer_address=state.kv_transfer)
         last_error: BatonError | None = None
@@ -184,7 +225,7 @@ class GrpcBackend:
                 instance = self.router.pick_prefill(self.cache.get("prefill"), prompt, pool, exclude=tried)
             except UnavailableError:
                 if last_error is not None:  # nowhere left to retry: the real failure, not "none left"
-                    raise last_error from None
+                    raise _PrefillFailedError(last_error) from None
                 raise
             state.prefill = instance.address
             # a fresh handoff id per attempt: a released id is refused for good by kv_transfer
@@ -197,8 +238,10 @@ class GrpcBackend:
                 code = e.code()  # type: ignore[attr-defined]
                 tried.add(instance.instance_id)
                 last_error = error_from_rpc(e)
-                if code not in _RETRIABLE or len(tried) >= self.prefill_attempts:
+                if code not in _RETRIABLE:
                     raise last_error from e
+                if len(tried) >= self.prefill_attempts:
+                    raise _PrefillFailedError(last_error) from e
                 logger.warning("request %s: prefill on %s failed (%s), retrying elsewhere",
                                req.request_id, instance.address, code.name)
                 await self._release(state)
@@ -208,10 +251,12 @@ class GrpcBackend:
         """Stream from a decode instance, picked now (after prefill) so draining ones are skipped, or
         `first_choice` on the first attempt. Without `first_token` the instance computes the prompt.
 
-        A call refused before it reached an instance (UNAVAILABLE with nothing received) is
-        retried on another one: the handoff is still unclaimed in kv_transfer.
+        A call refused before it reached an instance (UNAVAILABLE with nothing received) is retried on
+        another one: the handoff is still unclaimed in kv_transfer. A stream that breaks later migrates
+        (migration.py): another instance goes on from the tokens the client has.
         """
         message = decode_pb2.DecodeRequest(request=_request(req))
+        emitted: list[int] = []  # tokens the client has (n == 1), for a migration
         if first_token is not None:
             message.handoff_id = state.handoff_id or ""
             message.kv_transfer_address = state.kv_transfer or ""
@@ -219,32 +264,76 @@ class GrpcBackend:
             if first_token.HasField("first_logprobs"):
                 message.first_logprobs.CopyFrom(first_token.first_logprobs)
             message.more_choices.extend(first_token.more_choices)
+            emitted.append(first_token.first_token_id)
         service = "colocated" if self.mode == "colocated" else "decode"
-        tried: set[str] = set()
+        tried: set[tuple[str, float]] = set()  # (instance id, start): a restarted instance is a new one
+        num_migrations = 0
         while True:
+            live = self.cache.get(service)
             instance = first_choice if first_choice is not None and not tried else \
-                self.router.pick_decode(self.cache.get(service), prompt, tried, pulls=first_token is not None)
+                self.router.pick_decode(live, prompt, _tried_ids(live, tried), pulls=bool(message.handoff_id))
             state.decode = instance.address
             received = False
             num_open = req.params.n  # choices not finished yet: each ends with its own finished message
             try:
                 stub = decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address))
                 with self.router.hold("decode", instance.instance_id):
-                    async for msg in stub.Generate(message, metadata=state.metadata):
+                    call = stub.Generate(message, metadata=state.metadata)
+                    async for msg in read_stream(call, self.migration.stall_timeout_s):
                         received = True
                         num_open -= msg.finished
                         if num_open == 0:
                             state.done = True
-                        yield _chunk(msg, req, prompt_logprobs=first_token is None)
+                        emitted.extend(msg.token_ids)
+                        yield _chunk(msg, req, prompt_logprobs=not message.handoff_id)
                 return
-            except grpc.RpcError as e:
-                tried.add(instance.instance_id)
-                retriable = e.code() == grpc.StatusCode.UNAVAILABLE and not received  # type: ignore[attr-defined]
-                others = [i for i in self.cache.get(service) if i.instance_id not in tried]
-                if not (retriable and others):
-                    raise error_from_rpc(e) from e
-                logger.warning("request %s: decode %s unavailable before its first token, retrying elsewhere",
-                               req.request_id, instance.address)
+            except (grpc.RpcError, DecodeStalledError) as e:
+                if state.done:  # every choice had finished: what broke was the stream's end
+                    return
+                tried.add((instance.instance_id, instance.started_at))
+                error = e if isinstance(e, BatonError) else error_from_rpc(e)
+                code = grpc.StatusCode.UNAVAILABLE if isinstance(e, BatonError) else e.code()  # type: ignore[attr-defined]
+                # refused before reaching the instance: the same message goes elsewhere
+                refused = code == grpc.StatusCode.UNAVAILABLE and not received and len(tried) <= _MAX_REFUSALS
+                if not (refused or self._may_migrate(req, code, num_migrations)) \
+                        or not await self._wait_for_other(service, tried):
+                    raise error from e
+                if refused:
+                    logger.warning("request %s: decode %s unavailable before its first token, retrying elsewhere",
+                                   req.request_id, instance.address)
+                    continue
+                num_migrations += 1
+                self.router.num_migrations += 1
+                logger.warning("request %s: decode %s failed after %d tokens (%s: %s); migrating (%d of %d)",
+                               req.request_id, instance.address, len(emitted), code.name, error,
+                               num_migrations, self.migration.limit)
+                await self._leave(state, req.request_id, stalled=isinstance(e, DecodeStalledError))
+                message = resumed_message(message, emitted, keep_prompt_logprobs=not emitted)
+
+    def _may_migrate(self, req: BackendRequest, code: grpc.StatusCode, num_migrations: int) -> bool:
+        """Whether a broken decode stream goes on elsewhere (n > 1 does not: its choices' tokens interleave)."""
+        if code not in MIGRATABLE_CODES or req.params.n != 1:
+            return False
+        if num_migrations >= self.migration.limit:
+            self.router.num_migrations_refused += 1
+            return False
+        return True
+
+    async def _wait_for_other(self, service: str, tried: set[tuple[str, float]]) -> bool:
+        """Whether an instance not yet tried is live, waiting up to the policy's wait_s for one (a supervisor
+        restarting the only decode brings it back under a new instance id)."""
+        deadline = asyncio.get_running_loop().time() + self.migration.wait_s
+        while not any((i.instance_id, i.started_at) not in tried for i in self.cache.get(service)):
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(_WAIT_POLL_S)
+        return True
+
+    async def _leave(self, state: _InFlight, request_id: str, stalled: bool) -> None:
+        """Leave a failed decode behind: release the handoff (unclaimed, or claimed by the dead one) and, if
+        the instance only went silent, abort the request there. Awaited before the next pick: a restarted
+        instance may take the old one's address, and the abort must not reach the request's new home."""
+        await self._abort_on(request_id, state, None, state.decode if stalled else None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request everywhere, or one choice of an n > 1 request by its choice id (on its decode)."""
@@ -256,13 +345,17 @@ class GrpcBackend:
         if state is None or state.done:
             return
         state.done = True
+        await self._abort_on(request_id, state, state.prefill, state.decode)
+
+    async def _abort_on(self, request_id: str, state: _InFlight, prefill: str | None, decode: str | None) -> None:
+        """Abort on the instances given and release the request's handoff (once: the id is taken)."""
         req = common_pb2.AbortRequest(request_id=request_id)
         calls = []
-        if state.prefill:
-            calls.append(prefill_pb2_grpc.PrefillServiceStub(self._channel(state.prefill)).Abort(
+        if prefill:
+            calls.append(prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill)).Abort(
                 req, timeout=5, metadata=state.metadata))
-        if state.decode:
-            calls.append(decode_pb2_grpc.DecodeServiceStub(self._channel(state.decode)).Abort(
+        if decode:
+            calls.append(decode_pb2_grpc.DecodeServiceStub(self._channel(decode)).Abort(
                 req, timeout=5, metadata=state.metadata))
         results = await asyncio.gather(*calls, self._release(state), return_exceptions=True)
         for r in results:
@@ -279,17 +372,24 @@ class GrpcBackend:
             logger.info("abort of choice %s failed: %s", choice_id, e.code())  # type: ignore[attr-defined]
 
     async def _release(self, state: _InFlight) -> None:
-        if state.kv_transfer and state.handoff_id:
+        """Release the request's current handoff, once: the id is taken from `state` first."""
+        handoff_id, state.handoff_id = state.handoff_id, None
+        if state.kv_transfer and handoff_id:
             stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(state.kv_transfer))
             try:
-                await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id=state.handoff_id), timeout=5,
+                await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id), timeout=5,
                                    metadata=state.metadata)
             except grpc.RpcError as e:
-                logger.info("release of %s failed: %s", state.handoff_id, e.code())  # type: ignore[attr-defined]
+                logger.info("release of %s failed: %s", handoff_id, e.code())  # type: ignore[attr-defined]
 
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+
+
+def _tried_ids(live: list[InstanceInfo], tried: set[tuple[str, float]]) -> set[str]:
+    """The ids of live instances this request has already failed on (not their restarts)."""
+    return {i.instance_id for i in live if (i.instance_id, i.started_at) in tried}
 
 
 def _chunk(msg: decode_pb2.DecodeResponse, req: BackendRequest, prompt_logprobs: bool) -> BackendChunk:

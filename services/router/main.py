@@ -19,6 +19,7 @@ import uvicorn
 from services.router.app import create_app
 from services.router.grpc_backend import GrpcBackend, InstanceCache
 from services.router.media import RouterMedia
+from services.router.migration import MigrationPolicy
 from services.router.routing import Router
 from services.router.settings import RouterSettings
 from services.router.static_registry import StaticRegistryPoller, parse_targets
@@ -68,7 +69,8 @@ async def build(settings: RouterSettings) -> RouterParts:
     cache = InstanceCache(registry)
     await cache.start()
     router = Router(settings.routing_policy, local_prefill_max_tokens=settings.local_prefill_max_tokens)
-    backend = GrpcBackend(cache, settings.mode, router=router)
+    migration = MigrationPolicy(settings.migration_limit, settings.decode_stall_timeout_s, settings.migration_wait_s)
+    backend = GrpcBackend(cache, settings.mode, router=router, migration=migration)
     media = await asyncio.to_thread(RouterMedia.from_checkpoint, hf_dir, settings)
     app = create_app(settings, backend, tokenizer, settings.model_name, defaults, media)
     return RouterParts(app, backend, cache, registry, poller)

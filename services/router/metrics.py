@@ -77,6 +77,12 @@ class _RoutingCollector(Collector):
         yield CounterMetricFamily("baton_router_local_prefills", "Disaggregated mode: requests prefilled on "
                                   "their decode instance (short, or mostly cached there).",
                                   value=self._router.num_local_prefills)
+        yield CounterMetricFamily("baton_router_migrations", "Requests moved on from a failed instance: a "
+                                  "decode stream resumed elsewhere, or a prompt a decode computed when the "
+                                  "prefill path failed.", value=self._router.num_migrations)
+        yield CounterMetricFamily("baton_router_migrations_refused", "Broken decode streams that ended in "
+                                  "an error because the request had used its migrations (--migration-limit).",
+                                  value=self._router.num_migrations_refused)
 
 
 class RequestTimer:

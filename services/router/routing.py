@@ -70,6 +70,8 @@ class Router:
         self.inflight = {"prefill": InflightCounts(), "decode": InflightCounts()}
         self.assignments: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, instance_id)
         self.num_local_prefills = 0  # requests whose decode instance computed the prompt (no handoff)
+        self.num_migrations = 0  # requests moved on from a failed instance (grpc_backend.py, migration.py)
+        self.num_migrations_refused = 0  # broken streams that had used their migrations
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
 
     @contextlib.contextmanager

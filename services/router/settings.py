@@ -45,6 +45,13 @@ class RouterSettings(BaseSettings):
         default=0, ge=-1, description="disagg: a request whose chosen decode instance lacks at most this many "
         "of its prompt tokens (short prompt, or a long prefix hit there) is prefilled on that decode instance, "
         "with no handoff; 0 = never, -1 = the cost model's break-even length")
+    migration_limit: int = Field(default=3, ge=0, description="times one request may move to another "
+                                 "instance when its decode stream breaks (it resumes from the tokens already "
+                                 "streamed); past it the client gets the error; 0 = never")
+    decode_stall_timeout_s: float = Field(default=30.0, ge=0, description="a decode stream that has sent a "
+                                          "token and then nothing for this long is dead (migrated); 0 = off")
+    migration_wait_s: float = Field(default=15.0, ge=0, description="how long a request whose instances all "
+                                    "failed waits for a new one (a restart) before it fails")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")
     internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
                                 "carries and every server requires (health checks excepted); empty = open")

@@ -115,6 +115,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of a child that fails (backoff doubling from --restart-backoff); then the "
                         "stack stops, exit 1")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a request whose decode dies mid-stream moves to another instance (0 = never)")
+    p.add_argument("--decode-stall-timeout", type=float, default=30.0,
+                   help="seconds a decode stream may go silent after a token before it counts as dead")
     p.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before a child's first restart")
     p.set_defaults(func=run_up)
 
@@ -181,6 +185,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         **common, "MODE": args.mode, "API_KEYS": ",".join(args.api_key),
         "TOOL_CALL_PARSER": args.tool_call_parser, "REASONING_PARSER": args.reasoning_parser,
         "GENERATION_CONFIG": args.generation_config, "INSTANCE_ID": router_id,
+        "MIGRATION_LIMIT": str(args.migration_limit), "DECODE_STALL_TIMEOUT_S": str(args.decode_stall_timeout),
         **({"API_KEYS_FILE": str(args.api_keys_file.resolve())} if args.api_keys_file else {}),
         "STATIC_INSTANCES": "" if args.redis_url else static,
     }, http_port=args.port)

@@ -99,12 +99,13 @@ class AsyncEngine:
     # ---- requests ------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        media: Sequence[MediaItem] = (),
+        output_token_ids: Sequence[int] = (), media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; the last one has `finished` set. `media`: the prompt's images and
-        audio (encoded on the engine thread when the request is added)."""
-        return self._run(request_id, params,
-                         lambda: self.engine.add_request(request_id, prompt_token_ids, params, media=media))
+        """Stream the request's outputs; the last one has `finished` set. `output_token_ids`: a migrated
+        request's output so far (Engine.add_request); only the tokens after them are streamed. `media`: the
+        prompt's images and audio (encoded on the engine thread when the request is added)."""
+        return self._run(request_id, params, lambda: self.engine.add_request(
+            request_id, prompt_token_ids, params, output_token_ids, media=media))
 
     async def generate_from_handoff(
         self, request_id: str, params: SamplingParams, handoff: KVHandoff

@@ -173,12 +173,12 @@ class LLMEngine:
     ) -> Request:
         prompt = list(prompt_token_ids)
         vocab = self.loaded.spec.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
+        if any(t < 0 or t >= vocab for t in prompt) or any(t < 0 or t >= vocab for t in output_token_ids):
             raise InvalidRequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) + len(output_token_ids) >= self.max_model_len:
             raise ContextLengthExceededError(
-                f"prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} "
-                "(and at least one token must be generated)",
+                f"prompt has {len(prompt)} tokens (and {len(output_token_ids)} already generated); this model's "
+                f"context is {self.max_model_len} (and at least one token must be generated)",
                 param="prompt",
             )
         inputs = self._media_inputs(request_id, prompt, media) if media else []
@@ -211,13 +211,25 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    media: Sequence[MediaItem] = ()) -> None:
+                    output_token_ids: Sequence[int] = (), media: Sequence[MediaItem] = ()) -> None:
         """Compute the prompt here, then decode (colocated; a decode engine too, when the router finds a
         handoff would cost more than the prefill: a short prompt or a long prefix hit in its cache).
-        `media`: the prompt's images and audio, at their placeholder tokens."""
+
+        `output_token_ids`: a migrated request's output so far (streamed by an instance that died). They are
+        computed with the prompt, like a preempted request's, and count as output: against max_tokens, in the
+        penalties' history and through the grammar; the request continues after them.
+        `media`: the prompt's images and audio, at their placeholder tokens.
+        """
         self._check_new_id(request_id)
+        if output_token_ids:
+            if params.n != 1:
+                raise InvalidRequestError("a resumed request has one choice (n=1)", param="n")
+            if len(output_token_ids) >= params.max_tokens:
+                raise InvalidRequestError(f"{len(output_token_ids)} tokens already generated leave nothing of "
+                                          f"max_tokens={params.max_tokens}", param="max_tokens")
         if params.n == 1:
-            self.admit_new(self._new_request(request_id, prompt_token_ids, params, media=media))
+            request = self._new_request(request_id, prompt_token_ids, params, output_token_ids, media)
+            self.admit_new(request, num_steps_done=len(output_token_ids))
             return
         holder, followers = self._new_choices(request_id, prompt_token_ids, params, media=media)
         self.admit_new(holder)

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from shared.errors import UnavailableError
+from shared.errors import BatonError, KVTransferError, UnavailableError
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, HandoffSpec
@@ -49,7 +49,7 @@ class KVTransferClient:
             reply = await self._stub(address).Reserve(reserve_to_proto(spec), timeout=_CONTROL_TIMEOUT_S,
                                                       metadata=inject_metadata(), wait_for_ready=True)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from e
+            raise _kv_error(e, address) from e
         return slots_from_proto(reply, spec)
 
     async def renew(self, address: str, handoff_id: str) -> bool:
@@ -68,7 +68,7 @@ class KVTransferClient:
             reply = await self._stub(address).Commit(commit_to_proto(handoff_id, result), timeout=_CONTROL_TIMEOUT_S,
                                                      metadata=inject_metadata())
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from e
+            raise _kv_error(e, address) from e
         return int(reply.nbytes)
 
     async def claim(self, address: str, handoff_id: str, *, wait_s: float, timeout_s: float
@@ -79,7 +79,7 @@ class KVTransferClient:
             reply = await self._stub(address).Claim(request, timeout=timeout_s, metadata=inject_metadata(),
                                                     wait_for_ready=True)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from e
+            raise _kv_error(e, address) from e
         return claimed_from_proto(reply, handoff_id)
 
     async def release(self, address: str, handoff_id: str, failed: bool = False) -> bool:
@@ -116,3 +116,11 @@ class KVTransferClient:
             await asyncio.wait(self._cleanups, timeout=_CONTROL_TIMEOUT_S)
         for ch in self._channels:
             await ch.close()
+
+
+def _kv_error(e: grpc.RpcError, address: str) -> BatonError:
+    """The error of a failed kv_transfer call. A deadline passed waiting for the service (wait_for_ready) is
+    the service being unreachable, not the request aborted: UNAVAILABLE, so callers retry or fall back."""
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+        return KVTransferError(f"kv_transfer at {address} did not answer in time")
+    return error_from_rpc(e)

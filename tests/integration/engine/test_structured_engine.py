@@ -209,3 +209,30 @@ def test_fast_forward_inside_a_character_drafts_nothing_and_finishes(make: MakeE
     spec = GrammarSpec("choice", json.dumps([choice]))
     results = make().generate(prompts()[:2], SamplingParams(max_tokens=20, temperature=0.0, structured=spec))
     assert [(t, r.finish_reason) for t, r in zip(texts(results), results, strict=True)] == [(choice, "stop")] * 2
+
+
+@pytest.mark.parametrize("cut", [1, 7, 30])
+def test_a_resumed_request_continues_the_grammar_and_the_penalties(make: MakeEngine, cut: int) -> None:
+    """Request migration: a request re-admitted with the tokens it had already streamed as its output
+    ends exactly as the run that never stopped (grammar, penalties and max_tokens all count them)."""
+    batch = prompts()
+    params = greedy(frequency_penalty=0.5, presence_penalty=0.3)
+    expected = [r.token_ids for r in make().generate(batch, params)]
+    for config in [dict(), dict(async_scheduling=True, spec_method="ngram")]:
+        engine = make(**config)
+        for i, (prompt, tokens) in enumerate(zip(batch, expected, strict=True)):
+            engine.add_request(f"r{i}", prompt, params, tokens[:cut])
+        results = engine.run_to_completion()
+        got = [expected[i][:cut] + results[f"r{i}"].token_ids for i in range(len(batch))]
+        assert got == expected, config
+        assert engine.num_free_kv_blocks == engine.num_kv_blocks
+
+
+def test_a_resumed_request_is_refused_when_its_output_is_already_complete(make: MakeEngine) -> None:
+    engine = make()
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0), [9, 9, 9])
+    with pytest.raises(InvalidRequestError, match="n=1"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, n=2), [9])
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8), [10**6])

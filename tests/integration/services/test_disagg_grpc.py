@@ -81,8 +81,10 @@ def run(coro_fn: Any) -> Any:
     return asyncio.run(main())
 
 
-async def backend_for(stack: Stack, dead_prefill: str | None = None) -> Any:
-    """The router's gRPC backend over the stack's instances (and a dead prefill listed first, if given)."""
+async def backend_for(stack: Stack, dead_prefill: str | None = None, kv_transfer: str | None = None,
+                      **backend: Any) -> Any:
+    """The router's gRPC backend over the stack's instances (and a dead prefill listed first, if given;
+    `kv_transfer`: the address registered for it instead of the stack's)."""
     import time
 
     from services.router.grpc_backend import GrpcBackend, InstanceCache
@@ -98,10 +100,10 @@ async def backend_for(stack: Stack, dead_prefill: str | None = None) -> Any:
         await registry.register(info("prefill", "a-dead", dead_prefill), 60)
     await registry.register(info("prefill", "b-live", stack.prefill.address), 60)
     await registry.register(info("decode", "d", stack.decode.address), 60)
-    await registry.register(info("kv_transfer", "kv", stack.kv.address), 60)
+    await registry.register(info("kv_transfer", "kv", kv_transfer or stack.kv.address), 60)
     cache = InstanceCache(registry)
     await cache.refresh()
-    return GrpcBackend(cache)
+    return GrpcBackend(cache, **backend)
 
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about rain.",
@@ -229,3 +231,38 @@ def test_router_backend_spreads_requests_between_heartbeats() -> None:
         return chosen
 
     assert asyncio.run(main()) == ["p0", "p1", "p0"]
+
+
+def test_a_dead_kv_transfer_sends_the_prompt_to_a_decode_instance_or_fails_without_migration() -> None:
+    """No token sent yet and the prefill path broken (its kv_transfer is gone): with migration on, the decode
+    instance computes the prompt and the greedy tokens are the same; with --migration-limit 0, a 503."""
+    from services.router.backend import BackendRequest
+    from services.router.migration import MigrationPolicy
+    from shared.errors import UnavailableError
+    from tests.helpers.redis_server import free_port
+
+    prompt = encode_prompt(packaged(MODEL).tokenizer, "What is the capital of France?", chat=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = packaged_engine(MODEL, max_model_len=1024).generate([prompt], params)[0].token_ids
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def generate(backend: Any, request_id: str) -> list[int]:
+        tokens: list[int] = []
+        async for chunk in backend.generate(BackendRequest(request_id, prompt, params)):
+            tokens.extend(chunk.token_ids)
+        return tokens
+
+    async def body(stack: Stack) -> list[int]:
+        backend = await backend_for(stack, kv_transfer=dead)
+        tokens = await generate(backend, "fallback-1")
+        assert backend.router.num_migrations == 1
+        await backend.close()
+        strict = await backend_for(stack, kv_transfer=dead, migration=MigrationPolicy(limit=0))
+        with pytest.raises(UnavailableError):
+            await generate(strict, "fallback-2")
+        await strict.close()
+        await asyncio.sleep(0.2)
+        assert stack.engines_idle()
+        return tokens
+
+    assert run(body) == expected

@@ -1,0 +1,88 @@
+"""Request migration: a decode stream that breaks goes on from another instance, the client seeing no seam.
+
+```
+ decode A streams t1 t2 t3 ──► client
+     │ A dies (UNAVAILABLE, INTERNAL, a lost handoff, ...) or is silent for stall_timeout_s after a token
+     ▼
+ migrations < limit and n == 1?
+     yes ──► decode B: Generate(prompt, output_token_ids=[t1 t2 t3], no handoff)
+     │         B computes prompt + t1..t3 as a preempted request's tokens (its prefix cache and the grammar,
+     │         penalties and max_tokens all count them as output) and streams t4 ... ──► client
+     no ───► the error, to the client (a clear 503 or the failure's own status)
+```
+
+Greedy output after a migration equals the run with no fault: B's next token follows the same tokens.
+What the client saw is never sent again, and nothing is skipped: the router counts every token it
+forwarded. A prefill that fails before the first token is retried on another prefill (grpc_backend.py)
+and, past its attempts, migrates the same way with no tokens yet: a decode computes the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from proto.baton.v1 import decode_pb2
+from shared.errors import UnavailableError
+
+# the instance or its transport failed, not the request: worth going on elsewhere. CANCELLED comes from the
+# server only (an engine stopped under the request); the router's own cancel is a CancelledError.
+MIGRATABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.NOT_FOUND,  # the handoff is gone (its kv_transfer restarted): the tokens are not
+})
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """`limit`: moves one request may make (0 = never migrate); `stall_timeout_s`: a stream that has sent a
+    token and then nothing for this long counts as dead (0 = wait forever; before its first token a
+    stream may be queued or computing a long prompt, so silence there is not a stall); `wait_s`: how long
+    a request whose instances all failed waits for a new one to register (a restart) before its error."""
+
+    limit: int = 3
+    stall_timeout_s: float = 30.0
+    wait_s: float = 15.0
+
+
+class DecodeStalledError(UnavailableError):
+    """A decode stream went silent mid-generation; the router treats the instance as dead."""
+
+
+async def read_stream(call: grpc.aio.UnaryStreamCall, stall_timeout_s: float,
+                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+    """The stream's messages; DecodeStalledError (the call cancelled) when one is late past its first."""
+    received = False
+    try:
+        while True:
+            read = call.read()
+            if received and stall_timeout_s > 0:
+                try:
+                    msg = await asyncio.wait_for(read, stall_timeout_s)
+                except TimeoutError:
+                    raise DecodeStalledError(f"decode stream silent for {stall_timeout_s:g} s") from None
+            else:
+                msg = await read
+            if msg is grpc.aio.EOF:
+                return
+            received = True
+            yield msg
+    finally:
+        call.cancel()  # no-op on a finished call; stops a stalled or abandoned one
+
+
+def resumed_message(message: decode_pb2.DecodeRequest, emitted: list[int],
+                    keep_prompt_logprobs: bool) -> decode_pb2.DecodeRequest:
+    """`message` for another decode instance: no handoff (it computes the prompt), `emitted` as the
+    output so far, the prompt's logprobs asked again only if the client has not had them."""
+    resumed = decode_pb2.DecodeRequest()
+    resumed.request.CopyFrom(message.request)
+    resumed.request.output_token_ids[:] = emitted
+    if not keep_prompt_logprobs:
+        resumed.request.params.ClearField("prompt_logprobs")
+    return resumed

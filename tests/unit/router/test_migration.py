@@ -1,0 +1,56 @@
+"""migration.py on its own: the stall rule of read_stream, and what a resumed message carries."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc.aio
+import pytest
+
+from proto.baton.v1 import common_pb2, decode_pb2
+from services.router.migration import DecodeStalledError, read_stream, resumed_message
+
+
+class _Call:
+    """A stream call whose messages arrive after the given delays (a test double of grpc.aio's call)."""
+
+    def __init__(self, delays_s: list[float]) -> None:
+        self.delays_s = list(delays_s)
+        self.cancelled = False
+
+    async def read(self) -> object:
+        if not self.delays_s:
+            return grpc.aio.EOF
+        await asyncio.sleep(self.delays_s.pop(0))
+        return decode_pb2.DecodeResponse(token_ids=[1])
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+async def _drain(call: _Call, stall_timeout_s: float) -> int:
+    return len([m async for m in read_stream(call, stall_timeout_s)])  # type: ignore[arg-type]
+
+
+def test_a_slow_first_message_is_not_a_stall_but_a_silence_after_one_is() -> None:
+    assert asyncio.run(_drain(_Call([0.3, 0.01, 0.01]), stall_timeout_s=0.1)) == 3
+    call = _Call([0.0, 0.3])
+    with pytest.raises(DecodeStalledError, match="silent"):
+        asyncio.run(_drain(call, stall_timeout_s=0.1))
+    assert call.cancelled
+    assert asyncio.run(_drain(_Call([0.0, 0.3]), stall_timeout_s=0)) == 2  # 0: no stall rule
+
+
+def test_a_resumed_message_drops_the_handoff_and_carries_the_streamed_tokens() -> None:
+    message = decode_pb2.DecodeRequest(
+        request=common_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                                           params=common_pb2.SamplingParams(max_tokens=9, prompt_logprobs=2)),
+        handoff_id="h", kv_transfer_address="kv:1", first_token_id=7)
+    resumed = resumed_message(message, [7, 8], keep_prompt_logprobs=False)
+    assert not resumed.handoff_id and not resumed.kv_transfer_address and not resumed.first_token_id
+    assert list(resumed.request.output_token_ids) == [7, 8]
+    assert list(resumed.request.prompt_token_ids) == [1, 2, 3] and resumed.request.params.max_tokens == 9
+    assert not resumed.request.params.HasField("prompt_logprobs")
+    assert resumed_message(message, [], keep_prompt_logprobs=True).request.params.prompt_logprobs == 2
+    assert message.handoff_id == "h"  # the original is left as it was
