@@ -9,6 +9,7 @@ kv_transfer's messages (the KV handoff's control path) are in `shared.wire_kv`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,8 @@ from proto.baton.v1 import common_pb2
 from shared.engine.choices import FirstToken
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import InvalidRequestError
+from shared.multimodal.items import AUDIO, IMAGE, MediaItem
+from shared.multimodal.media import content_hash
 from shared.registry.base import Load
 from shared.registry.kv_summary import MAX_SUMMARY_BLOCKS, KVSummary
 from shared.structured.spec import GrammarSpec, ReasoningSpec
@@ -180,3 +183,20 @@ def first_token_to_proto(token_id: int, logprobs: TokenLogprobs | None) -> commo
 
 def first_token_from_proto(msg: common_pb2.FirstToken) -> FirstToken:
     return FirstToken(msg.token_id, token_logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None)
+
+
+def media_to_proto(items: Sequence[MediaItem]) -> list[common_pb2.MediaItem]:
+    return [common_pb2.MediaItem(kind=m.kind, offset=m.offset, num_tokens=m.num_tokens, content_hash=m.content_hash,
+                                 data=m.data, audio_format=m.audio_format) for m in items]
+
+
+def media_from_proto(msgs: Sequence[common_pb2.MediaItem]) -> list[MediaItem]:
+    """A request's media; the engine checks them against the prompt's placeholders."""
+    items = []
+    for m in msgs:
+        if m.kind not in (IMAGE, AUDIO):
+            raise InvalidRequestError(f"media kind {m.kind!r} is not image or audio", param="media")
+        if m.content_hash != content_hash(m.data):  # the prefix cache trusts the digest: it must name the data
+            raise InvalidRequestError("a media item's content_hash does not match its data", param="media")
+        items.append(MediaItem(m.kind, m.offset, m.num_tokens, m.content_hash, m.data, m.audio_format))
+    return items

@@ -38,6 +38,7 @@ from shared.telemetry import (
 from shared.wire import (
     first_token_from_proto,
     load_report_to_proto,
+    media_from_proto,
     sampling_params_from_proto,
     token_logprobs_to_proto,
 )
@@ -77,7 +78,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if not request.handoff_id:  # colocated role, the router chose to prefill here (no handoff pays), or
             # a request migrated from a decode that died (its streamed tokens come as output_token_ids)
             async for out in await self.aengine.generate(req.request_id, list(req.prompt_token_ids), params,
-                                                         list(req.output_token_ids)):
+                                                         list(req.output_token_ids), media_from_proto(req.media)):
                 yield _response(out)
             return
         if req.output_token_ids:
@@ -88,7 +89,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         released = False
         try:
             more = [first_token_from_proto(m) for m in request.more_choices]
-            stream = await self.aengine.generate_pulled(req.request_id, params, claimed, agent, more)
+            stream = await self.aengine.generate_pulled(req.request_id, params, claimed, agent, more,
+                                                        media_from_proto(req.media))
             async for out in stream:
                 # the first tokens come after the pull is over: the slots can go (an output without tokens
                 # may come before it: a choice of n > 1 that its first token from prefill ended)

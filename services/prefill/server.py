@@ -49,6 +49,7 @@ from shared.telemetry import (
 from shared.wire import (
     first_token_to_proto,
     load_report_to_proto,
+    media_from_proto,
     sampling_params_from_proto,
     token_logprobs_to_proto,
 )
@@ -83,7 +84,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         # one slot per unit (a block of one layer group; sliding groups only inside the window)
         layout = replace(engine.layout, num_blocks=len(engine.layout.handoff_units(len(prompt))), group_blocks=())
         hidden_nbytes = len(prompt) * engine.hidden_width * layout.itemsize if self.send_hidden_states else 0
-        hashes = unit_hashes(layout, hash_prefix_blocks(prompt, bs, engine.kv.hash_salt), len(prompt))
+        media = media_from_proto(request.request.media)  # their digests join the blocks' prefix hashes
+        hashes = unit_hashes(layout, hash_prefix_blocks(prompt, bs, engine.kv.hash_salt, media), len(prompt))
         return HandoffSpec(request.handoff_id, request.request.request_id, engine.loaded.identity, layout, prompt,
                            hashes, hidden_nbytes)
 
@@ -104,7 +106,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             finals: dict[int, RequestOutput] = {}  # by choice
             stream = await self.aengine.generate_pushed(req.request_id, list(req.prompt_token_ids), params, agent,
-                                                        slots)
+                                                        slots, media_from_proto(req.media))
             async for out in stream:
                 if out.finished:
                     finals[out.index] = out

@@ -60,7 +60,7 @@ from shared.registry.kv_summary import KVSummary
 from shared.registry.picker import pick_kv_transfer
 from shared.service.lifecycle import cancel, every
 from shared.telemetry import inject_metadata
-from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
+from shared.wire import media_to_proto, sampling_params_to_proto, token_logprobs_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -405,4 +405,4 @@ def _chunk(msg: decode_pb2.DecodeResponse, req: BackendRequest, prompt_logprobs:
 
 def _request(req: BackendRequest) -> common_pb2.GenerateRequest:
     return common_pb2.GenerateRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                      params=sampling_params_to_proto(req.params))
+                                      params=sampling_params_to_proto(req.params), media=media_to_proto(req.media))

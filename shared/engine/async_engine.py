@@ -129,14 +129,14 @@ class AsyncEngine:
 
     async def generate_pulled(
         self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff, address: AgentAddress,
-        more_choices: Sequence[FirstToken] = (),
+        more_choices: Sequence[FirstToken] = (), media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Continue a request whose KV waits in kv_transfer (decode role); the stream fails if the pull does.
 
-        `more_choices`: with params.n > 1, what prefill sampled for choices 1..n-1."""
+        `more_choices`: with params.n > 1, what prefill sampled for choices 1..n-1. `media`: the prompt's."""
 
         def admit() -> None:
-            self._deliver(self.engine.add_pulled_handoff(request_id, params, claimed, address, more_choices))
+            self._deliver(self.engine.add_pulled_handoff(request_id, params, claimed, address, more_choices, media))
 
         return self._run(request_id, params, admit)
 

@@ -169,7 +169,7 @@ class LLMEngine:
     # ---- intake -------------------------------------------------------------------
     def _new_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        output_token_ids: Sequence[int] = (), media: Sequence[MediaItem] = (),
+        output_token_ids: Sequence[int] = (), media: Sequence[MediaItem] = (), encode_media: bool = True,
     ) -> Request:
         prompt = list(prompt_token_ids)
         vocab = self.loaded.spec.vocab_size
@@ -181,7 +181,7 @@ class LLMEngine:
                 f"context is {self.max_model_len} (and at least one token must be generated)",
                 param="prompt",
             )
-        inputs = self._media_inputs(request_id, prompt, media) if media else []
+        inputs = self._media_inputs(request_id, prompt, media, encode_media) if media else []
         self._arrivals += 1
         return Request(
             request_id, prompt, params, eos_token_ids=self.loaded.eos_token_ids,
@@ -189,9 +189,11 @@ class LLMEngine:
             bidirectional_images=bool(inputs) and self.loaded.multimodal.bidirectional_vision,
         )
 
-    def _media_inputs(self, request_id: str, prompt: list[int], media: Sequence[MediaItem]) -> list[MediaInput]:
-        """A prompt's media, checked against its placeholders and (engines that compute prompts) encoded now, so
-        that undecodable media is the caller's 400, never a failed step."""
+    def _media_inputs(self, request_id: str, prompt: list[int], media: Sequence[MediaItem],
+                      encode: bool) -> list[MediaInput]:
+        """A prompt's media, checked against its placeholders and, when this engine computes the prompt, encoded
+        now, so that undecodable media is the caller's 400, never a failed step. A handoff's media stay unencoded
+        (their digests key the prefix cache; a preempted request encodes them when it recomputes)."""
         encoder, mm = self.loaded.media_encoder, self.loaded.multimodal
         if encoder is None or mm is None:
             raise InvalidRequestError("this model reads text only: images and audio cannot be given to it",
@@ -200,7 +202,7 @@ class LLMEngine:
         if problem is not None:
             raise InvalidRequestError(problem, param="messages")
         inputs = [MediaInput(item) for item in media]
-        if self.config.role != "decode":  # a decode engine encodes only to recompute a preempted prompt
+        if encode:
             for m in inputs:
                 m.embeds = encoder.encode(m.item, request_id)
         return inputs
@@ -239,9 +241,10 @@ class LLMEngine:
     def _new_choices(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      first_tokens: Sequence[FirstToken] = (), media: Sequence[MediaItem] = (),
                      ) -> tuple[Request, list[Request]]:
-        """The validated requests of params.n choices: choice 0 (the holder), then its followers."""
+        """The validated requests of params.n choices: choice 0 (the holder), then its followers (handed-off
+        choices, which come with their first tokens, do not encode their media)."""
         requests = [self._new_request(choice_id, prompt_token_ids, child_params(params, i),
-                                      [first_tokens[i].token_id] if first_tokens else [], media)
+                                      [first_tokens[i].token_id] if first_tokens else [], media, not first_tokens)
                     for i, choice_id in enumerate(self.choices.add(request_id, params.n))]
         return requests[0], requests[1:]
 
@@ -295,11 +298,13 @@ class LLMEngine:
         self._release_followers()
 
     def add_pulled_handoff(self, request_id: str, params: SamplingParams, claimed: ClaimedHandoff,
-                           address: AgentAddress, more_choices: Sequence[FirstToken] = ()) -> list[RequestOutput]:
+                           address: AgentAddress, more_choices: Sequence[FirstToken] = (),
+                           media: Sequence[MediaItem] = ()) -> list[RequestOutput]:
         """Decode role: admit a request whose KV waits in kv_transfer's slots (pulled before it runs).
 
         `more_choices`: with params.n > 1, the first tokens prefill sampled for choices 1..n-1 (choice 0's
         travels with the handoff). Returns the final outputs of choices their first token already ended.
+        `media`: the prompt's images and audio (their digests key this engine's prefix cache).
         """
         assert self.remote is not None, "enable_remote_kv first"
         self._check_new_id(request_id)
@@ -312,11 +317,11 @@ class LLMEngine:
         prompt = claimed.spec.prompt_token_ids
         if params.n == 1:
             request, done = self._continue_from_first_token(request_id, prompt, params, firsts[0].token_id,
-                                                            firsts[0].logprobs)
+                                                            firsts[0].logprobs, media)
             if done is None:
                 self.remote.add_pulled(request, claimed, address)
             return [done] if done is not None else []
-        holder, followers = self._new_choices(request_id, prompt, params, firsts)
+        holder, followers = self._new_choices(request_id, prompt, params, firsts, media)
         return self._admit_pulled_choices(request_id, claimed, address, [holder, *followers], firsts)
 
     def _admit_pulled_choices(self, request_id: str, claimed: ClaimedHandoff, address: AgentAddress,
@@ -388,13 +393,13 @@ class LLMEngine:
 
     def _continue_from_first_token(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, first_token_id: int,
-        first_logprobs: TokenLogprobs | None,
+        first_logprobs: TokenLogprobs | None, media: Sequence[MediaItem] = (),
     ) -> tuple[Request, RequestOutput | None]:
         """A request prefilled elsewhere, holding its first token; its final output if that token ended it.
 
         Otherwise the runner has taken it (its generator replays the draws prefill made).
         """
-        request = self._new_request(request_id, prompt_token_ids, params, [first_token_id])
+        request = self._new_request(request_id, prompt_token_ids, params, [first_token_id], media, False)
         if first_logprobs is not None:
             request.output_logprobs.append(first_logprobs)
         status = request.check_stop()

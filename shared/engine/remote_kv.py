@@ -114,8 +114,9 @@ class RemoteKV:
                                              (request.num_prompt_tokens - 1) // bs)
         local = e.kv.find_cached_prefix(request)
         if num_pool_blocks > len(local) and e.pool.enable_prefix_caching:  # imports land in the prefix cache
+            # the request's media too: they key the imported blocks' prefix hashes as the request's own
             holder = Request(f"import:{request.request_id}", list(request.prompt_token_ids), request.params,
-                             eos_token_ids=request.eos_token_ids)
+                             eos_token_ids=request.eos_token_ids, media=request.media)
             if e.kv.allocate_slots(holder, num_pool_blocks * bs, local, host_writes=True):
                 num_read_tokens = (num_pool_blocks - len(local)) * bs
                 self._imports[holder.request_id] = _Import(holder, request, address, slots, num_read_tokens)

@@ -81,8 +81,9 @@ def text_weights(hf: Any) -> dict[str, torch.Tensor]:
     return {("model." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in hf.state_dict().items()}
 
 
-def mm_token_type_ids(ids: list[int]) -> torch.Tensor:  # [1, n]: 1 image, 3 audio, as Gemma4Processor marks them
-    return torch.tensor([[1 if t == IMAGE_ID else 3 if t == AUDIO_ID else 0 for t in ids]])
+def mm_token_type_ids(ids: list[int], image_id: int = IMAGE_ID, audio_id: int = AUDIO_ID) -> torch.Tensor:
+    """[1, n]: 1 at image tokens, 3 at audio tokens, as Gemma4Processor marks them."""
+    return torch.tensor([[1 if t == image_id else 3 if t == audio_id else 0 for t in ids]])
 
 
 def tiny_mm_loaded(variant: str = "all", bidirectional: bool = True, seed: int = 0,
@@ -124,7 +125,8 @@ def mm_prompt(text_before: list[int], media: list[tuple[str, bytes, int]], text_
 def hf_mm_greedy(hf: Any, ids: list[int], images: list[Any], waves: list[Any], num_tokens: int) -> list[int]:
     """transformers' greedy continuation of a prompt with these PIL images and 16 kHz waves."""
     proc = media_processor()
-    kwargs: dict[str, Any] = {"mm_token_type_ids": mm_token_type_ids(ids)}
+    kwargs: dict[str, Any] = {"mm_token_type_ids": mm_token_type_ids(ids, hf.config.image_token_id,
+                                                                      hf.config.audio_token_id)}
     if images:
         pix = proc.images(images=images, return_tensors="pt")
         kwargs |= dict(pixel_values=pix["pixel_values"], image_position_ids=pix["image_position_ids"])

@@ -102,17 +102,35 @@ class FirstToken(_message.Message):
     logprobs: TokenLogprobs
     def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
+class MediaItem(_message.Message):
+    __slots__ = ("kind", "offset", "num_tokens", "content_hash", "data", "audio_format")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    offset: int
+    num_tokens: int
+    content_hash: bytes
+    data: bytes
+    audio_format: str
+    def __init__(self, kind: _Optional[str] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., content_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., audio_format: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "output_token_ids", "media")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    media: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,130 @@
+"""Images and audio through prefill -> kv_transfer -> decode over real gRPC (a tiny checkpoint with both towers,
+written by `baton make-tiny gemma4 --vision --audio --bidirectional-vision`).
+
+The encoder runs in the prefill service; the KV handoff and decode are the text path's. Greedy tokens equal
+a colocated engine's and transformers'. kv_transfer's prefix pool keys blocks by the image too: the same
+text with another image, prefilled on a second instance, imports only the block before the image, and the
+first image sent again there imports nearly the whole prompt and answers the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import soundfile
+from PIL import Image
+
+from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.decode.main import start as start_decode
+from services.decode.settings import DecodeSettings
+from services.kv_transfer.main import start as start_kv
+from services.kv_transfer.settings import KVTransferSettings
+from services.prefill.main import start as start_prefill
+from services.prefill.settings import PrefillSettings
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.request import SamplingParams
+from shared.grpc_common import channel
+from shared.models.gemma4.multimodal import multimodal_config
+from shared.multimodal.items import MediaItem
+from shared.multimodal.media import content_hash
+from shared.multimodal.processor import Gemma4MediaProcessor
+from shared.wire import media_to_proto, sampling_params_to_proto
+from tests.helpers.gemma4 import hf_from_checkpoint, tiny_gemma4_checkpoint
+from tests.helpers.gemma4_mm import hf_mm_greedy, image_bytes, random_image, random_wave, wav_bytes
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 8
+PARAMS = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_gemma4_checkpoint(tmp_path_factory.mktemp("gemma4mm") / "tiny", vision=True, audio=True,
+                                  bidirectional_vision=True)
+
+
+def _prompt(checkpoint: Path, media: list[tuple[str, bytes]], text: list[int]) -> tuple[list[int], list[MediaItem]]:
+    from transformers import AutoConfig
+
+    mm = multimodal_config(AutoConfig.from_pretrained(checkpoint))
+    proc = Gemma4MediaProcessor.from_dir(checkpoint)
+    ids, items = [2, 1000, 2000, 3000, 4000, 5000], []
+    for kind, data in media:
+        if kind == "image":
+            with Image.open(io.BytesIO(data)) as img:
+                n, begin, token, end = proc.image_tokens(*img.size), mm.boi_token_id, mm.image_token_id, mm.eoi_token_id
+        else:
+            n = proc.audio_tokens(soundfile.info(io.BytesIO(data)).frames)
+            begin, token, end = mm.boa_token_id, mm.audio_token_id, mm.eoa_token_id
+        ids.append(begin)
+        items.append(MediaItem(kind, len(ids), n, content_hash(data), data, "wav" if kind == "audio" else ""))
+        ids += [token] * n + [end]
+    return ids + text, items
+
+
+def engine_settings(model: Path) -> dict[str, Any]:
+    return dict(model=str(model), port=0, metrics_port=-1, kv_cache_bytes=16 << 20, max_model_len=512,
+                kv_claim_wait_s=0.5, max_num_batched_tokens=32)
+
+
+async def _generate(prefill: Any, decode: Any, kv: Any, prompt: list[int], items: list[MediaItem]
+                    ) -> tuple[list[int], int]:
+    request_id = uuid.uuid4().hex
+    req = common_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                     params=sampling_params_to_proto(PARAMS), media=media_to_proto(items))
+    handoff_id = f"h-{request_id}"
+    first = await prefill_pb2_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(prefill_pb2.PrefillRequest(
+        request=req, handoff_id=handoff_id, kv_transfer_address=kv.address))
+    tokens = [first.first_token_id]
+    async for msg in decode_pb2_grpc.DecodeServiceStub(channel(decode.address)).Generate(decode_pb2.DecodeRequest(
+            request=req, handoff_id=handoff_id, kv_transfer_address=kv.address, first_token_id=first.first_token_id)):
+        tokens.extend(msg.token_ids)
+    return tokens, first.num_cached_tokens
+
+
+def test_media_disaggregated_equals_colocated_and_transformers(checkpoint: Path) -> None:
+    text = [7000 + i for i in range(40)]
+    wave = random_wave(0.4, seed=1)
+    cases = [_prompt(checkpoint, [("image", image_bytes(40, 28, seed=3))], text),
+             _prompt(checkpoint, [("image", image_bytes(40, 28, seed=4))], text),  # same text, another image
+             _prompt(checkpoint, [("audio", wav_bytes(wave)), ("image", image_bytes(20, 52, seed=5))], text[:9])]
+    colocated = LLMEngine(EngineConfig(model=str(checkpoint), max_model_len=512, kv_cache_bytes=16 << 20,
+                                       max_num_batched_tokens=32))
+    expected = [r.token_ids for r in colocated.generate([c[0] for c in cases], PARAMS, media=[c[1] for c in cases])]
+    colocated.close()
+    hf = hf_from_checkpoint(checkpoint)
+    assert expected[0] == hf_mm_greedy(hf, cases[0][0], [random_image(40, 28, seed=3)], [], NUM_TOKENS)
+    assert expected[2] == hf_mm_greedy(hf, cases[2][0], [random_image(20, 52, seed=5)], [wave], NUM_TOKENS)
+
+    async def body() -> list[tuple[list[int], int]]:
+        kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, max_claim_wait_s=1.0))
+        first_prefill = await start_prefill(PrefillSettings(**engine_settings(checkpoint)))
+        second_prefill = await start_prefill(PrefillSettings(**engine_settings(checkpoint)))
+        decode = await start_decode(DecodeSettings(**engine_settings(checkpoint)))
+        try:
+            got = [await _generate(first_prefill, decode, kv, *cases[0]),
+                   await _generate(second_prefill, decode, kv, *cases[1]),  # pool holds case 0's blocks
+                   await _generate(second_prefill, decode, kv, *cases[0]),  # now a pool hit
+                   await _generate(first_prefill, decode, kv, *cases[2])]
+            await asyncio.sleep(0.2)
+            engines = [s.host.aengine.engine for s in (first_prefill, second_prefill, decode)]
+            assert all(e.num_free_kv_blocks == e.num_kv_blocks and not e.has_unfinished() for e in engines)
+            assert kv.store.active_leases == 0
+            assert second_prefill.host.aengine.engine.loaded.media_encoder.num_encoded == 2
+            return got
+        finally:
+            for s in (decode, second_prefill, first_prefill, kv):
+                await s.stop()
+
+    got = asyncio.run(body())
+    assert [g[0] for g in got] == [expected[0], expected[1], expected[0], expected[2]]
+    block = 16  # EngineConfig's default block size: the image starts in the first block
+    assert got[1][1] == 0  # another image: nothing before the image fills a whole block
+    assert got[2][1] >= len(cases[0][0]) - 2 * block  # the first image again: read from kv_transfer's pool
