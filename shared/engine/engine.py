@@ -181,7 +181,8 @@ class LLMEngine:
                 f"context is {self.max_model_len} (and at least one token must be generated)",
                 param="prompt",
             )
-        inputs = self._media_inputs(request_id, prompt, media, encode_media) if media else []
+        inputs = self._media_inputs(request_id, prompt, media, encode_media) \
+            if media or self.loaded.multimodal is not None else []
         self._arrivals += 1
         return Request(
             request_id, prompt, params, eos_token_ids=self.loaded.eos_token_ids,
@@ -202,6 +203,8 @@ class LLMEngine:
         if problem is not None:
             raise InvalidRequestError(problem, param="messages")
         inputs = [MediaInput(item) for item in media]
+        if not inputs:
+            return inputs
         if encode:
             for m in inputs:
                 m.embeds = encoder.encode(m.item, request_id)

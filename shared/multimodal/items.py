@@ -72,4 +72,8 @@ def check_placement(media: Sequence[MediaItem], prompt: Sequence[int], placehold
         if want is None or any(t != want for t in prompt[item.offset:item.end]):
             return f"media item {i} ({item.kind}) does not cover its placeholder tokens"
         last = item.end
+    num_placeholders = sum(1 for t in prompt if t in placeholder_ids.values())
+    if num_placeholders != sum(item.num_tokens for item in media):
+        return (f"the prompt holds {num_placeholders} image/audio placeholder tokens, its media "
+                f"{sum(item.num_tokens for item in media)} soft tokens")
     return None

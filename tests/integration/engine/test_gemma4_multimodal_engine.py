@@ -83,4 +83,6 @@ def test_bad_media_is_refused_at_intake(engines, models) -> None:
     with pytest.raises(InvalidRequestError, match="placeholder"):
         engine.add_request("bad-2", good_ids[:-3], GREEDY, media=[good_items[0].__class__(
             "image", 1, good_items[0].num_tokens, good_items[0].content_hash, good_items[0].data)])
+    with pytest.raises(InvalidRequestError, match="placeholder tokens"):  # placeholders with no media behind them
+        engine.add_request("bad-3", good_ids, GREEDY)
     assert not engine.has_unfinished()

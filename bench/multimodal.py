@@ -1,0 +1,149 @@
+"""TTFT of image+text prompts against text-only prompts of the same token count, and the encoder cache's effect.
+
+One colocated engine in process on a tiny random multimodal Gemma 4 checkpoint
+(`baton make-tiny gemma4 --vision --audio`, cached under ~/.cache/baton/bench-gemma4-mm).
+Each round sends, one after another, in turn (so drift reaches all alike):
+
+    text        random text tokens, as many as the image prompt has
+    image       random text + a fresh random image (encoder and prefix caches miss)
+    image_seen  different random text *before* one image sent every round (the prefix cache misses, the
+                encoder-output cache hits)
+
+TTFT is wall time from `add_request` (media decoded, preprocessed and encoded there) to the first token.
+Reported: p50 / p99 of each, ratios to text's p50, and the encoder's ms per image; JSON in bench/results/.
+
+    .venv/bin/python -m bench.multimodal [--rounds 30] [--image-size 64 48] [--text-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.engine import log, machine
+from shared.cache_dir import DEFAULT_CACHE_DIR
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.request import SamplingParams
+from shared.multimodal.items import IMAGE, MediaItem
+from shared.multimodal.media import content_hash
+
+CONFIGS = ("text", "image", "image_seen")
+
+
+def checkpoint(cache_dir: Path) -> Path:
+    from shared.models.gemma4.tiny import TinyGemma4, write_checkpoint
+    from shared.models.loader import resolve_model
+
+    path = cache_dir / "bench-gemma4-mm"
+    if not (path / "config.json").exists():
+        log(f"writing a tiny multimodal Gemma 4 to {path} ...")
+        write_checkpoint(path, TinyGemma4(vision=True, audio=True, bidirectional_vision=True),
+                         resolve_model("gemma3-270m", cache_dir))
+    return path
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+        buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_prompt(engine: LLMEngine, before: list[int], data: bytes, size: tuple[int, int],
+                 after: list[int]) -> tuple[list[int], list[MediaItem]]:
+    mm = engine.loaded.multimodal
+    n = engine.loaded.media_encoder.processor.image_tokens(*size)
+    ids = [*before, mm.boi_token_id]
+    item = MediaItem(IMAGE, len(ids), n, content_hash(data), data)
+    return ids + [mm.image_token_id] * n + [mm.eoi_token_id, *after], [item]
+
+
+def ttft_s(engine: LLMEngine, request_id: str, prompt: list[int], media: list[MediaItem]) -> float:
+    t0 = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                       media=media)
+    while True:
+        if any(out.new_token_ids for out in engine.step() if out.request_id == request_id):
+            return time.perf_counter() - t0
+
+
+def run(engine: LLMEngine, rounds: int, size: tuple[int, int], text_tokens: int) -> dict[str, Any]:
+    rng = random.Random(0)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(1000, 200_000) for _ in range(n)]
+
+    seen = png(*size, seed=10**6)
+    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    num_tokens = 0
+    for r in range(rounds):
+        image_ids, image_media = image_prompt(engine, [2, *words(4)], png(*size, seed=r), size, words(text_tokens))
+        num_tokens = len(image_ids)
+        seen_ids, seen_media = image_prompt(engine, [2, *words(4)], seen, size, words(text_tokens))
+        prompts = {"text": ([2, *words(num_tokens - 1)], []), "image": (image_ids, image_media),
+                   "image_seen": (seen_ids, seen_media)}
+        for c in CONFIGS:
+            times[c].append(ttft_s(engine, f"{c}-{r}", *prompts[c]))
+        if (r + 1) % 10 == 0:
+            log(f"round {r + 1}/{rounds}")
+    for c in CONFIGS:  # the first round warms up (the seen image is encoded there)
+        times[c] = times[c][1:]
+    base = statistics.median(times["text"])
+    rows = {c: {"ttft_p50_ms": round(statistics.median(t) * 1e3, 3),
+                "ttft_p99_ms": round(float(np.percentile(t, 99)) * 1e3, 3),
+                "p50_vs_text": round(statistics.median(t) / base, 3), "samples": len(t)} for c, t in times.items()}
+    return {"prompt_tokens": num_tokens, "image_soft_tokens": image_media[0].num_tokens, "configs": rows}
+
+
+def encoder_ms(engine: LLMEngine, size: tuple[int, int], repeats: int = 10) -> float:
+    encoder = engine.loaded.media_encoder
+    samples = []
+    for i in range(repeats):
+        data = png(*size, seed=10**7 + i)
+        item = MediaItem(IMAGE, 0, encoder.processor.image_tokens(*size), content_hash(data), data)
+        t0 = time.perf_counter()
+        encoder.encode(item)
+        samples.append(time.perf_counter() - t0)
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--image-size", type=int, nargs=2, default=[64, 48], metavar=("W", "H"))
+    parser.add_argument("--text-tokens", type=int, default=64, help="text tokens after the image")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    path = checkpoint(args.cache_dir)
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=1024, kv_cache_bytes=64 << 20))
+    size = (args.image_size[0], args.image_size[1])
+    result: dict[str, Any] = {"bench": "multimodal", "model": "tiny gemma4 (vision+audio, random)",
+                              "machine": machine(), "image_size": list(size), "rounds": args.rounds,
+                              **run(engine, args.rounds, size, args.text_tokens),
+                              "encoder_ms_per_image": encoder_ms(engine, size)}
+    engine.close()
+    for c, row in result["configs"].items():
+        log(f"{c}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, p99 {row['ttft_p99_ms']:.2f} ms, x{row['p50_vs_text']:.3f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"multimodal-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=2))
+    log(f"wrote {out}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
