@@ -2,7 +2,7 @@
 
 One colocated engine in process on a tiny random multimodal Gemma 4 checkpoint
 (`baton make-tiny gemma4 --vision --audio`, cached under ~/.cache/baton/bench-gemma4-mm).
-Each round sends, one after another, in turn (so drift reaches all alike):
+Each round sends, one after another, in an order that rotates each round (so drift reaches all alike):
 
     text        random text tokens, as many as the image prompt has
     image       random text + a fresh random image (encoder and prefix caches miss)
@@ -94,7 +94,8 @@ def run(engine: LLMEngine, rounds: int, size: tuple[int, int], text_tokens: int)
         seen_ids, seen_media = image_prompt(engine, [2, *words(4)], seen, size, words(text_tokens))
         prompts = {"text": ([2, *words(num_tokens - 1)], []), "image": (image_ids, image_media),
                    "image_seen": (seen_ids, seen_media)}
-        for c in CONFIGS:
+        for k in range(len(CONFIGS)):  # the order rotates each round: no config always follows another
+            c = CONFIGS[(r + k) % len(CONFIGS)]
             times[c].append(ttft_s(engine, f"{c}-{r}", *prompts[c]))
         if (r + 1) % 10 == 0:
             log(f"round {r + 1}/{rounds}")
