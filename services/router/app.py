@@ -157,6 +157,8 @@ class RouterService:
     async def tokenize(self, request: Request) -> Response:
         body = await read_body(request, TokenizeRequest, self.settings.max_request_body_bytes)
         self.check_model(body.model)
+        if body.messages is not None:
+            await fetch_remote_images(self.model.media, media_parts(body.messages))
         return json_response(tokenize(body, self.model))
 
     async def detokenize(self, request: Request) -> Response:

@@ -5,12 +5,14 @@
     {"tokens": [ids]}                                         ─► {"prompt": "text"}
 
 Chat messages render exactly as /v1/chat/completions renders them (tools and template
-kwargs included), so the count is the prompt size a chat request would have.
+kwargs included, images and audio as their placeholder runs), so the count is the prompt
+size a chat request would have.
 """
 
 from __future__ import annotations
 
-from services.router.chat_messages import message_dicts, render_prompt
+from services.router.chat_messages import encode_rendered, message_dicts, render_prompt
+from services.router.media import PendingMedia
 from services.router.model_context import ModelContext
 from services.router.protocol import DetokenizeRequest, TokenizeRequest
 from services.router.shapes import DetokenizeResponse, TokenizeResponse
@@ -21,9 +23,10 @@ from shared.errors import InvalidRequestError
 def tokenize(body: TokenizeRequest, model: ModelContext) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+    pending = PendingMedia()
     if body.messages is not None:
         tools = plan_tools(body.tools, None, True, model.tool_parser).prompt_tools
-        text = render_prompt(model, message_dicts(body.messages), tools,
+        text = render_prompt(model, message_dicts(body.messages, model.media, pending), tools,
                              add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                              continue_final_message=body.continue_final_message,
                              template_kwargs=body.chat_template_kwargs)
@@ -31,7 +34,10 @@ def tokenize(body: TokenizeRequest, model: ModelContext) -> TokenizeResponse:
     else:
         text = body.prompt or ""
         add_special = body.add_special_tokens is not False
-    tokens = list(model.tokenizer(text, add_special_tokens=add_special).input_ids)
+    if pending.kind:
+        tokens = encode_rendered(model, text, pending)[0]
+    else:
+        tokens = list(model.tokenizer(text, add_special_tokens=add_special).input_ids)
     token_strs = model.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens,
                             token_strs=token_strs)

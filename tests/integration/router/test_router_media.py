@@ -109,6 +109,17 @@ def test_image_chat_matches_transformers(mm, client) -> None:
     under_test.wait_idle()
 
 
+def test_tokenize_counts_the_image_tokens(mm, client) -> None:
+    parts = [{"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": data_url(image_bytes(40, 28, seed=3))}}]
+    chat = _chat(client, parts, max_tokens=1)
+    r = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == chat.model_extra["prompt_token_ids"]
+    mm[0].wait_idle()
+
+
 def test_image_from_an_allowed_url_equals_the_data_url(mm, client, image_server) -> None:
     under_test, _ = mm
     text = {"type": "text", "text": "What is this?"}
