@@ -104,7 +104,10 @@ def _part_payload(part: Any, param: str) -> tuple[str, bytes, str]:
     """(kind, the file's bytes, audio format) of an image_url / input_image / input_audio part."""
     fields = part if isinstance(part, dict) else {**(part.model_extra or {}), "type": part.type}
     if fields["type"] == "input_audio":
-        audio = fields.get("input_audio") or {}
+        audio = fields.get("input_audio")
+        if not isinstance(audio, dict):
+            raise InvalidRequestError("an input_audio part needs {\"data\": base64, \"format\": \"wav\" | \"mp3\"}",
+                                      param=param)
         audio_format = str(audio.get("format", "")).lower()
         return AUDIO, _b64(audio.get("data"), param), audio_format
     url = fields.get("image_url")

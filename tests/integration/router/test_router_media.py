@@ -177,6 +177,7 @@ BAD: dict[str, tuple[list[dict[str, Any]], str]] = {
                                  "audio format 'flac' is not supported"),
     "undecodable audio": ([{"type": "input_audio", "input_audio": {
         "data": base64.b64encode(b"RIFF....WAVEjunk").decode(), "format": "wav"}}], "could not be decoded"),
+    "audio part without its object": ([{"type": "input_audio", "input_audio": "AAAA"}], "needs"),
     "not base64": ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "not valid base64"),
     "too many images": ([{"type": "image_url", "image_url": {"url": data_url(image_bytes(8, 8, seed=i))}}
                          for i in range(3)], "too many images"),
