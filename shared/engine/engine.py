@@ -386,7 +386,8 @@ class LLMEngine:
             )
         self._check_new_id(request_id)
         request, done = self._continue_from_first_token(request_id, handoff.prompt_token_ids, params,
-                                                        handoff.first_token_id, handoff.first_logprobs)
+                                                        handoff.first_token_id, handoff.first_logprobs,
+                                                        handoff.media)
         if done is not None:
             return done
         self._spec_add_handoff(request_id, handoff)
@@ -539,6 +540,7 @@ class LLMEngine:
                               request.num_prompt_tokens),
                 hidden_states=hidden_states if hidden_states is not None else torch.empty(
                     0, self.loaded.spec.hidden_size),
+                media=tuple(m.item for m in request.media),
             )
         finally:
             self.scheduler.release_handoff(out.request_id)

@@ -16,6 +16,7 @@ import torch
 from shared.engine.request import TokenLogprobs
 from shared.errors import InvalidRequestError
 from shared.kv.layout import KVLayout
+from shared.multimodal.items import MediaItem
 
 
 @dataclass
@@ -31,6 +32,7 @@ class KVHandoff:
     # [num_hidden_tokens, hidden]: the prompt's LAST num_hidden_tokens positions. Positions
     # served from the prefix cache were not computed, so their hidden states are absent.
     hidden_states: torch.Tensor
+    media: tuple[MediaItem, ...] = ()  # the prompt's images and audio (shared/multimodal/items.py)
 
     @property
     def hidden_start(self) -> int:

@@ -86,3 +86,16 @@ def test_bad_media_is_refused_at_intake(engines, models) -> None:
     with pytest.raises(InvalidRequestError, match="placeholder tokens"):  # placeholders with no media behind them
         engine.add_request("bad-3", good_ids, GREEDY)
     assert not engine.has_unfinished()
+
+
+def test_in_process_handoff_carries_the_media(engines, models) -> None:
+    loaded, hf = models
+    prefill = tiny_engine(loaded, role="prefill")
+    decode = tiny_engine(loaded, role="decode")
+    engines.extend([prefill, decode])
+    ids, items, img = _image_prompt((40, 28), 3, [61, 7, 33])
+    handoff = prefill.generate([ids], GREEDY, media=[items])[0].handoff
+    assert handoff is not None and handoff.media == tuple(items)
+    assert decode.add_handoff("d", GREEDY, handoff) is None
+    results = decode.run_to_completion()
+    assert [handoff.first_token_id, *results["d"].token_ids] == hf_mm_greedy(hf, ids, [img], [], 8)
