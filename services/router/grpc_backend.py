@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -88,6 +89,7 @@ class _InFlight:
     decode: str | None = None
     kv_transfer: str | None = None
     handoff_id: str | None = None
+    handoff_capability: str = ""  # the handoff's secret: kv_transfer wants it on every call about the handoff
     done: bool = False
     metadata: list[tuple[str, str]] = field(default_factory=list)  # W3C trace context of the request
 
@@ -228,8 +230,11 @@ class GrpcBackend:
                     raise _PrefillFailedError(last_error) from None
                 raise
             state.prefill = instance.address
-            # a fresh handoff id per attempt: a released id is refused for good by kv_transfer
-            state.handoff_id = message.handoff_id = f"handoff-{req.request_id}-{len(tried)}"
+            # a fresh handoff id per attempt (a released id is refused for good by kv_transfer), with a random
+            # part so that no one can release one before it exists, and a secret without which kv_transfer
+            # refuses every call about it
+            state.handoff_id = message.handoff_id = f"handoff-{req.request_id}-{len(tried)}-{secrets.token_hex(4)}"
+            state.handoff_capability = message.handoff_capability = secrets.token_urlsafe(24)
             try:
                 stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address))
                 with self.router.hold("prefill", instance.instance_id):
@@ -260,6 +265,7 @@ class GrpcBackend:
         if first_token is not None:
             message.handoff_id = state.handoff_id or ""
             message.kv_transfer_address = state.kv_transfer or ""
+            message.handoff_capability = state.handoff_capability
             message.first_token_id = first_token.first_token_id
             if first_token.HasField("first_logprobs"):
                 message.first_logprobs.CopyFrom(first_token.first_logprobs)
@@ -377,8 +383,9 @@ class GrpcBackend:
         if state.kv_transfer and handoff_id:
             stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(state.kv_transfer))
             try:
-                await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id), timeout=5,
-                                   metadata=state.metadata)
+                await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id,
+                                                                  capability=state.handoff_capability),
+                                   timeout=5, metadata=state.metadata)
             except grpc.RpcError as e:
                 logger.info("release of %s failed: %s", handoff_id, e.code())  # type: ignore[attr-defined]
 

@@ -11,13 +11,12 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL_ARGS
-from tests.e2e.test_load_and_faults import HEADERS, body, stream_text, wait_idle
+from tests.e2e.test_load_and_faults import body, stream_text, wait_idle
 from tests.helpers.stack import BatonStack, start_stack
 
 pytestmark = pytest.mark.slow
