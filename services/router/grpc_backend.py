@@ -102,7 +102,11 @@ class InstanceCache:
     interval_s: float = 0.5
     services: tuple[str, ...] = ("prefill", "decode", "kv_transfer", "colocated")
     instances: dict[str, list[InstanceInfo]] = field(default_factory=dict)
+    # a registry that answers "none" for a service that had instances a moment ago has most likely restarted
+    # empty (the instances re-register within a heartbeat): the last list is kept this long meanwhile
+    empty_grace_s: float = 10.0
     _task: asyncio.Task[None] | None = None
+    _emptied_at: dict[str, float] = field(default_factory=dict)
 
     async def start(self) -> None:
         await self.refresh()
@@ -112,11 +116,20 @@ class InstanceCache:
         await cancel(self._task)
 
     async def refresh(self) -> None:
+        now = asyncio.get_running_loop().time()
         for service in self.services:
             try:
-                self.instances[service] = await self.registry.list(service)
+                listed = await self.registry.list(service)
             except BatonError as e:
                 logger.warning("registry refresh of %s failed: %s", service, e)
+                continue
+            if listed or not self.instances.get(service):
+                self._emptied_at.pop(service, None)
+                self.instances[service] = listed
+                continue
+            emptied_at = self._emptied_at.setdefault(service, now)
+            if now - emptied_at >= self.empty_grace_s:
+                self.instances[service] = []  # gone for real
 
     def get(self, service: str) -> list[InstanceInfo]:
         return [i for i in self.instances.get(service, []) if not i.draining]
