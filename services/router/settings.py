@@ -53,6 +53,9 @@ class RouterSettings(BaseSettings):
     migration_wait_s: float = Field(default=15.0, ge=0, description="how long a request whose instances all "
                                     "failed waits for a new one (a restart) before it fails")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")
+    tls_dir: Path | None = Field(default=None, description="mutual TLS on every internal gRPC call: a directory "
+                                 "with ca.pem and this service's <service>.pem and <service>-key.pem "
+                                 "(`baton certs` makes a set); unset = plaintext")
     internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
                                 "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")

@@ -31,6 +31,9 @@ class EngineServiceSettings(BaseSettings):
                                    "serving: a health check's way to it when port is 0 (host networking)")
     instance_id: str = Field(default="", description="registry id; default: hostname-random")
     redis_url: str = Field(default="", description="registry; empty = no registration")
+    tls_dir: Path | None = Field(default=None, description="mutual TLS on every internal gRPC call: a directory "
+                                 "with ca.pem and this service's <service>.pem and <service>-key.pem "
+                                 "(`baton certs` makes a set); unset = plaintext")
     internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
                                 "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
