@@ -23,7 +23,7 @@ class ModelContext:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
-        self.grammar = GrammarChecker(self.tokenizer, self._eos_token_ids())
+        self.grammar = GrammarChecker(self.tokenizer, self._eos_token_ids(), self.settings.max_schema_bytes)
         self.reasoning: ReasoningFormat | None = (
             get_format(self.settings.reasoning_parser) if self.settings.reasoning_parser else None)
         get_parser(self.tool_parser)  # an unknown name fails at startup, not per request

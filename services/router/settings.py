@@ -72,6 +72,9 @@ class RouterSettings(BaseSettings):
     max_tokens_limit: int = Field(default=0, ge=0, description="most completion tokens one request may ask for "
                                   "(more is a 400; unset gets this); 0 = the context's remainder")
     max_n: int = Field(default=8, ge=1, le=128, description="most choices (n) one request may ask for")
+    max_messages: int = Field(default=1024, ge=1, description="most messages in one conversation")
+    max_schema_bytes: int = Field(default=256 << 10, ge=0, description="largest response_format / structured "
+                                  "outputs schema or grammar (bytes; compiling grows with it); 0 = any size")
     max_prompts: int = Field(
         default=64, ge=1, le=1024, description="most prompts (completions) or conversations (batch) in one request"
     )
