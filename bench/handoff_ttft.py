@@ -45,6 +45,7 @@ from shared.transport import available_transports
 from shared.wire import sampling_params_to_proto
 
 TARGET_RATIO = 1.10
+CAPABILITY = "bench-capability"  # the handoff secret a router would choose
 
 
 def log(msg: str) -> None:
@@ -70,7 +71,7 @@ async def _disagg_ttft(stub: prefill_pb2_grpc.PrefillServiceStub, kv_address: st
                        prompt: list[int]) -> float:
     started = time.perf_counter()
     await stub.Prefill(prefill_pb2.PrefillRequest(request=_request(request_id, prompt), handoff_id=f"h-{request_id}",
-                                                  kv_transfer_address=kv_address))
+                                                  kv_transfer_address=kv_address, handoff_capability=CAPABILITY))
     return time.perf_counter() - started
 
 

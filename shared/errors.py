@@ -39,6 +39,13 @@ class AuthenticationError(BatonError):
     code = "invalid_api_key"
 
 
+class PermissionDeniedError(BatonError):
+    """The caller is known but may not touch this object (a handoff named without its capability)."""
+
+    http_status = 403
+    code = "permission_denied"
+
+
 class ModelNotFoundError(BatonError):
     """Unknown model name or spec (alias, GGUF file or HF directory)."""
 

@@ -6,8 +6,8 @@
                      (the health service stays open: probes and `baton up` carry no token)
 
 One token per stack: `baton up` makes a random one for its children; compose and Kubernetes
-read it from a secret. Compared in constant time. Mutual TLS is the stronger mode this
-leaves for later; the token already keeps a stray caller on the network out.
+read it from a secret. Compared in constant time. Mutual TLS (grpc_tls.py) is the stronger mode;
+the two can run together.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import grpc.aio
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["AuthCollector", "TokenAuthInterceptor", "client_interceptors", "internal_token", "set_internal_token",
-           "unauthenticated_calls"]
+__all__ = ["AuthCollector", "TokenAuthInterceptor", "client_interceptors", "count_refusal", "internal_token",
+           "refusing_handler", "set_internal_token", "unauthenticated_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +74,23 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             given = given.decode(errors="replace")
         if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             return await continuation(handler_call_details)
-        with _lock:
-            _refused["count"] += 1
-        logger.warning("refused %s: %s internal token", method, "wrong" if given else "no")
+        count_refusal(f"{method}: {'wrong' if given else 'no'} internal token")
         handler = await continuation(handler_call_details)
-        return _refusing(handler)
+        return refusing_handler(handler, "missing or wrong internal token (BATON_*_INTERNAL_TOKEN)")
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
+def count_refusal(why: str) -> None:
+    """One call refused as unauthenticated (by the token or the TLS peer check), counted and logged."""
+    with _lock:
+        _refused["count"] += 1
+    logger.warning("refused an unauthenticated call: %s", why)
+
+
+def refusing_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED and `message`."""
 
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token (BATON_*_INTERNAL_TOKEN)")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def abort_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await abort(request, context)

@@ -23,6 +23,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shared.errors import ConfigError
 from shared.grpc_auth import TokenAuthInterceptor, client_interceptors
 from shared.grpc_errors import ErrorInterceptor
+from shared.grpc_tls import (
+    PeerCertInterceptor,
+    channel_credentials,
+    server_credentials,
+    target_name_options,
+    tls_files,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one layer of KV for a long prompt fits
 
@@ -75,20 +82,22 @@ def make_server(
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> GrpcServer:
-    """A grpc.aio server listening (insecure) on `address`, health service registered, not started.
+    """A grpc.aio server listening on `address` (mutual TLS when grpc_tls.set_tls configured it, else
+    plaintext), health service registered, not started.
 
     The error interceptor runs outermost, so exceptions from later interceptors
     are mapped too. Port 0 binds an ephemeral port; `GrpcServer.port` has it.
     """
     host, _ = split_address(address)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(), TokenAuthInterceptor(), *interceptors],
+        interceptors=[ErrorInterceptor(), TokenAuthInterceptor(), PeerCertInterceptor(), *interceptors],
         options=channel_options(max_message_bytes),
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(address)
+        tls = tls_files()
+        port = server.add_secure_port(address, server_credentials(tls)) if tls else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpcio raises when the port is taken
         raise ConfigError(f"cannot bind gRPC server to {address}: {exc}") from exc
     if port == 0:
@@ -98,9 +107,14 @@ def make_server(
 
 def channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
     """A grpc.aio channel to `address` with the same message limits as the servers, sending the process's
-    internal token (shared/grpc_auth.py) on every call."""
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                     interceptors=client_interceptors())
+    internal token (shared/grpc_auth.py) on every call, over mutual TLS when configured (grpc_tls.py)."""
+    tls = tls_files()
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
+                                         interceptors=client_interceptors())
+    return grpc.aio.secure_channel(address, channel_credentials(tls),
+                                   options=[*channel_options(max_message_bytes), *target_name_options()],
+                                   interceptors=client_interceptors())
 
 
 async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:

@@ -33,6 +33,7 @@ from shared.errors import (
     HandoffNotFoundError,
     InvalidRequestError,
     ModelNotFoundError,
+    PermissionDeniedError,
     RequestAbortedError,
     UnavailableError,
 )
@@ -53,6 +54,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[BatonError], grpc.StatusCode], ...] = (
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (RequestAbortedError, grpc.StatusCode.CANCELLED),
     (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
 )
 
 # For BatonError subclasses outside the table whose only listed ancestor is BatonError
@@ -60,6 +62,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[BatonError], grpc.StatusCode], ...] = (
 _STATUS_BY_HTTP: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     499: grpc.StatusCode.CANCELLED,
@@ -76,7 +79,7 @@ _ERROR_BY_STATUS: dict[grpc.StatusCode, type[BatonError]] = {
     grpc.StatusCode.CANCELLED: RequestAbortedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: RequestAbortedError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 

@@ -89,7 +89,7 @@ def reserve_to_proto(spec: HandoffSpec) -> kv_transfer_pb2.ReserveRequest:
     return kv_transfer_pb2.ReserveRequest(
         handoff_id=spec.handoff_id, request_id=spec.request_id, layout=layout_to_proto(spec.model, spec.layout),
         num_blocks=spec.num_blocks, block_hashes=spec.block_hashes, prompt_token_ids=spec.prompt_token_ids,
-        hidden_nbytes=spec.hidden_nbytes, lease_timeout_ms=spec.lease_timeout_ms,
+        hidden_nbytes=spec.hidden_nbytes, lease_timeout_ms=spec.lease_timeout_ms, capability=spec.capability,
     )
 
 
@@ -105,7 +105,8 @@ def reserve_from_proto(msg: kv_transfer_pb2.ReserveRequest) -> HandoffSpec:
         raise InvalidRequestError(f"handoff {msg.handoff_id}: {len(msg.block_hashes)} block hashes for "
                                   f"{layout.num_hashed_units(num_tokens)} full blocks", param="block_hashes")
     return HandoffSpec(msg.handoff_id, msg.request_id, model, layout, list(msg.prompt_token_ids),
-                       [bytes(h) for h in msg.block_hashes], msg.hidden_nbytes, msg.lease_timeout_ms)
+                       [bytes(h) for h in msg.block_hashes], msg.hidden_nbytes, msg.lease_timeout_ms,
+                       capability=msg.capability)
 
 
 def slots_to_proto(slots: HandoffSlots, address: AgentAddress) -> kv_transfer_pb2.ReserveResponse:
@@ -134,10 +135,10 @@ def _check_slots(slots: HandoffSlots) -> None:
 # --- Commit ---------------------------------------------------------------------------------------
 
 
-def commit_to_proto(handoff_id: str, result: HandoffResult) -> kv_transfer_pb2.CommitRequest:
+def commit_to_proto(handoff_id: str, result: HandoffResult, capability: str = "") -> kv_transfer_pb2.CommitRequest:
     msg = kv_transfer_pb2.CommitRequest(
         handoff_id=handoff_id, first_token_id=result.first_token_id, hidden_width=result.hidden_width,
-        num_hidden_tokens=result.num_hidden_tokens,
+        num_hidden_tokens=result.num_hidden_tokens, capability=capability,
     )
     if result.first_logprobs is not None:
         msg.first_logprobs.CopyFrom(token_logprobs_to_proto(result.first_logprobs))

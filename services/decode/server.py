@@ -96,18 +96,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 # may come before it: a choice of n > 1 that its first token from prefill ended)
                 if not released and out.new_token_ids:
                     released = True
-                    await self.kv.release(address, request.handoff_id)
+                    await self.kv.release(address, request.handoff_id, capability=request.handoff_capability)
                 yield _response(out)
         finally:
             if not released:
                 # stop our reads before the slots can go to anyone else, even if this task is cancelled
                 await self.kv.release_after_abort(lambda: self.aengine.abort(req.request_id), address,
-                                                  request.handoff_id)
+                                                  request.handoff_id, capability=request.handoff_capability)
 
     async def _claim(self, request: decode_pb2.DecodeRequest) -> tuple[ClaimedHandoff, AgentAddress]:
         claimed, agent = await self.kv.claim(
             request.kv_transfer_address, request.handoff_id, wait_s=self.claim_wait_s,
-            timeout_s=self.claim_wait_s + _CLAIM_RPC_SLACK_S,
+            timeout_s=self.claim_wait_s + _CLAIM_RPC_SLACK_S, capability=request.handoff_capability,
         )
         spec = claimed.spec
         trace.get_current_span().set_attributes({KV_NUM_BLOCKS: spec.num_blocks})

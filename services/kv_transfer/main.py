@@ -27,8 +27,9 @@ from services.kv_transfer.server import (
 from services.kv_transfer.settings import KVTransferSettings
 from services.kv_transfer.slots import make_policy
 from services.kv_transfer.store import HandoffStore
-from shared.grpc_auth import AuthCollector, set_internal_token
+from shared.grpc_auth import AuthCollector
 from shared.grpc_common import GrpcServer, make_server
+from shared.grpc_tls import configure_internal_auth
 from shared.kv.remote import AgentAddress, SlotSpace
 from shared.registry import connect_registry
 from shared.registry.base import InstanceInfo, Load, Registry
@@ -170,7 +171,7 @@ async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None)
 
 def main() -> None:
     settings = KVTransferSettings()
-    set_internal_token(settings.internal_token)
+    configure_internal_auth(settings.internal_token, settings.tls_dir, "kv_transfer")
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -17,12 +17,15 @@ RESOURCE_EXHAUSTED, unknown handoff -> NOT_FOUND, bad request -> INVALID_ARGUMEN
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc.aio
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from services.kv_transfer.store import HandoffStore, LeaseState
@@ -71,6 +74,7 @@ class KVTransferMetrics:
         self.slots_pinned.set_function(lambda: store.pool.num_pinned)
         self.slots_cached.set_function(lambda: store.pool.num_cached)
         self.capacity_bytes.set(store.capacity_bytes)
+        self.registry.register(_RefusalsCollector(store))
 
     def on_lease_end(self, spec: HandoffSpec, state: LeaseState, num_slots: int) -> None:
         """HandoffStore end listener."""
@@ -134,14 +138,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     async def Renew(  # noqa: N802
         self, request: kv_transfer_pb2.RenewRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.RenewResponse:
-        return kv_transfer_pb2.RenewResponse(found=self._store.renew(request.handoff_id))
+        return kv_transfer_pb2.RenewResponse(found=self._store.renew(request.handoff_id, request.capability))
 
     async def Commit(  # noqa: N802
         self, request: kv_transfer_pb2.CommitRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.CommitResponse:
         with server_span(_tracer, context, "kv_transfer.Commit", {HANDOFF_ID: request.handoff_id}):
             handoff_id, result = commit_from_proto(request)
-            return kv_transfer_pb2.CommitResponse(nbytes=self._store.commit(handoff_id, result))
+            return kv_transfer_pb2.CommitResponse(nbytes=self._store.commit(handoff_id, result, request.capability))
 
     async def Claim(  # noqa: N802
         self, request: kv_transfer_pb2.ClaimRequest, context: grpc.aio.ServicerContext
@@ -151,7 +155,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                 raise InvalidRequestError("Claim needs a handoff_id", param="handoff_id")
             wait_s = min(request.wait_ms / 1000, self._max_claim_wait_s)
             try:
-                claimed = await self._store.claim(request.handoff_id, wait_s)
+                claimed = await self._store.claim(request.handoff_id, wait_s, request.capability)
             except HandoffNotFoundError:
                 self._metrics.failures.labels(reason="claim_not_found").inc()
                 raise
@@ -165,7 +169,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         if not request.handoff_id:
             raise InvalidRequestError("Release needs a handoff_id", param="handoff_id")
         with server_span(_tracer, context, "kv_transfer.Release", {HANDOFF_ID: request.handoff_id}):
-            found = self._store.release(request.handoff_id, failed=request.failed)
+            found = self._store.release(request.handoff_id, failed=request.failed, capability=request.capability)
             return kv_transfer_pb2.ReleaseResponse(found=found)
 
     async def Stats(  # noqa: N802
@@ -177,6 +181,16 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             slots_cached=s.slots_cached, slot_nbytes=s.slot_nbytes, capacity_bytes=s.capacity_bytes,
             kv=kv_summary_to_proto(pool_summary(self._store)),
         )
+
+
+class _RefusalsCollector(Collector):
+    def __init__(self, store: HandoffStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("baton_handoff_capability_refused", "Calls that named a live handoff without "
+                                  "its capability (refused with PERMISSION_DENIED).",
+                                  value=self._store.num_capability_refusals)
 
 
 def pool_summary(store: HandoffStore) -> KVSummary:

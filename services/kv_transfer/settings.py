@@ -19,6 +19,9 @@ class KVTransferSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="interface the gRPC server binds")
     port: int = Field(default=50053, ge=0, le=65535, description="gRPC port; 0 = let the OS pick")
+    tls_dir: Path | None = Field(default=None, description="mutual TLS on every internal gRPC call: a directory "
+                                 "with ca.pem and this service's <service>.pem and <service>-key.pem "
+                                 "(`baton certs` makes a set); unset = plaintext")
     internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
                                 "carries and every server requires (health checks excepted); empty = open")
     capacity_bytes: int = Field(

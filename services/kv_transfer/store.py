@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import logging
 import time
 from collections import OrderedDict
@@ -35,7 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.kv_transfer.slots import EvictionPolicy, PoolKey, SlotPool
-from shared.errors import HandoffNotFoundError, InvalidRequestError, RequestAbortedError
+from shared.errors import (
+    HandoffNotFoundError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    RequestAbortedError,
+)
 from shared.kv.layout import cdiv
 from shared.kv.remote import (
     ClaimedHandoff,
@@ -117,6 +123,7 @@ class HandoffStore:
         self._max_remembered_ids = max_remembered_ids
         self._changed = asyncio.Event()  # replaced after every set: waiters re-check the map
         self.hit_blocks_total = 0
+        self.num_capability_refusals = 0  # calls that named a live handoff without its capability
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -183,17 +190,20 @@ class HandoffStore:
         self.space = space
         self.pool = SlotPool(space.num_slots, self._policy)
 
-    def renew(self, handoff_id: str) -> bool:
+    def renew(self, handoff_id: str, capability: str = "") -> bool:
         """Prefill is alive and still writing (queued behind other prompts, or computing): restart the deadline."""
         lease = self._leases.get(handoff_id)
+        if lease is not None:
+            self._check_capability(lease, capability)
         if lease is None or lease.state is not LeaseState.WRITING:
             return False
         lease.deadline_s = self._clock() + lease.timeout_s
         return True
 
-    def commit(self, handoff_id: str, result: HandoffResult) -> int:
+    def commit(self, handoff_id: str, result: HandoffResult, capability: str = "") -> int:
         """Prefill wrote everything: the handoff becomes LEASED and its full blocks join the pool."""
         lease = self._live(handoff_id, LeaseState.WRITING)
+        self._check_capability(lease, capability)
         hidden_nbytes = result.num_hidden_tokens * result.hidden_width * lease.spec.layout.itemsize
         if hidden_nbytes > len(lease.slots.hidden_slots) * lease.slots.space.slot_nbytes:
             self._end(handoff_id, LeaseState.FAILED)
@@ -211,7 +221,7 @@ class HandoffStore:
 
     # --- decode side ------------------------------------------------------------------------------
 
-    async def claim(self, handoff_id: str, wait_s: float = 0.0) -> ClaimedHandoff:
+    async def claim(self, handoff_id: str, wait_s: float = 0.0, capability: str = "") -> ClaimedHandoff:
         """Take a LEASED handoff (-> CLAIMED), waiting up to `wait_s` for its commit.
 
         The slots stay pinned until decode releases (pulled) or the claim deadline passes.
@@ -222,6 +232,8 @@ class HandoffStore:
         while True:
             self.expire(self._clock())
             lease = self._leases.get(handoff_id)
+            if lease is not None:
+                self._check_capability(lease, capability)
             if lease is not None and lease.state is LeaseState.LEASED:
                 assert lease.result is not None
                 lease.state = LeaseState.CLAIMED
@@ -241,7 +253,7 @@ class HandoffStore:
             except TimeoutError:
                 pass
 
-    def release(self, handoff_id: str, failed: bool = False) -> bool:
+    def release(self, handoff_id: str, failed: bool = False, capability: str = "") -> bool:
         """End a handoff. Idempotent: True when this call ended it.
 
         CLAIMED -> DONE (decode pulled it); WRITING -> FAILED when `failed` (prefill's push broke);
@@ -249,6 +261,7 @@ class HandoffStore:
         """
         lease = self._leases.get(handoff_id)
         if lease is not None:
+            self._check_capability(lease, capability)
             if lease.state is LeaseState.CLAIMED:
                 state = LeaseState.DONE
             elif failed and lease.state is LeaseState.WRITING:
@@ -283,6 +296,12 @@ class HandoffStore:
     def check_no_leaks(self) -> None:
         assert not self._leases, f"leases still live: {sorted(self._leases)[:8]}"
         self.pool.check_no_pins()
+
+    def _check_capability(self, lease: _Lease, capability: str) -> None:
+        """Refuse a call naming the handoff without its secret (compared in constant time)."""
+        if not hmac.compare_digest(lease.spec.capability.encode(), capability.encode()):
+            self.num_capability_refusals += 1
+            raise PermissionDeniedError(f"handoff {lease.spec.handoff_id}: wrong capability", param="capability")
 
     # --- the one exit -------------------------------------------------------------------------
 

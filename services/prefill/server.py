@@ -87,20 +87,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         media = media_from_proto(request.request.media)  # their digests join the blocks' prefix hashes
         hashes = unit_hashes(layout, hash_prefix_blocks(prompt, bs, engine.kv.hash_salt, media), len(prompt))
         return HandoffSpec(request.handoff_id, request.request.request_id, engine.loaded.identity, layout, prompt,
-                           hashes, hidden_nbytes)
+                           hashes, hidden_nbytes, capability=request.handoff_capability)
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         req = request.request
         params = sampling_params_from_proto(req.params)
-        if not request.handoff_id or not request.kv_transfer_address:
-            raise InvalidRequestError("Prefill needs a handoff_id and a kv_transfer_address")
+        if not request.handoff_id or not request.kv_transfer_address or not request.handoff_capability:
+            raise InvalidRequestError("Prefill needs a handoff_id, its handoff_capability and a kv_transfer_address")
         if not req.prompt_token_ids:
             raise InvalidRequestError("empty prompt", param="prompt")
         if req.output_token_ids:  # a migrated request resumes on a decode instance, which computes its output
             raise InvalidRequestError("prefill takes no output_token_ids", param="output_token_ids")
         address = request.kv_transfer_address
         slots, agent = await self.kv.reserve(address, self._spec(request))
-        renewer = asyncio.create_task(self._renew(address, request.handoff_id, slots.lease_timeout_s))
+        capability = request.handoff_capability
+        renewer = asyncio.create_task(self._renew(address, request.handoff_id, capability, slots.lease_timeout_s))
         committed = False
         failed = True  # the slots' content is not to be trusted unless the first token ended the request
         try:
@@ -133,7 +134,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             assert isinstance(push, PushOutcome)
             if push.result is None:
                 raise KVTransferError(f"request {req.request_id}: pushing its KV failed: {push.error}")
-            await self.kv.commit(address, request.handoff_id, push.result)
+            await self.kv.commit(address, request.handoff_id, push.result, capability)
             committed = True
             span.set_attributes({KV_NBYTES: push.nbytes, KV_NUM_BLOCKS: len(slots.block_slots),
                                  KV_SECONDS: push.seconds, KV_GBPS: push.nbytes / max(push.seconds, 1e-9) / 1e9})
@@ -147,15 +148,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if not committed:
                 # stop the engine's writes before the slots can go to anyone else, even if this task is cancelled
                 await self.kv.release_after_abort(lambda: self.aengine.abort(req.request_id), address,
-                                                  request.handoff_id, failed)
+                                                  request.handoff_id, failed, capability)
 
-    async def _renew(self, address: str, handoff_id: str, lease_timeout_s: float) -> None:
+    async def _renew(self, address: str, handoff_id: str, capability: str, lease_timeout_s: float) -> None:
         """While the prompt waits and computes, keep its lease: a prefill that dies stops renewing."""
         if lease_timeout_s <= 0:
             return
         while True:
             await asyncio.sleep(max(lease_timeout_s / 3, 0.05))
-            if not await self.kv.renew(address, handoff_id):
+            if not await self.kv.renew(address, handoff_id, capability):
                 return
 
     async def Abort(  # noqa: N802

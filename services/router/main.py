@@ -17,14 +17,15 @@ from typing import Any
 import uvicorn
 
 from services.router.app import create_app
-from services.router.grpc_backend import GrpcBackend, InstanceCache
+from services.router.grpc_backend import GrpcBackend
+from services.router.instance_cache import InstanceCache
 from services.router.media import RouterMedia
 from services.router.migration import MigrationPolicy
 from services.router.routing import Router
 from services.router.settings import RouterSettings
 from services.router.static_registry import StaticRegistryPoller, parse_targets
 from shared.errors import ConfigError
-from shared.grpc_auth import set_internal_token
+from shared.grpc_tls import configure_internal_auth
 from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
 from shared.registry import connect_registry
@@ -96,7 +97,7 @@ async def serve(settings: RouterSettings) -> None:
 
 def main() -> None:
     settings = RouterSettings()
-    set_internal_token(settings.internal_token)
+    configure_internal_auth(settings.internal_token, settings.tls_dir, "router")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("baton-router")
     asyncio.run(serve(settings))

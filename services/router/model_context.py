@@ -25,7 +25,7 @@ class ModelContext:
     media: RouterMedia | None = None  # a model that reads images or audio (media.py); None: text only
 
     def __post_init__(self) -> None:
-        self.grammar = GrammarChecker(self.tokenizer, self._eos_token_ids())
+        self.grammar = GrammarChecker(self.tokenizer, self._eos_token_ids(), self.settings.max_schema_bytes)
         self.reasoning: ReasoningFormat | None = (
             get_format(self.settings.reasoning_parser) if self.settings.reasoning_parser else None)
         get_parser(self.tool_parser)  # an unknown name fails at startup, not per request

@@ -53,6 +53,9 @@ class RouterSettings(BaseSettings):
     migration_wait_s: float = Field(default=15.0, ge=0, description="how long a request whose instances all "
                                     "failed waits for a new one (a restart) before it fails")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")
+    tls_dir: Path | None = Field(default=None, description="mutual TLS on every internal gRPC call: a directory "
+                                 "with ca.pem and this service's <service>.pem and <service>-key.pem "
+                                 "(`baton certs` makes a set); unset = plaintext")
     internal_token: str = Field(default="", repr=False, description="shared token every internal gRPC call "
                                 "carries and every server requires (health checks excepted); empty = open")
     registry_namespace: str = Field(default="baton", description="registry key namespace")
@@ -69,6 +72,9 @@ class RouterSettings(BaseSettings):
     max_tokens_limit: int = Field(default=0, ge=0, description="most completion tokens one request may ask for "
                                   "(more is a 400; unset gets this); 0 = the context's remainder")
     max_n: int = Field(default=8, ge=1, le=128, description="most choices (n) one request may ask for")
+    max_messages: int = Field(default=1024, ge=1, description="most messages in one conversation")
+    max_schema_bytes: int = Field(default=256 << 10, ge=0, description="largest response_format / structured "
+                                  "outputs schema or grammar (bytes; compiling grows with it); 0 = any size")
     max_prompts: int = Field(
         default=64, ge=1, le=1024, description="most prompts (completions) or conversations (batch) in one request"
     )

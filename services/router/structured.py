@@ -97,9 +97,12 @@ def grammar_from_body(body: SamplingRequest) -> GrammarSpec | None:
 class GrammarChecker:
     """Compiles specs for the served tokenizer (built on first use, in a worker thread)."""
 
-    def __init__(self, tokenizer: Any, stop_token_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: Any, stop_token_ids: list[int] | None = None, max_source_bytes: int = 0) -> None:
+        """`max_source_bytes`: the largest schema or grammar accepted (0 = any): compiling one costs time and
+        memory that grow with it."""
         self._tokenizer = tokenizer
         self._stop_token_ids = stop_token_ids
+        self._max_source_bytes = max_source_bytes
         self._compiler: Any = None
         self._lock = threading.Lock()
 
@@ -115,6 +118,10 @@ class GrammarChecker:
         """400 with the compiler's message if `spec` does not compile, or if the engines cannot apply it."""
         if spec is None:
             return
+        size = len(spec.source.encode())
+        if self._max_source_bytes and size > self._max_source_bytes:
+            raise InvalidRequestError(f"{param}: the schema or grammar has {size} bytes; at most "
+                                      f"{self._max_source_bytes} are accepted", param=param)
         try:
             await asyncio.to_thread(self._compile, spec)
         except InvalidRequestError as e:

@@ -34,6 +34,7 @@ class ProbeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 0
     port_file: Path | None = None
+    tls_dir: Path | None = None  # mutual TLS: the check presents the service's own certificate
 
 
 class RouterProbe(ProbeSettings):
@@ -92,12 +93,18 @@ def _port(configured: int, port_file: Path | None) -> int:
         raise RuntimeError(f"not serving yet: no port in {port_file} ({exc})") from exc
 
 
-def check_grpc(host: str, port: int) -> None:
+def check_grpc(host: str, port: int, tls_dir: Path | None = None, service: str = "") -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    with grpc.insecure_channel(target) as channel:
+    if tls_dir is None:
+        channel = grpc.insecure_channel(target)
+    else:  # the same files and target name as the service's own channels (shared/grpc_tls.py)
+        from shared.grpc_tls import channel_credentials, load_tls, target_name_options
+        tls = load_tls(tls_dir, service)
+        channel = grpc.secure_channel(target, channel_credentials(tls), options=target_name_options())
+    with channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         raise RuntimeError(f"{target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
@@ -117,7 +124,7 @@ def check(service: str) -> None:
     if service == "router":
         check_http(host, settings.port)
     else:
-        check_grpc(host, _port(settings.port, settings.port_file))
+        check_grpc(host, _port(settings.port, settings.port_file), settings.tls_dir, service.replace("-", "_"))
 
 
 def run_healthcheck(args: argparse.Namespace) -> int:

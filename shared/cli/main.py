@@ -6,7 +6,15 @@ import argparse
 import logging
 import sys
 
-from shared.cli import generate_cmd, healthcheck_cmd, make_tiny_cmd, service_cmds, train_draft_cmd, up_cmd
+from shared.cli import (
+    certs_cmd,
+    generate_cmd,
+    healthcheck_cmd,
+    make_tiny_cmd,
+    service_cmds,
+    train_draft_cmd,
+    up_cmd,
+)
 from shared.errors import BatonError
 
 
@@ -20,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_draft_cmd.register(sub)
     make_tiny_cmd.register(sub)
     healthcheck_cmd.register(sub)
+    certs_cmd.register(sub)
     return parser
 
 

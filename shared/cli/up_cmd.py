@@ -36,8 +36,10 @@ from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.cli.supervisor import RestartPolicy, SupervisedChild, Supervisor, check_ports_free
 from shared.engine.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, resolve_precision
 from shared.errors import ConfigError, UnavailableError
+from shared.grpc_tls import set_tls
 from shared.models.loader import check_checkpoint
 from shared.models.weight_format import QUANTIZATIONS
+from shared.tls_certs import CERT_SERVICES, make_dev_certs
 
 HOST = "127.0.0.1"
 
@@ -101,6 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="sampling defaults: auto (the model's generation_config), vllm (none) or a directory")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per engine instance")
+    p.add_argument("--kv-offload-bytes", type=int, default=0,
+                   help="per engine: host memory for evicted prefix blocks, restored instead of recomputed "
+                        "(a preempted request's context swaps back in); 0 = off")
     p.add_argument("--kv-transfer-capacity-bytes", type=int, default=2 << 30, help="handoff store size")
     p.add_argument("--torch-threads", type=int, default=0, help="per engine process; 0 = cores / engines")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
@@ -119,6 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="times a request whose decode dies mid-stream moves to another instance (0 = never)")
     p.add_argument("--decode-stall-timeout", type=float, default=30.0,
                    help="seconds a decode stream may go silent after a token before it counts as dead")
+    p.add_argument("--tls", action="store_true",
+                   help="mutual TLS between the services: a fresh CA and certificates in <state-dir>/certs")
     p.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before a child's first restart")
     p.set_defaults(func=run_up)
 
@@ -127,6 +134,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def tls_dir(args: argparse.Namespace) -> Path:
+    """Where `baton up --tls` writes its stack's certificates."""
+    return (args.state_dir / "certs").resolve()
 
 
 def plan_stack(args: argparse.Namespace) -> Stack:
@@ -141,10 +153,11 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
     # one random token per stack: its services answer only each other (shared/grpc_auth.py)
     token = secrets.token_urlsafe(24)
+    auth = {"INTERNAL_TOKEN": token, **({"TLS_DIR": str(tls_dir(args))} if args.tls else {})}
     common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
-              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir),
-              "INTERNAL_TOKEN": token}
+              "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir), **auth}
     engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads),
+                     "KV_OFFLOAD_BYTES": str(args.kv_offload_bytes),
                      "DTYPE": args.dtype, "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANTIZATION": args.quantization}
     stack = Stack()
 
@@ -161,7 +174,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     if args.mode == "disagg":
         add("kv_transfer", "kv_transfer", "KV_TRANSFER", {"REDIS_URL": args.redis_url, "HOST": HOST,
                                                           "REGISTRY_NAMESPACE": args.registry_namespace,
-                                                          "INTERNAL_TOKEN": token,
+                                                          **auth,
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
@@ -282,6 +295,9 @@ def run_up(args: argparse.Namespace) -> int:
           f"{args.quantization}): {weights}", flush=True)
     stack = plan_stack(args)
     check_ports_free(list(stack.children), HOST)
+    if args.tls:  # a fresh CA per stack; this process checks its children's health with the router's pair
+        make_dev_certs(tls_dir(args), CERT_SERVICES)
+        set_tls(tls_dir(args), "router")
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

@@ -166,7 +166,13 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         if params.structured is not None:  # compiling takes a while: here, off the engine thread
             await asyncio.to_thread(self.engine.prepare, params)
-        await self._call(add)  # raises the engine's validation error, if any
+        try:
+            await self._call(add)  # raises the engine's validation error, if any
+        except asyncio.CancelledError:
+            # the caller left while the add was queued: the engine thread still runs it (commands run in
+            # order), so the abort queued after it frees what it took
+            self._commands.put((lambda: self._abort_now(request_id), concurrent.futures.Future()))
+            raise
         try:
             num_open = params.n
             while True:
@@ -256,10 +262,14 @@ class AsyncEngine:
             return
         while True:
             fn, future = item
+            # a command runs even when its caller has left (an abort must): its result then goes nowhere,
+            # and must not kill this thread (setting a cancelled future raises)
             try:
-                future.set_result(fn())
+                result = fn()
             except BaseException as e:  # delivered to the caller, not swallowed
-                future.set_exception(e)
+                _settle(future, exception=e)
+            else:
+                _settle(future, result=result)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -272,8 +282,7 @@ class AsyncEngine:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if not future.done():
-                future.set_exception(UnavailableError("engine stopped"))
+            _settle(future, exception=UnavailableError("engine stopped"))
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):
@@ -296,3 +305,15 @@ class AsyncEngine:
             num_kv_blocks_free=self.engine.num_free_kv_blocks,
             cached_block_hashes=hashes,
         )
+
+
+def _settle(future: concurrent.futures.Future[Any], result: Any = None, exception: BaseException | None = None) -> None:
+    """Hand a command's outcome to its caller, unless the caller cancelled (then it is dropped, logged)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        if exception is not None:
+            logger.info("a command whose caller left failed: %r", exception)

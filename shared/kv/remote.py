@@ -77,6 +77,8 @@ class HandoffSpec:
     block_hashes: list[bytes]  # chained hash of each FULL prompt block (the last, partial one has none)
     hidden_nbytes: int  # room to reserve for hidden states (0 = none)
     lease_timeout_ms: int = 0  # 0 = the store's default
+    # the router's random secret for this handoff: every later call on it must name it (never logged)
+    capability: str = field(default="", repr=False)
 
     @property
     def num_blocks(self) -> int:

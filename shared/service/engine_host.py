@@ -53,6 +53,10 @@ class RunningEngineService:
         host = self.settings.advertise_host or self.grpc.host
         return f"{host}:{self.grpc.port}"
 
+    def failure(self) -> str | None:
+        """Why this service cannot serve any more (its engine thread died), or None."""
+        return None if self.aengine.running else "engine thread stopped"
+
     async def stop(self) -> None:
         logger.info("%s on %s stopping (grace %.1f s)", self.service, self.address, self.settings.shutdown_grace_s)
         if self.heartbeater is not None:
@@ -124,6 +128,9 @@ class RunningKVService:
     @property
     def address(self) -> str:
         return self.host.address
+
+    def failure(self) -> str | None:
+        return self.host.failure()
 
     async def stop(self) -> None:
         await self.host.stop()

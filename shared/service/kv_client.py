@@ -52,29 +52,34 @@ class KVTransferClient:
             raise _kv_error(e, address) from e
         return slots_from_proto(reply, spec)
 
-    async def renew(self, address: str, handoff_id: str) -> bool:
-        """Keep a handoff being written alive; False when it already ended."""
+    async def renew(self, address: str, handoff_id: str, capability: str = "") -> bool:
+        """Keep a handoff being written alive; False when it already ended.
+
+        `capability` (here and below): the handoff's secret, as the router gave it; kv_transfer checks it.
+        """
         try:
-            reply = await self._stub(address).Renew(kv_transfer_pb2.RenewRequest(handoff_id=handoff_id),
+            request = kv_transfer_pb2.RenewRequest(handoff_id=handoff_id, capability=capability)
+            reply = await self._stub(address).Renew(request,
                                                     timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
         except grpc.RpcError as e:
             logger.warning("renewing handoff %s failed: %s", handoff_id, error_from_rpc(e))
             return False
         return bool(reply.found)
 
-    async def commit(self, address: str, handoff_id: str, result: HandoffResult) -> int:
+    async def commit(self, address: str, handoff_id: str, result: HandoffResult, capability: str = "") -> int:
         """Make a fully written handoff claimable; returns the bytes of slots it holds."""
         try:
-            reply = await self._stub(address).Commit(commit_to_proto(handoff_id, result), timeout=_CONTROL_TIMEOUT_S,
-                                                     metadata=inject_metadata())
+            reply = await self._stub(address).Commit(commit_to_proto(handoff_id, result, capability),
+                                                     timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
         except grpc.RpcError as e:
             raise _kv_error(e, address) from e
         return int(reply.nbytes)
 
-    async def claim(self, address: str, handoff_id: str, *, wait_s: float, timeout_s: float
+    async def claim(self, address: str, handoff_id: str, *, wait_s: float, timeout_s: float, capability: str = ""
                     ) -> tuple[ClaimedHandoff, AgentAddress]:
         """Take the handoff: where its blocks are. Release it once pulled (or on failure)."""
-        request = kv_transfer_pb2.ClaimRequest(handoff_id=handoff_id, wait_ms=int(wait_s * 1000))
+        request = kv_transfer_pb2.ClaimRequest(handoff_id=handoff_id, wait_ms=int(wait_s * 1000),
+                                               capability=capability)
         try:
             reply = await self._stub(address).Claim(request, timeout=timeout_s, metadata=inject_metadata(),
                                                     wait_for_ready=True)
@@ -82,10 +87,10 @@ class KVTransferClient:
             raise _kv_error(e, address) from e
         return claimed_from_proto(reply, handoff_id)
 
-    async def release(self, address: str, handoff_id: str, failed: bool = False) -> bool:
+    async def release(self, address: str, handoff_id: str, failed: bool = False, capability: str = "") -> bool:
         """End the handoff (best effort: a lease nobody releases expires on its own)."""
         try:
-            request = kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id, failed=failed)
+            request = kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id, failed=failed, capability=capability)
             reply = await self._stub(address).Release(request, timeout=5, metadata=inject_metadata())
         except grpc.RpcError as e:
             logger.warning("release of handoff %s failed: %s", handoff_id, error_from_rpc(e))
@@ -93,7 +98,8 @@ class KVTransferClient:
         return bool(reply.found)
 
     async def release_after_abort(
-        self, abort: Callable[[], Awaitable[object]], address: str, handoff_id: str, failed: bool = False
+        self, abort: Callable[[], Awaitable[object]], address: str, handoff_id: str, failed: bool = False,
+        capability: str = "",
     ) -> None:
         """`abort` the request in the engine (its transfers stop), then release the handoff, so no transfer of
         ours touches a slot given to someone else. Runs to the end even if the caller is cancelled; `close`
@@ -104,7 +110,7 @@ class KVTransferClient:
                 await abort()
             except UnavailableError:
                 pass  # engine stopped: its transports are closed, nothing moves any more
-            await self.release(address, handoff_id, failed=failed)
+            await self.release(address, handoff_id, failed=failed, capability=capability)
 
         task = asyncio.ensure_future(cleanup())
         self._cleanups.add(task)

@@ -22,8 +22,16 @@ class Stoppable(Protocol):
     async def stop(self) -> None: ...
 
 
+_WATCH_INTERVAL_S = 1.0
+
+
 async def run_until_signal(start: Callable[[], Awaitable[Stoppable]], stop: asyncio.Event | None = None) -> None:
-    """Start a service, wait for SIGTERM/SIGINT (or `stop`), then stop it."""
+    """Start a service, wait for SIGTERM/SIGINT (or `stop`), then stop it.
+
+    A service that can fail on its own (`failure()`: an engine thread that died) is watched: when it
+    fails, it is stopped and the process exits 1, so its supervisor (`baton up`, Kubernetes) restarts it
+    instead of leaving a registered instance that answers every request with an error.
+    """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
@@ -32,12 +40,25 @@ async def run_until_signal(start: Callable[[], Awaitable[Stoppable]], stop: asyn
             loop.add_signal_handler(sig, stop.set)
             handled.append(sig)
     running = await start()
+    failed: list[str] = []
+    watch = every(_WATCH_INTERVAL_S, lambda: _check_failure(running, failed, stop), "failure-watch")
     try:
         await stop.wait()
     finally:
+        watch.cancel()
         await running.stop()
         for sig in handled:
             loop.remove_signal_handler(sig)
+    if failed:
+        raise SystemExit(1)
+
+
+def _check_failure(running: Stoppable, failed: list[str], stop: asyncio.Event) -> None:
+    failure = getattr(running, "failure", lambda: None)()
+    if failure and not failed:
+        logger.error("service failed (%s): stopping, exit 1", failure)
+        failed.append(failure)
+        stop.set()
 
 
 def write_port_file(path: Path | None, port: int) -> None:

@@ -16,11 +16,18 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.compose_file import COMPOSE_FILE, REPO_ROOT, load_compose, service_environment
+from tests.deploy.compose_file import (
+    COMPOSE_FILE,
+    REPO_ROOT,
+    InterpolationError,
+    load_compose,
+    service_environment,
+)
 from tests.deploy.conftest import require_module
 from tests.deploy.settings_check import parse_for_service, unknown_baton_variables
 
 OTEL_ENV_FILE = REPO_ROOT / "deploy" / "compose" / "otel.env"
+MTLS_FILE = REPO_ROOT / "deploy" / "compose" / "mtls.yml"
 SCALED = ("prefill", "decode", "kv_transfer")
 BATON_SERVICES = {"router": "BATON_ROUTER_", "prefill": "BATON_PREFILL_", "decode": "BATON_DECODE_",
                   "kv_transfer": "BATON_KV_TRANSFER_"}
@@ -31,11 +38,13 @@ def _env_file(path: Any) -> dict[str, str]:
     return dict(ln.split("=", 1) for ln in lines if ln and not ln.startswith("#"))
 
 
+REQUIRED = {"BATON_INTERNAL_TOKEN": "stack-secret"}  # the one variable without a default
 VARIABLE_SETS = {
-    "defaults": {},
-    "otel": _env_file(OTEL_ENV_FILE),
-    "overrides": {"BATON_MODEL": "/models/gemma3-270m", "BATON_API_KEYS": "k1,k2", "BATON_HTTP_PORT": "8080",
-                  "BATON_DEVICE": "cuda", "BATON_DTYPE": "bfloat16", "BATON_IMAGE": "registry.example/baton:1"},
+    "defaults": REQUIRED,
+    "otel": {**REQUIRED, **_env_file(OTEL_ENV_FILE)},
+    "overrides": {**REQUIRED, "BATON_MODEL": "/models/gemma3-270m", "BATON_API_KEYS": "k1,k2",
+                  "BATON_HTTP_PORT": "8080", "BATON_DEVICE": "cuda", "BATON_DTYPE": "bfloat16",
+                  "BATON_IMAGE": "registry.example/baton:1"},
 }
 
 
@@ -60,7 +69,7 @@ def test_the_schema_check_catches_a_bad_file() -> None:
     """The validator is live: an unknown service key and a bad depends_on condition are both reported."""
     jsonschema = require_module("jsonschema", "jsonschema")
     schema = _compose_schema()
-    compose = load_compose()
+    compose = load_compose(REQUIRED)
     compose["services"]["router"]["restart_policy"] = "always"
     compose["services"]["decode"]["depends_on"]["redis"]["condition"] = "service_ready"
     errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(compose))
@@ -78,7 +87,7 @@ def test_compose_spec_package_parses_and_validates_the_file(variables: str) -> N
 
 
 def test_scaled_services_publish_no_host_port_and_advertise_their_own_hostname() -> None:
-    services = load_compose()["services"]
+    services = load_compose(REQUIRED)["services"]
     for name in SCALED:
         svc = services[name]
         assert "ports" not in svc and "container_name" not in svc and "hostname" not in svc, name
@@ -91,20 +100,20 @@ def test_scaled_services_publish_no_host_port_and_advertise_their_own_hostname()
 
 
 def test_every_service_has_a_health_check_on_its_real_endpoint() -> None:
-    services = load_compose()["services"]
+    services = load_compose(REQUIRED)["services"]
     for name, prefix in BATON_SERVICES.items():
-        test = " ".join(services[name]["healthcheck"]["test"])
-        port_var = f"os.environ['{prefix}PORT']"
-        assert port_var in test, f"{name}: {test}"
-        probe = "/health" if name == "router" else "HealthStub"
-        assert probe in test, f"{name}: {test}"
-        if name != "router":
-            assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        test = services[name]["healthcheck"]["test"]
+        if name == "router":
+            assert f"os.environ['{prefix}PORT']" in " ".join(test) and "/health" in " ".join(test), test
+            continue
+        # the image's check: the service's own port and, under mtls.yml, its own certificate
+        assert test == ["CMD", "python", "-m", "shared.cli.healthcheck_cmd", name.replace("_", "-")], test
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 
 def test_ports_are_exposed_and_variables_name_real_settings() -> None:
-    services = load_compose()["services"]
+    services = load_compose(REQUIRED)["services"]
     for name, prefix in BATON_SERVICES.items():
         env = service_environment(services[name])
         assert not unknown_baton_variables(env), f"{name}: {unknown_baton_variables(env)}"
@@ -119,7 +128,7 @@ def test_ports_are_exposed_and_variables_name_real_settings() -> None:
 
 
 def test_stop_grace_periods_cover_each_services_drain() -> None:
-    services = load_compose()["services"]
+    services = load_compose(REQUIRED)["services"]
     for name, prefix in BATON_SERVICES.items():
         env = service_environment(services[name])
         grace_s = float(env[f"{prefix}SHUTDOWN_GRACE_S"])
@@ -141,4 +150,24 @@ def test_otel_profile_runs_a_collector_that_the_services_point_at() -> None:
         assert env["OTEL_SDK_DISABLED"] == "false"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
     for name in BATON_SERVICES:  # tracing is off without the profile
-        assert service_environment(load_compose()["services"][name])["OTEL_SDK_DISABLED"] == "true"
+        assert service_environment(load_compose(REQUIRED)["services"][name])["OTEL_SDK_DISABLED"] == "true"
+
+
+def test_the_internal_token_is_required_and_reaches_every_service() -> None:
+    with pytest.raises(InterpolationError, match="BATON_INTERNAL_TOKEN"):
+        load_compose({})
+    services = load_compose(REQUIRED)["services"]
+    for name, prefix in BATON_SERVICES.items():
+        assert service_environment(services[name])[f"{prefix}INTERNAL_TOKEN"] == "stack-secret", name
+
+
+def test_the_mtls_overlay_mounts_the_certificates_into_every_service(tmp_path: Any) -> None:
+    with pytest.raises(InterpolationError, match="BATON_TLS_DIR"):
+        load_compose({}, MTLS_FILE)
+    services = load_compose({"BATON_TLS_DIR": str(tmp_path)}, MTLS_FILE)["services"]
+    assert set(services) == set(BATON_SERVICES)
+    for name, prefix in BATON_SERVICES.items():
+        env = service_environment(services[name])
+        assert env == {f"{prefix}TLS_DIR": "/etc/baton/tls"}
+        assert not unknown_baton_variables(env), name
+        assert services[name]["volumes"] == [f"{tmp_path}:/etc/baton/tls:ro"]

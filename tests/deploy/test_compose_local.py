@@ -34,6 +34,7 @@ VARIABLES = {
     "BATON_KV_TRANSFER_CAPACITY_BYTES": str(256 << 20),
     "BATON_TORCH_THREADS": "1",
     "BATON_API_KEYS": API_KEY,
+    "BATON_INTERNAL_TOKEN": "compose-local-secret",
 }
 STARTUP_TIMEOUT_S = 90.0
 ENGINES = ("kv_transfer", "prefill", "decode", "router")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ def _variables() -> dict[str, str]:
         "BATON_MAX_MODEL_LEN": "1024", "BATON_KV_CACHE_BYTES": str(64 << 20),
         "BATON_KV_TRANSFER_CAPACITY_BYTES": str(256 << 20), "BATON_KV_TRANSFER_TRANSPORT": "tcp",
         "BATON_TORCH_THREADS": "1", "COMPOSE_PROFILES": "otel", "OTEL_SDK_DISABLED": "false",
+        "BATON_INTERNAL_TOKEN": secrets.token_hex(16),
     }
 
 

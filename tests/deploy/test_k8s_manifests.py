@@ -54,7 +54,7 @@ def rendered(request: pytest.FixtureRequest) -> tuple[str, list[Resource]]:
 def test_every_manifest_is_valid_for_the_kubernetes_api(rendered: tuple[str, list[Resource]]) -> None:
     kv = require_module("kubernetes_validate", "kubernetes-validate")
     _, resources = rendered
-    assert len(resources) == 27  # 21 workload resources and 6 network policies
+    assert len(resources) == 28  # 22 workload resources (2 secrets) and 6 network policies
     for version in (kv.latest_version(), OLDEST_SUPPORTED):
         for r in resources:
             kv.validate(r, version, strict=True)  # raises ValidationError with the path and reason
@@ -120,6 +120,39 @@ def test_router_api_keys_come_from_the_secret(rendered: tuple[str, list[Resource
     ref = next(e for e in router["env"] if e["name"] == "BATON_ROUTER_API_KEYS")["valueFrom"]["secretKeyRef"]
     secret = _by_kind(resources, "Secret")[ref["name"]]
     assert ref["key"] in secret["stringData"]
+
+
+def test_every_service_reads_the_internal_token_from_one_secret(rendered: tuple[str, list[Resource]]) -> None:
+    _, resources = rendered
+    deployments, secrets = _by_kind(resources, "Deployment"), _by_kind(resources, "Secret")
+    refs = []
+    for name, (prefix, _, _) in SERVICES.items():
+        env = {e["name"]: e for e in _container(deployments[name])["env"]}
+        refs.append(env[f"{prefix}INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"])
+    assert all(ref == refs[0] for ref in refs), refs
+    assert refs[0]["key"] in secrets[refs[0]["name"]]["stringData"]
+
+
+def test_the_mtls_overlay_mounts_the_certificates_and_probes_through_them() -> None:
+    """overlays/cpu-mtls (the CPU overlay + components/mtls): every service gets TLS_DIR, a read-only mount
+    of the baton-tls Secret there, and probes that present the certificate (`baton healthcheck`)."""
+    kv = require_module("kubernetes_validate", "kubernetes-validate")
+    resources = kubectl_render(K8S / "overlays" / "cpu-mtls")
+    deployments = _by_kind(resources, "Deployment")
+    for name, (prefix, probe, _) in SERVICES.items():
+        kv.validate(deployments[name], OLDEST_SUPPORTED, strict=True)
+        pod = deployments[name]["spec"]["template"]["spec"]
+        c = _container(deployments[name])
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == env[f"{prefix}TLS_DIR"])
+        assert mount["readOnly"] and not unknown_baton_variables(env), name
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "baton-tls"
+        if probe == "grpc":
+            service = name.removeprefix("baton-")
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert "grpc" not in c[kind], (name, kind)
+                assert c[kind]["exec"]["command"] == ["python", "-m", "shared.cli.healthcheck_cmd", service]
 
 
 def test_each_service_has_an_hpa_on_its_own_signal(rendered: tuple[str, list[Resource]]) -> None:

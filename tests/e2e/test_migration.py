@@ -1,7 +1,8 @@
 """Request migration against a real `baton up` stack: a decode SIGKILLed, or stopped (SIGSTOP), mid-stream.
 
 The clients' streams go on from another decode instance with no error, no gap and no repeated token:
-the text each gets equals what the same greedy request gets from a stack with no fault.
+the text each gets equals what the same greedy request gets from a stack with no fault. The stack runs
+with mutual TLS between its services (`--tls`), which a plaintext caller cannot get past.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL_ARGS
-from tests.e2e.test_load_and_faults import HEADERS, body, stream_text, wait_idle
+from tests.e2e.test_load_and_faults import body, stream_text, wait_idle
 from tests.helpers.stack import BatonStack, start_stack
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ MAX_TOKENS = 64
 def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatonStack]:
     stack = start_stack(tmp_path_factory.mktemp("migration"), *MODEL_ARGS, "--redis-url", redis_url,
                         "--registry-namespace", "migration", "--api-key", "test-key", "--prefill", "1",
-                        "--decode", "2", "--decode-stall-timeout", "3")
+                        "--decode", "2", "--decode-stall-timeout", "3", "--tls")
     yield stack
     stack.stop()
 
@@ -94,6 +94,18 @@ def _wait_serving(stack: BatonStack, names: list[str], timeout_s: float) -> None
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def test_the_stack_speaks_mutual_tls_only(stack: BatonStack) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for name in ("decode-0", "kv_transfer"):
+        with grpc.insecure_channel(stack.service(name)["address"]) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # no TLS handshake, no call
+    assert (stack.state_dir / "certs" / "ca.pem").is_file()
 
 
 def test_a_decode_killed_mid_stream_hands_its_streams_on_unbroken(stack: BatonStack) -> None:

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "handoff_id", "kv_transfer_address", "first_token_id", "first_logprobs", "more_choices")
+    __slots__ = ("request", "handoff_id", "kv_transfer_address", "first_token_id", "first_logprobs", "more_choices", "handoff_capability")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MORE_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     request: _common_pb2.GenerateRequest
     handoff_id: str
     kv_transfer_address: str
     first_token_id: int
     first_logprobs: _common_pb2.TokenLogprobs
     more_choices: _containers.RepeatedCompositeFieldContainer[_common_pb2.FirstToken]
-    def __init__(self, request: _Optional[_Union[_common_pb2.GenerateRequest, _Mapping]] = ..., handoff_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., more_choices: _Optional[_Iterable[_Union[_common_pb2.FirstToken, _Mapping]]] = ...) -> None: ...
+    handoff_capability: str
+    def __init__(self, request: _Optional[_Union[_common_pb2.GenerateRequest, _Mapping]] = ..., handoff_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., more_choices: _Optional[_Iterable[_Union[_common_pb2.FirstToken, _Mapping]]] = ..., handoff_capability: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "num_cached_tokens", "index", "prompt_logprobs")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.baton.v1 import common_pb2 as proto_dot_baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/baton/v1/kv_transfer.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"\xa3\x01\n\x0cKVLayoutDesc\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12%\n\x06layers\x18\x07 \x03(\x0b\x32\x15.baton.v1.LayerKVDesc\"w\n\x0bLayerKVDesc\x12\x14\n\x0cnum_kv_heads\x18\x01 \x01(\r\x12\x10\n\x08head_dim\x18\x02 \x01(\r\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x13\n\x0breads_layer\x18\x04 \x01(\x05\x12\x16\n\x0esliding_window\x18\x05 \x01(\r\"\x1f\n\x0fGetAgentRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\"\x87\x01\n\tAgentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\x13\n\x0bslot_nbytes\x18\x05 \x01(\x04\x12\x11\n\tnum_slots\x18\x06 \x01(\r\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xd5\x01\n\x0eReserveRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.baton.v1.KVLayoutDesc\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x15\n\rhidden_nbytes\x18\x07 \x01(\x04\x12\x18\n\x10lease_timeout_ms\x18\x08 \x01(\r\"\x8b\x01\n\x0fReserveResponse\x12\x13\n\x0b\x62lock_slots\x18\x01 \x03(\r\x12\x0f\n\x07present\x18\x02 \x03(\x08\x12\x14\n\x0chidden_slots\x18\x03 \x03(\r\x12\"\n\x05\x61gent\x18\x04 \x01(\x0b\x32\x13.baton.v1.AgentInfo\x12\x18\n\x10lease_timeout_ms\x18\x05 \x01(\r\"\"\n\x0cRenewRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\"\x1e\n\rRenewResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x9d\x01\n\rCommitRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x14\n\x0chidden_width\x18\x04 \x01(\r\x12\x19\n\x11num_hidden_tokens\x18\x05 \x01(\r\" \n\x0e\x43ommitResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"3\n\x0c\x43laimRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\xde\x02\n\rClaimResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.baton.v1.KVLayoutDesc\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x13\n\x0b\x62lock_slots\x18\x07 \x03(\r\x12\x14\n\x0chidden_slots\x18\x08 \x03(\r\x12\x14\n\x0chidden_width\x18\t \x01(\r\x12\x19\n\x11num_hidden_tokens\x18\n \x01(\r\x12\"\n\x05\x61gent\x18\x0b \x01(\x0b\x32\x13.baton.v1.AgentInfo\x12\x18\n\x10\x63laim_timeout_ms\x18\x0c \x01(\r\"4\n\x0eReleaseRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x08\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb3\x01\n\rStatsResponse\x12\x15\n\ractive_leases\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x14\n\x0cslots_pinned\x18\x03 \x01(\r\x12\x14\n\x0cslots_cached\x18\x04 \x01(\r\x12\x13\n\x0bslot_nbytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x1f\n\x02kv\x18\x07 \x01(\x0b\x32\x13.baton.v1.KVSummary2\xba\x03\n\x11KVTransferService\x12:\n\x08GetAgent\x12\x19.baton.v1.GetAgentRequest\x1a\x13.baton.v1.AgentInfo\x12>\n\x07Reserve\x12\x18.baton.v1.ReserveRequest\x1a\x19.baton.v1.ReserveResponse\x12\x38\n\x05Renew\x12\x16.baton.v1.RenewRequest\x1a\x17.baton.v1.RenewResponse\x12;\n\x06\x43ommit\x12\x17.baton.v1.CommitRequest\x1a\x18.baton.v1.CommitResponse\x12\x38\n\x05\x43laim\x12\x16.baton.v1.ClaimRequest\x1a\x17.baton.v1.ClaimResponse\x12>\n\x07Release\x12\x18.baton.v1.ReleaseRequest\x1a\x19.baton.v1.ReleaseResponse\x12\x38\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x17.baton.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/baton/v1/kv_transfer.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"\xa3\x01\n\x0cKVLayoutDesc\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12%\n\x06layers\x18\x07 \x03(\x0b\x32\x15.baton.v1.LayerKVDesc\"w\n\x0bLayerKVDesc\x12\x14\n\x0cnum_kv_heads\x18\x01 \x01(\r\x12\x10\n\x08head_dim\x18\x02 \x01(\r\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x13\n\x0breads_layer\x18\x04 \x01(\x05\x12\x16\n\x0esliding_window\x18\x05 \x01(\r\"\x1f\n\x0fGetAgentRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\"\x87\x01\n\tAgentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\x13\n\x0bslot_nbytes\x18\x05 \x01(\x04\x12\x11\n\tnum_slots\x18\x06 \x01(\r\x12\x11\n\tdevice_id\x18\x07 \x01(\r\"\xe9\x01\n\x0eReserveRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.baton.v1.KVLayoutDesc\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x15\n\rhidden_nbytes\x18\x07 \x01(\x04\x12\x18\n\x10lease_timeout_ms\x18\x08 \x01(\r\x12\x12\n\ncapability\x18\t \x01(\t\"\x8b\x01\n\x0fReserveResponse\x12\x13\n\x0b\x62lock_slots\x18\x01 \x03(\r\x12\x0f\n\x07present\x18\x02 \x03(\x08\x12\x14\n\x0chidden_slots\x18\x03 \x03(\r\x12\"\n\x05\x61gent\x18\x04 \x01(\x0b\x32\x13.baton.v1.AgentInfo\x12\x18\n\x10lease_timeout_ms\x18\x05 \x01(\r\"6\n\x0cRenewRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\"\x1e\n\rRenewResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xb1\x01\n\rCommitRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x14\n\x0chidden_width\x18\x04 \x01(\r\x12\x19\n\x11num_hidden_tokens\x18\x05 \x01(\r\x12\x12\n\ncapability\x18\x06 \x01(\t\" \n\x0e\x43ommitResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"G\n\x0c\x43laimRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\x12\x12\n\ncapability\x18\x03 \x01(\t\"\xde\x02\n\rClaimResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.baton.v1.KVLayoutDesc\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x13\n\x0b\x62lock_slots\x18\x07 \x03(\r\x12\x14\n\x0chidden_slots\x18\x08 \x03(\r\x12\x14\n\x0chidden_width\x18\t \x01(\r\x12\x19\n\x11num_hidden_tokens\x18\n \x01(\r\x12\"\n\x05\x61gent\x18\x0b \x01(\x0b\x32\x13.baton.v1.AgentInfo\x12\x18\n\x10\x63laim_timeout_ms\x18\x0c \x01(\r\"H\n\x0eReleaseRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x08\x12\x12\n\ncapability\x18\x03 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb3\x01\n\rStatsResponse\x12\x15\n\ractive_leases\x18\x01 \x01(\r\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x14\n\x0cslots_pinned\x18\x03 \x01(\r\x12\x14\n\x0cslots_cached\x18\x04 \x01(\r\x12\x13\n\x0bslot_nbytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x1f\n\x02kv\x18\x07 \x01(\x0b\x32\x13.baton.v1.KVSummary2\xba\x03\n\x11KVTransferService\x12:\n\x08GetAgent\x12\x19.baton.v1.GetAgentRequest\x1a\x13.baton.v1.AgentInfo\x12>\n\x07Reserve\x12\x18.baton.v1.ReserveRequest\x1a\x19.baton.v1.ReserveResponse\x12\x38\n\x05Renew\x12\x16.baton.v1.RenewRequest\x1a\x17.baton.v1.RenewResponse\x12;\n\x06\x43ommit\x12\x17.baton.v1.CommitRequest\x1a\x18.baton.v1.CommitResponse\x12\x38\n\x05\x43laim\x12\x16.baton.v1.ClaimRequest\x1a\x17.baton.v1.ClaimResponse\x12>\n\x07Release\x12\x18.baton.v1.ReleaseRequest\x1a\x19.baton.v1.ReleaseResponse\x12\x38\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x17.baton.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,29 +41,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENTINFO']._serialized_start=396
   _globals['_AGENTINFO']._serialized_end=531
   _globals['_RESERVEREQUEST']._serialized_start=534
-  _globals['_RESERVEREQUEST']._serialized_end=747
-  _globals['_RESERVERESPONSE']._serialized_start=750
-  _globals['_RESERVERESPONSE']._serialized_end=889
-  _globals['_RENEWREQUEST']._serialized_start=891
-  _globals['_RENEWREQUEST']._serialized_end=925
-  _globals['_RENEWRESPONSE']._serialized_start=927
-  _globals['_RENEWRESPONSE']._serialized_end=957
-  _globals['_COMMITREQUEST']._serialized_start=960
-  _globals['_COMMITREQUEST']._serialized_end=1117
-  _globals['_COMMITRESPONSE']._serialized_start=1119
-  _globals['_COMMITRESPONSE']._serialized_end=1151
-  _globals['_CLAIMREQUEST']._serialized_start=1153
-  _globals['_CLAIMREQUEST']._serialized_end=1204
-  _globals['_CLAIMRESPONSE']._serialized_start=1207
-  _globals['_CLAIMRESPONSE']._serialized_end=1557
-  _globals['_RELEASEREQUEST']._serialized_start=1559
-  _globals['_RELEASEREQUEST']._serialized_end=1611
-  _globals['_RELEASERESPONSE']._serialized_start=1613
-  _globals['_RELEASERESPONSE']._serialized_end=1645
-  _globals['_STATSREQUEST']._serialized_start=1647
-  _globals['_STATSREQUEST']._serialized_end=1661
-  _globals['_STATSRESPONSE']._serialized_start=1664
-  _globals['_STATSRESPONSE']._serialized_end=1843
-  _globals['_KVTRANSFERSERVICE']._serialized_start=1846
-  _globals['_KVTRANSFERSERVICE']._serialized_end=2288
+  _globals['_RESERVEREQUEST']._serialized_end=767
+  _globals['_RESERVERESPONSE']._serialized_start=770
+  _globals['_RESERVERESPONSE']._serialized_end=909
+  _globals['_RENEWREQUEST']._serialized_start=911
+  _globals['_RENEWREQUEST']._serialized_end=965
+  _globals['_RENEWRESPONSE']._serialized_start=967
+  _globals['_RENEWRESPONSE']._serialized_end=997
+  _globals['_COMMITREQUEST']._serialized_start=1000
+  _globals['_COMMITREQUEST']._serialized_end=1177
+  _globals['_COMMITRESPONSE']._serialized_start=1179
+  _globals['_COMMITRESPONSE']._serialized_end=1211
+  _globals['_CLAIMREQUEST']._serialized_start=1213
+  _globals['_CLAIMREQUEST']._serialized_end=1284
+  _globals['_CLAIMRESPONSE']._serialized_start=1287
+  _globals['_CLAIMRESPONSE']._serialized_end=1637
+  _globals['_RELEASEREQUEST']._serialized_start=1639
+  _globals['_RELEASEREQUEST']._serialized_end=1711
+  _globals['_RELEASERESPONSE']._serialized_start=1713
+  _globals['_RELEASERESPONSE']._serialized_end=1745
+  _globals['_STATSREQUEST']._serialized_start=1747
+  _globals['_STATSREQUEST']._serialized_end=1761
+  _globals['_STATSRESPONSE']._serialized_start=1764
+  _globals['_STATSRESPONSE']._serialized_end=1943
+  _globals['_KVTRANSFERSERVICE']._serialized_start=1946
+  _globals['_KVTRANSFERSERVICE']._serialized_end=2388
 # @@protoc_insertion_point(module_scope)

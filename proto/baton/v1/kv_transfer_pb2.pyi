@@ -64,7 +64,7 @@ class AgentInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("handoff_id", "request_id", "layout", "num_blocks", "block_hashes", "prompt_token_ids", "hidden_nbytes", "lease_timeout_ms")
+    __slots__ = ("handoff_id", "request_id", "layout", "num_blocks", "block_hashes", "prompt_token_ids", "hidden_nbytes", "lease_timeout_ms", "capability")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class ReserveRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_NBYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
     request_id: str
     layout: KVLayoutDesc
@@ -81,7 +82,8 @@ class ReserveRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_nbytes: int
     lease_timeout_ms: int
-    def __init__(self, handoff_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., hidden_nbytes: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
+    capability: str
+    def __init__(self, handoff_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., hidden_nbytes: _Optional[int] = ..., lease_timeout_ms: _Optional[int] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_slots", "present", "hidden_slots", "agent", "lease_timeout_ms")
@@ -98,10 +100,12 @@ class ReserveResponse(_message.Message):
     def __init__(self, block_slots: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[bool]] = ..., hidden_slots: _Optional[_Iterable[int]] = ..., agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., lease_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("handoff_id",)
+    __slots__ = ("handoff_id", "capability")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
-    def __init__(self, handoff_id: _Optional[str] = ...) -> None: ...
+    capability: str
+    def __init__(self, handoff_id: _Optional[str] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
     __slots__ = ("found",)
@@ -110,18 +114,20 @@ class RenewResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("handoff_id", "first_token_id", "first_logprobs", "hidden_width", "num_hidden_tokens")
+    __slots__ = ("handoff_id", "first_token_id", "first_logprobs", "hidden_width", "num_hidden_tokens", "capability")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_WIDTH_FIELD_NUMBER: _ClassVar[int]
     NUM_HIDDEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
     first_token_id: int
     first_logprobs: _common_pb2.TokenLogprobs
     hidden_width: int
     num_hidden_tokens: int
-    def __init__(self, handoff_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., hidden_width: _Optional[int] = ..., num_hidden_tokens: _Optional[int] = ...) -> None: ...
+    capability: str
+    def __init__(self, handoff_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., hidden_width: _Optional[int] = ..., num_hidden_tokens: _Optional[int] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("nbytes",)
@@ -130,12 +136,14 @@ class CommitResponse(_message.Message):
     def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("handoff_id", "wait_ms")
+    __slots__ = ("handoff_id", "wait_ms", "capability")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
     wait_ms: int
-    def __init__(self, handoff_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    capability: str
+    def __init__(self, handoff_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
     __slots__ = ("request_id", "layout", "prompt_token_ids", "block_hashes", "first_token_id", "first_logprobs", "block_slots", "hidden_slots", "hidden_width", "num_hidden_tokens", "agent", "claim_timeout_ms")
@@ -166,12 +174,14 @@ class ClaimResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., block_slots: _Optional[_Iterable[int]] = ..., hidden_slots: _Optional[_Iterable[int]] = ..., hidden_width: _Optional[int] = ..., num_hidden_tokens: _Optional[int] = ..., agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., claim_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("handoff_id", "failed")
+    __slots__ = ("handoff_id", "failed", "capability")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
     failed: bool
-    def __init__(self, handoff_id: _Optional[str] = ..., failed: _Optional[bool] = ...) -> None: ...
+    capability: str
+    def __init__(self, handoff_id: _Optional[str] = ..., failed: _Optional[bool] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("found",)

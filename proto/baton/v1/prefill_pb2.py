@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from proto.baton.v1 import common_pb2 as proto_dot_baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/baton/v1/prefill.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"m\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequest\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x03 \x01(\t\"\x99\x02\n\x0fPrefillResponse\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12*\n\x0cmore_choices\x18\x07 \x03(\x0b\x32\x14.baton.v1.FirstToken\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\"\r\n\x0bLoadRequest2\xc2\x01\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x36\n\x07GetLoad\x12\x15.baton.v1.LoadRequest\x1a\x14.baton.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/baton/v1/prefill.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"\x89\x01\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequest\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x03 \x01(\t\x12\x1a\n\x12handoff_capability\x18\x04 \x01(\t\"\x99\x02\n\x0fPrefillResponse\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12*\n\x0cmore_choices\x18\x07 \x03(\x0b\x32\x14.baton.v1.FirstToken\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\"\r\n\x0bLoadRequest2\xc2\x01\n\x0ePrefillService\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x36\n\x07GetLoad\x12\x15.baton.v1.LoadRequest\x1a\x14.baton.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.baton.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=71
-  _globals['_PREFILLREQUEST']._serialized_end=180
-  _globals['_PREFILLRESPONSE']._serialized_start=183
-  _globals['_PREFILLRESPONSE']._serialized_end=464
-  _globals['_LOADREQUEST']._serialized_start=466
-  _globals['_LOADREQUEST']._serialized_end=479
-  _globals['_PREFILLSERVICE']._serialized_start=482
-  _globals['_PREFILLSERVICE']._serialized_end=676
+  _globals['_PREFILLREQUEST']._serialized_start=72
+  _globals['_PREFILLREQUEST']._serialized_end=209
+  _globals['_PREFILLRESPONSE']._serialized_start=212
+  _globals['_PREFILLRESPONSE']._serialized_end=493
+  _globals['_LOADREQUEST']._serialized_start=495
+  _globals['_LOADREQUEST']._serialized_end=508
+  _globals['_PREFILLSERVICE']._serialized_start=511
+  _globals['_PREFILLSERVICE']._serialized_end=705
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "handoff_id", "kv_transfer_address")
+    __slots__ = ("request", "handoff_id", "kv_transfer_address", "handoff_capability")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     request: _common_pb2.GenerateRequest
     handoff_id: str
     kv_transfer_address: str
-    def __init__(self, request: _Optional[_Union[_common_pb2.GenerateRequest, _Mapping]] = ..., handoff_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ...) -> None: ...
+    handoff_capability: str
+    def __init__(self, request: _Optional[_Union[_common_pb2.GenerateRequest, _Mapping]] = ..., handoff_id: _Optional[str] = ..., kv_transfer_address: _Optional[str] = ..., handoff_capability: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("handoff_id", "first_token_id", "first_logprobs", "num_prompt_tokens", "num_cached_tokens", "finish_reason", "more_choices", "prompt_logprobs")

@@ -100,6 +100,9 @@ def prepare_conversations(body: ChatCompletionRequest, conversations: Sequence[S
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if not conversations or len(conversations) > model.settings.max_prompts:
         raise InvalidRequestError(f"give 1 to {model.settings.max_prompts} conversations", param="messages")
+    if any(len(messages) > model.settings.max_messages for messages in conversations):
+        raise InvalidRequestError(f"a conversation may have at most {model.settings.max_messages} messages",
+                                  param="messages")
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, model.tool_parser)
     grammar, grammar_param = _grammar(body, tools)
     pending = [PendingMedia() for _ in conversations]

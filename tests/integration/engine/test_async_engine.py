@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -62,6 +63,43 @@ def test_leaving_a_stream_early_aborts_and_frees() -> None:
 
     try:
         asyncio.run(main())
+    finally:
+        aengine.stop()
+    engine.check_no_leaks()
+
+
+def test_a_caller_cancelled_while_its_request_waits_to_be_added_leaves_nothing_and_kills_nothing() -> None:
+    """Found by the chaos soak: a stream cancelled while its add command was queued (the router gave up on
+    it) made the engine thread set a cancelled future's result, which killed the thread. Now the command
+    still runs, its result is dropped, and the abort queued behind it frees the request."""
+    engine = tiny_engine(tiny_loaded("llama")[0])
+    aengine = AsyncEngine(engine)
+    aengine.start()
+
+    async def main() -> None:
+        busy = asyncio.ensure_future(aengine._call(lambda: time.sleep(0.5)))  # the thread is busy: commands queue
+        await asyncio.sleep(0.05)
+
+        async def first_token() -> None:
+            async for _ in await aengine.generate("late", [3, 4, 5, 6], greedy(200)):
+                return
+
+        task = asyncio.ensure_future(first_token())
+        await asyncio.sleep(0.1)
+        task.cancel()  # while its add waits behind the sleep
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await busy
+        assert await collect(aengine, "after", [7, 8, 9], 4)  # the engine thread lives
+        for _ in range(250):
+            if engine.num_free_kv_blocks == engine.num_kv_blocks and not engine.has_unfinished():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the cancelled request was not freed")
+
+    try:
+        asyncio.run(main())
+        assert aengine.running
     finally:
         aengine.stop()
     engine.check_no_leaks()

@@ -43,10 +43,11 @@ PROMPT = list(range(100, 120))  # 2 full blocks and a partial one
 SLOT_NBYTES = slot_nbytes_for(CACHE)
 
 
-def make_spec(handoff_id: str, prompt: list[int] = PROMPT, lease_timeout_ms: int = 0) -> HandoffSpec:
+def make_spec(handoff_id: str, prompt: list[int] = PROMPT, lease_timeout_ms: int = 0,
+              capability: str = "") -> HandoffSpec:
     layout = KVLayout(4, cdiv(len(prompt), 8), 8, 2, 16, torch.float32)
     return HandoffSpec(handoff_id, f"req-{handoff_id}", "tiny-llama", layout, prompt,
-                       hash_prefix_blocks(prompt, 8), 0, lease_timeout_ms)
+                       hash_prefix_blocks(prompt, 8), 0, lease_timeout_ms, capability=capability)
 
 
 RESULT = HandoffResult(7, TokenLogprobs(7, -0.125, [(7, -0.125), (3, -3.5)]))
@@ -242,6 +243,28 @@ def test_a_layout_mismatch_with_the_transport_kind_is_refused() -> None:
         assert info.kind == "tcp" and info.slot_nbytes == 0  # cut by the first Reserve
 
     run_with_server(scenario, transport="tcp")
+
+
+def test_a_caller_without_the_handoffs_capability_is_refused_and_counted() -> None:
+    async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
+        client = KVTransferClient(4 << 20)
+        await client.reserve(running.address, make_spec("h1", capability="s3cret"))
+        for call in (stub.Renew(pb.RenewRequest(handoff_id="h1", capability="guess")),
+                     stub.Commit(pb.CommitRequest(handoff_id="h1", first_token_id=7)),
+                     stub.Release(pb.ReleaseRequest(handoff_id="h1", capability="guess"))):
+            assert (await rpc_error(call)).code() == grpc.StatusCode.PERMISSION_DENIED
+        await client.commit(running.address, "h1", RESULT, "s3cret")
+        err = await rpc_error(stub.Claim(pb.ClaimRequest(handoff_id="h1")))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        assert "baton_handoff_capability_refused_total 4.0" in body and "baton_handoff_leases_active 1.0" in body
+        await client.claim(running.address, "h1", wait_s=0, timeout_s=5, capability="s3cret")
+        assert await client.release(running.address, "h1", capability="s3cret")
+        assert await store_empty(stub)
+        await client.close()
+
+    run_with_server(scenario, metrics_port=0, transport="tcp")
 
 
 def test_health_and_metrics() -> None:

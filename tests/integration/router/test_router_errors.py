@@ -131,6 +131,23 @@ async def test_max_tokens_limit_refuses_more_and_caps_unset(smol_tokenizer: Any)
     assert [r.params.max_tokens for r in backend.requests] == [6, 6]
 
 
+async def test_message_count_and_schema_size_limits_are_400(smol_tokenizer: Any) -> None:
+    backend = ScriptedBackend([DONE_CHUNK])
+    async with client(make_app(smol_tokenizer, backend, max_messages=3, max_schema_bytes=200)) as http:
+        many = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2
+        error = assert_error(await http.post("/v1/chat/completions", json={**CHAT, "messages": many}), 400,
+                             "messages")
+        assert "at most 3 messages" in error["message"]
+        big = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(20)}}
+        response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": big}}
+        error = assert_error(await http.post("/v1/chat/completions",
+                                             json={**CHAT, "response_format": response_format}), 400)
+        assert "at most 200" in error["message"]
+        small = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+        assert (await http.post("/v1/chat/completions", json={**CHAT, "response_format": small})).status_code == 200
+    assert len(backend.requests) == 1
+
+
 async def test_openapi_names_every_request_body(smol_tokenizer: Any) -> None:
     """Clients and fuzzers (tests/e2e/test_api_fuzz.py) generate from the document: each POST has its body."""
     async with client(make_app(smol_tokenizer, ScriptedBackend([DONE_CHUNK]))) as http:

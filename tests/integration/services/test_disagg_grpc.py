@@ -25,6 +25,7 @@ from tests.helpers.models import packaged, packaged_engine
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
+CAPABILITY = "test-capability"  # the handoff secret a router would choose
 ENGINE = dict(model=MODEL, port=0, metrics_port=-1, kv_cache_bytes=64 << 20, max_model_len=1024,
               kv_claim_wait_s=0.5)
 
@@ -41,13 +42,13 @@ class Stack:
                                          params=sampling_params_to_proto(params))
         handoff_id = f"h-{request_id}"
         first = await self.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-            request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address))
+            request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address, handoff_capability=CAPABILITY))
         tokens = [first.first_token_id]
         if first.finish_reason:
             return tokens, first.finish_reason
         finish = ""
         async for msg in self.decode_stub.Generate(decode_pb2.DecodeRequest(
-                request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address,
+                request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address, handoff_capability=CAPABILITY,
                 first_token_id=first.first_token_id)):
             tokens.extend(msg.token_ids)
             finish = msg.finish_reason
@@ -87,7 +88,8 @@ async def backend_for(stack: Stack, dead_prefill: str | None = None, kv_transfer
     `kv_transfer`: the address registered for it instead of the stack's)."""
     import time
 
-    from services.router.grpc_backend import GrpcBackend, InstanceCache
+    from services.router.grpc_backend import GrpcBackend
+    from services.router.instance_cache import InstanceCache
     from shared.registry.base import InstanceInfo, Load
     from shared.registry.memory_registry import MemoryRegistry
 
@@ -138,9 +140,9 @@ def test_cancelled_decode_stream_frees_everything() -> None:
                                          params=sampling_params_to_proto(SamplingParams(max_tokens=500,
                                                                                         ignore_eos=True)))
         first = await stack.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-            request=req, handoff_id="h-cancel", kv_transfer_address=stack.kv.address))
+            request=req, handoff_id="h-cancel", kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY))
         call = stack.decode_stub.Generate(decode_pb2.DecodeRequest(
-            request=req, handoff_id="h-cancel", kv_transfer_address=stack.kv.address,
+            request=req, handoff_id="h-cancel", kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY,
             first_token_id=first.first_token_id))
         n = 0
         async for _ in call:
@@ -163,13 +165,13 @@ def test_errors_are_grpc_statuses() -> None:
                                          params=common_pb2.SamplingParams(max_tokens=0))
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stack.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-                request=bad, handoff_id="h", kv_transfer_address=stack.kv.address))
+                request=bad, handoff_id="h", kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         ok = common_pb2.GenerateRequest(request_id="lost", prompt_token_ids=[1, 2],
                                         params=sampling_params_to_proto(SamplingParams(max_tokens=4)))
         with pytest.raises(grpc.aio.AioRpcError) as e2:
             async for _ in stack.decode_stub.Generate(decode_pb2.DecodeRequest(
-                    request=ok, handoff_id="never-stored", kv_transfer_address=stack.kv.address,
+                    request=ok, handoff_id="never-stored", kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY,
                     first_token_id=5)):
                 pass
         assert e2.value.code() == grpc.StatusCode.NOT_FOUND
@@ -177,7 +179,7 @@ def test_errors_are_grpc_statuses() -> None:
                                               params=sampling_params_to_proto(SamplingParams(max_tokens=4)))
         with pytest.raises(grpc.aio.AioRpcError) as e3:
             await stack.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-                request=too_long, handoff_id="h2", kv_transfer_address=stack.kv.address))
+                request=too_long, handoff_id="h2", kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY))
         assert e3.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert stack.engines_idle()
 
@@ -209,7 +211,8 @@ def test_router_backend_spreads_requests_between_heartbeats() -> None:
     """With registry loads frozen (no heartbeat yet), the router's in-flight counts still spread prefills."""
     import time
 
-    from services.router.grpc_backend import GrpcBackend, InstanceCache
+    from services.router.grpc_backend import GrpcBackend
+    from services.router.instance_cache import InstanceCache
     from shared.registry.base import InstanceInfo, Load
     from shared.registry.kv_picker import PromptBlocks
     from shared.registry.kv_summary import KVSummary

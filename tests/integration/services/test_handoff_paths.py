@@ -30,6 +30,7 @@ from tests.helpers.models import packaged, packaged_engine
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
+CAPABILITY = "test-capability"  # the handoff secret a router would choose
 ENGINE: dict[str, Any] = dict(model=MODEL, port=0, metrics_port=-1, kv_cache_bytes=64 << 20, max_model_len=1024)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
@@ -52,7 +53,7 @@ class Stack:
         req = common_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
                                          params=sampling_params_to_proto(params))
         first = await self.stub(prefill_index).Prefill(prefill_pb2.PrefillRequest(
-            request=req, handoff_id=f"h-{request_id}", kv_transfer_address=self.kv.address))
+            request=req, handoff_id=f"h-{request_id}", kv_transfer_address=self.kv.address, handoff_capability=CAPABILITY))
         return req, first
 
     async def generate(self, prompt: list[int], params: SamplingParams = GREEDY, prefill_index: int = 0
@@ -65,7 +66,7 @@ class Stack:
         stub = decode_pb2_grpc.DecodeServiceStub(channel(self.decode.address))
         cached = -1
         async for msg in stub.Generate(decode_pb2.DecodeRequest(
-                request=req, handoff_id=f"h-{req.request_id}", kv_transfer_address=self.kv.address,
+                request=req, handoff_id=f"h-{req.request_id}", kv_transfer_address=self.kv.address, handoff_capability=CAPABILITY,
                 first_token_id=first.first_token_id)):
             tokens.extend(msg.token_ids)
             cached = msg.num_cached_tokens
@@ -194,7 +195,7 @@ def test_prefill_stopping_mid_push_gives_decode_a_clear_error() -> None:
                                          params=sampling_params_to_proto(GREEDY))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in stub.Generate(decode_pb2.DecodeRequest(
-                    request=req, handoff_id="h-r1", kv_transfer_address=stack.kv.address)):
+                    request=req, handoff_id="h-r1", kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY)):
                 pass
         stack.prefills.clear()  # stopped already
         await stack.assert_nothing_leaked()

@@ -12,7 +12,13 @@ import torch
 
 from services.kv_transfer.store import HandoffStore, LeaseState
 from shared.engine.block_pool import hash_prefix_blocks
-from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError, RequestAbortedError
+from shared.errors import (
+    CapacityError,
+    HandoffNotFoundError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    RequestAbortedError,
+)
 from shared.kv.layout import KVLayout, cdiv
 from shared.kv.remote import HandoffResult, HandoffSpec, SlotSpace, slot_nbytes_for
 
@@ -24,11 +30,12 @@ HIDDEN_WIDTH = 16
 
 
 def make_spec(handoff_id: str, prompt: list[int] | None = None, hidden_rows: int = 0,
-              lease_timeout_ms: int = 0) -> HandoffSpec:
+              lease_timeout_ms: int = 0, capability: str = "") -> HandoffSpec:
     tokens = prompt if prompt is not None else [1, 2, 3, 4, 5]
     layout = KVLayout(3, cdiv(len(tokens), BLOCK), BLOCK, 2, 8, torch.float16)
     return HandoffSpec(handoff_id, f"req-{handoff_id}", "tiny", layout, tokens,
-                       hash_prefix_blocks(tokens, BLOCK), hidden_rows * HIDDEN_WIDTH * 2, lease_timeout_ms)
+                       hash_prefix_blocks(tokens, BLOCK), hidden_rows * HIDDEN_WIDTH * 2, lease_timeout_ms,
+                       capability=capability)
 
 
 RESULT = HandoffResult(first_token_id=9, first_logprobs=None)
@@ -275,4 +282,27 @@ def test_lfu_store_with_layer_groups_keeps_the_shared_prefix_units() -> None:
     for i in range(3):  # one-off conversations fill the pool: their units are evicted, the system prompt's stay
         turn(f"x{i}", system + [20 + 10 * i + j for j in range(9)])
     assert turn("c", system + [90, 91, 92, 93, 94]) == 2
+    store.check_no_leaks()
+
+
+def test_every_call_on_a_handoff_needs_its_capability(store: HandoffStore, ends: Ends) -> None:
+    """Knowing a handoff's id is not enough: renew, commit, claim and release without its secret are refused
+    (and counted), leaving the lease as it was; with it, the handoff runs its course."""
+    store.reserve(make_spec("h1", capability="s3cret"))
+    for wrong in ("", "guess", "s3cret!"):
+        with pytest.raises(PermissionDeniedError):
+            store.renew("h1", wrong)
+        with pytest.raises(PermissionDeniedError):
+            store.commit("h1", RESULT, wrong)
+        with pytest.raises(PermissionDeniedError):
+            store.release("h1", capability=wrong)
+    assert store.num_capability_refusals == 9
+    assert store.renew("h1", "s3cret")
+    store.commit("h1", RESULT, "s3cret")
+    with pytest.raises(PermissionDeniedError):
+        asyncio.run(store.claim("h1", capability="guess"))
+    assert store.state("h1") is LeaseState.LEASED
+    asyncio.run(store.claim("h1", capability="s3cret"))
+    assert store.release("h1", capability="s3cret")
+    assert ends.calls == [("h1", LeaseState.DONE)]
     store.check_no_leaks()
