@@ -11,6 +11,8 @@ from shared.cli import (
     generate_cmd,
     healthcheck_cmd,
     make_tiny_cmd,
+    plan_cmd,
+    profile_cmd,
     service_cmds,
     train_draft_cmd,
     up_cmd,
@@ -29,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     make_tiny_cmd.register(sub)
     healthcheck_cmd.register(sub)
     certs_cmd.register(sub)
+    profile_cmd.register(sub)
+    plan_cmd.register(sub)
     return parser
 
 
