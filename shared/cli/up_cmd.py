@@ -103,6 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="sampling defaults: auto (the model's generation_config), vllm (none) or a directory")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per engine instance")
+    p.add_argument("--kv-offload-bytes", type=int, default=0,
+                   help="per engine: host memory for evicted prefix blocks, restored instead of recomputed "
+                        "(a preempted request's context swaps back in); 0 = off")
     p.add_argument("--kv-transfer-capacity-bytes", type=int, default=2 << 30, help="handoff store size")
     p.add_argument("--torch-threads", type=int, default=0, help="per engine process; 0 = cores / engines")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
@@ -154,6 +157,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     common = {"MODEL": args.model, "MAX_MODEL_LEN": str(args.max_model_len), "REDIS_URL": args.redis_url,
               "REGISTRY_NAMESPACE": args.registry_namespace, "HOST": HOST, "CACHE_DIR": str(args.cache_dir), **auth}
     engine_common = {**common, "KV_CACHE_BYTES": str(args.kv_cache_bytes), "TORCH_THREADS": str(threads),
+                     "KV_OFFLOAD_BYTES": str(args.kv_offload_bytes),
                      "DTYPE": args.dtype, "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANTIZATION": args.quantization}
     stack = Stack()
 

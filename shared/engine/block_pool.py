@@ -18,7 +18,7 @@ import hashlib
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 BlockHash = bytes
@@ -65,6 +65,8 @@ class BlockPool:
         # zero-bubble loop: blocks freed while a step runs on the device, which may still write them.
         # Steps planned meanwhile may take them (they run after it); host writers may not yet.
         self._held: OrderedDict[int, None] | None = None
+        # a second tier (kv_offload.py): told of each cached block evicted for reuse, before it is overwritten
+        self.on_evict: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +94,8 @@ class BlockPool:
             source = self._free if self._free or self._held is None else self._held
             block_id, _ = source.popitem(last=False)
             block = self.blocks[block_id]
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block_id, block.block_hash, block.token_ids)
             self._evict(block)
             block.ref_count = 1
             ids.append(block_id)

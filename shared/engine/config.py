@@ -24,6 +24,9 @@ class EngineConfig:
     role: str = "colocated"  # colocated | prefill | decode
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30  # KV budget; ignored when num_kv_blocks is set
+    # host memory for evicted prefix blocks (shared/engine/kv_offload.py): a preempted request's context is
+    # restored from there instead of recomputed; 0 = off (vLLM's CPU KV offload is opt-in too)
+    kv_offload_bytes: int = 0
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -40,6 +40,8 @@ import torch
 from shared.engine.choices import ChoiceGroups, FirstToken, child_params, choice_request_id
 from shared.engine.config import EngineConfig
 from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
+from shared.engine.kv_manager import KVCacheManager
+from shared.engine.kv_offload import HostKVTier
 from shared.engine.kv_setup import build_kv_cache
 from shared.engine.logits.grammars import GrammarCache
 from shared.engine.logits.request_state import RequestLogits
@@ -132,6 +134,7 @@ class LLMEngine:
             raise ConfigError(f"aux_hidden_layers {config.aux_hidden_layers} outside [0, {spec.num_layers})")
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
                                   tuple(config.aux_hidden_layers))
+        self._attach_offload_tier()
         bind = getattr(self.speculator.proposer, "bind_target", None) if self.speculator is not None else None
         if bind is not None:  # a proposer that reads the target's cache (gemma4_assistant)
             bind(self.runner.model_kv, self.kv, self.layout)
@@ -163,6 +166,15 @@ class LLMEngine:
                            "reads a step late: running the synchronous loop", self.config.spec_method)
             return False
         return True
+
+    def _attach_offload_tier(self) -> None:
+        if not self.config.kv_offload_bytes:
+            return
+        if type(self.kv) is not KVCacheManager:  # the hybrid manager's sliding pools are not offloaded
+            logger.warning("kv_offload_bytes ignored: this model's KV has several layer groups (%d)",
+                           len(self.layout.groups))
+            return
+        self.kv.attach_tier(HostKVTier(self.layout, self.runner.kv_cache, self.config.kv_offload_bytes))
 
     # ---- intake -------------------------------------------------------------------
     def _new_request(

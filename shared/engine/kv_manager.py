@@ -9,6 +9,7 @@ request's blocks exactly once when it finishes, is preempted or aborted.
 from __future__ import annotations
 
 from shared.engine.block_pool import BlockHash, BlockPool, hash_block
+from shared.engine.kv_offload import HostKVTier, SwapInTimer
 from shared.engine.request import Request
 from shared.kv.layout import cdiv
 
@@ -21,6 +22,12 @@ class KVCacheManager:
         self.hash_salt = hash_salt
         self.block_tables: dict[str, list[int]] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
+        self.tier: HostKVTier | None = None  # evicted blocks in host memory (kv_offload.py), when configured
+
+    def attach_tier(self, tier: HostKVTier) -> None:
+        """Spill what the pool evicts into `tier`; lookups restore from it (a second prefix-cache tier)."""
+        self.tier = tier
+        self.pool.on_evict = tier.spill
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -50,14 +57,40 @@ class KVCacheManager:
         max_blocks = (len(tokens) - 1) // self.block_size
         hit: list[int] = []
         parent: BlockHash | None = None
-        for i in range(max_blocks):
-            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
-            parent = hash_block(parent, block_tokens, self.hash_salt)
-            block_id = self.pool.lookup(parent, block_tokens)
-            if block_id is None:
-                return hit, parent
-            hit.append(block_id)
-        return hit, None
+        timer = SwapInTimer(self.tier) if self.tier is not None else None
+        try:
+            for i in range(max_blocks):
+                block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+                parent = hash_block(parent, block_tokens, self.hash_salt)
+                block_id = self.pool.lookup(parent, block_tokens)
+                if block_id is None and timer is not None:
+                    block_id = self._restore(parent, block_tokens, hit)
+                    timer.num_blocks += block_id is not None
+                if block_id is None:
+                    return hit, parent
+                hit.append(block_id)
+            return hit, None
+        finally:
+            if timer is not None:
+                timer.done()
+
+    def _restore(self, block_hash: BlockHash, block_tokens: list[int], hit: list[int]) -> int | None:
+        """A block the tier holds, copied back into a fresh block and cached there (unreferenced, like any
+        cached block); None when the tier lacks it or no block is free for a host write."""
+        assert self.tier is not None
+        if not self.tier.holds(block_hash, block_tokens):
+            return None
+        self.pool.touch(hit)  # the hits found so far must not be what this allocation evicts
+        try:
+            if not self.pool.num_free_for(host_writes=True):
+                return None
+            [block_id] = self.pool.allocate(1, host_writes=True)
+        finally:
+            self.pool.free(hit)
+        self.tier.restore(block_hash, block_id)
+        self.pool.cache_block(block_id, block_hash, block_tokens)
+        self.pool.free([block_id])
+        return block_id
 
     def allocate_slots(
         self, request: Request, num_tokens_after_step: int, cached_block_ids: list[int] | None = None,

@@ -16,6 +16,13 @@ class DirectionStats:
     nbytes: int = 0
     failures: int = 0
 
+    def observe(self, seconds: float, nbytes: int) -> None:
+        index = next((i for i, bound in enumerate(BUCKETS_S) if seconds <= bound), len(BUCKETS_S))
+        self.bucket_counts[index] += 1
+        self.sum_s += seconds
+        self.count += 1
+        self.nbytes += nbytes
+
 
 class KVTransferStats:
     """Per direction ("push": prefill's writes, "pull": decode's reads, "import": prefill's pool reads)."""
@@ -29,8 +36,4 @@ class KVTransferStats:
         if failed:
             stats.failures += 1
             return
-        index = next((i for i, bound in enumerate(BUCKETS_S) if seconds <= bound), len(BUCKETS_S))
-        stats.bucket_counts[index] += 1
-        stats.sum_s += seconds
-        stats.count += 1
-        stats.nbytes += nbytes
+        stats.observe(seconds, nbytes)

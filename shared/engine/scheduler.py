@@ -171,6 +171,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.handoff_pending: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.num_scheduled_tokens_total = 0  # tokens planned for computing (drafts included), over all steps
 
     # ---- intake -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -232,6 +233,7 @@ class Scheduler:
             budget -= num_new + len(drafts)
         if not plan.preempted_ids:
             self._admit_waiting(plan, budget)
+        self.num_scheduled_tokens_total += plan.num_tokens
         return plan
 
     def _finishes_in_flight(self, request: Request) -> bool:

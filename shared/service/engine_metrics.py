@@ -57,6 +57,29 @@ class EngineCollector(Collector):
             yield c
         yield from self._spec_metrics()
         yield from self._kv_transfer_metrics()
+        yield from self._offload_metrics()
+
+    def _offload_metrics(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        """The host tier of evicted blocks (kv_offload.py): spills, restores, swap-in time per admission."""
+        tier = self.aengine.engine.kv.tier
+        if tier is None:
+            return
+        st = tier.stats
+        for name, doc, value in (
+            ("baton_kv_offload_spilled_blocks", "Evicted prefix blocks copied to host memory", st.spilled_blocks),
+            ("baton_kv_offload_restored_blocks", "Blocks copied back from host memory instead of recomputed",
+             st.restored_blocks),
+            ("baton_kv_offload_dropped_blocks", "Spilled blocks dropped from host memory unused (it was full)",
+             st.dropped_blocks),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["role"])
+            c.add_metric([self.role], value)
+            yield c
+        seconds = HistogramMetricFamily("baton_kv_swap_in_seconds", "Time restoring one admission's blocks from "
+                                        "host memory (a preempted request resuming, or an evicted prefix)",
+                                        labels=["role"])
+        seconds.add_metric([self.role], _buckets(st.swap_in.bucket_counts), st.swap_in.sum_s)
+        yield seconds
 
     def _kv_transfer_metrics(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         """Transfers to and from kv_transfer's slots: time per request, bytes, failures, prefix imports."""
@@ -70,10 +93,7 @@ class EngineCollector(Collector):
         failures = CounterMetricFamily("baton_kv_transfer_failures", "Requests whose KV transfer failed",
                                        labels=["role", "direction"])
         for direction, st in remote.stats.by_direction.items():
-            counts = list(st.bucket_counts)
-            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
-            buckets = [(str(b), c) for b, c in zip(BUCKETS_S, cumulative, strict=False)] + [("+Inf", cumulative[-1])]
-            seconds.add_metric([self.role, direction], buckets, st.sum_s)
+            seconds.add_metric([self.role, direction], _buckets(st.bucket_counts), st.sum_s)
             nbytes.add_metric([self.role, direction], st.nbytes)
             failures.add_metric([self.role, direction], st.failures)
         imported = CounterMetricFamily("baton_prefix_pool_imported_tokens",
@@ -109,6 +129,13 @@ class EngineCollector(Collector):
         for position, value in enumerate(list(stats.accepted_per_position)):
             per_pos.add_metric([self.role, str(position)], value)
         yield per_pos
+
+
+def _buckets(bucket_counts: list[int]) -> list[tuple[str, int]]:
+    """Prometheus' cumulative buckets from per-bucket counts over BUCKETS_S (the last one: +Inf)."""
+    counts = list(bucket_counts)
+    cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+    return [(str(b), c) for b, c in zip(BUCKETS_S, cumulative, strict=False)] + [("+Inf", cumulative[-1])]
 
 
 def engine_registry(aengine: AsyncEngine, role: str) -> CollectorRegistry:

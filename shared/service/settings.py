@@ -40,6 +40,9 @@ class EngineServiceSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
     block_size: int = Field(default=16, ge=1, le=256)
     kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20, description="KV cache budget in bytes")
+    kv_offload_bytes: int = Field(default=0, ge=0, description="host memory for evicted prefix blocks: a "
+                                  "preempted request's context comes back from there instead of being "
+                                  "recomputed (swap-in); 0 = off")
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_model_len: int = Field(default=4096, ge=16)
@@ -88,6 +91,7 @@ class EngineServiceSettings(BaseSettings):
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(
             model=self.model, role=role, block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+            kv_offload_bytes=self.kv_offload_bytes,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             device=self.device, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, cache_dir=self.cache_dir,

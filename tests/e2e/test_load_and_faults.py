@@ -133,22 +133,26 @@ def test_a_prefill_killed_mid_prompt_is_retried_on_the_other(tmp_path: Path, red
 
 
 def test_a_killed_kv_transfer_fails_its_handoffs_cleanly_and_comes_back(tmp_path: Path, redis_url: str) -> None:
-    """SIGKILL the only kv_transfer with handoffs in flight: each request ends, within 30 s, served or with
-    a 5xx in OpenAI's shape (never a hang); `baton up` restarts it and the stack serves again."""
+    """SIGKILL the only kv_transfer with handoffs in flight: each request is served (its prompt computed on
+    the decode instance, or handed off through the restarted kv_transfer) or ends with a 5xx in OpenAI's
+    shape within 30 s (never a hang); `baton up` restarts it and the stack serves again."""
     stack = _fresh_stack(tmp_path, redis_url, "--prefill", "1", "--decode", "1")
     try:
         url = stack.base_url
 
         async def run() -> None:
             async with httpx.AsyncClient(timeout=120) as client:
-                inflight = [asyncio.create_task(client.post(f"{url}/completions", json=_completion(i),
-                                                            headers=HEADERS)) for i in range(4)]
+                async def timed(i: int) -> tuple[httpx.Response, float]:
+                    r = await client.post(f"{url}/completions", json=_completion(i), headers=HEADERS)
+                    return r, time.monotonic()
+
+                inflight = [asyncio.create_task(timed(i)) for i in range(4)]
                 await asyncio.to_thread(_kill_first_busy, stack, ["kv_transfer"], "baton_handoff_leases_active", 60)
-                t0 = time.monotonic()
-                done = await asyncio.gather(*inflight)
-                assert time.monotonic() - t0 < 30
-                for r in done:
-                    assert r.status_code == 200 or (r.status_code >= 500 and r.json()["error"]["message"]), r.text
+                killed_at = time.monotonic()
+                for r, ended_at in await asyncio.gather(*inflight):
+                    if r.status_code != 200:
+                        assert r.status_code >= 500 and r.json()["error"]["message"], r.text
+                        assert ended_at - killed_at < 30, r.text
                 deadline = time.monotonic() + 180
                 while True:  # restarted, registered, its slab cut again: served
                     r = await client.post(f"{url}/completions", json=_completion(0), headers=HEADERS)

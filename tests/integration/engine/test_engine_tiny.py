@@ -264,3 +264,32 @@ def test_prefix_hashes_name_the_precision(engines) -> None:
     bf16_kv = tiny_engine(loaded, kv_cache_dtype="bfloat16")
     engines.extend([fp32, bf16_kv])
     assert fp32.kv.hash_salt != bf16_kv.kv.hash_salt
+
+
+def test_preempted_requests_swap_their_context_back_in_from_the_host_tier(make_tiny) -> None:
+    """With kv_offload_bytes, blocks the pool evicts are spilled to host memory and restored when their
+    request resumes: the same tokens, fewer computed, restores counted and timed, nothing leaked."""
+    batch = prompts(8, lo=10, hi=20)
+    roomy, _ = make_tiny("llama")
+    expected = [r.token_ids for r in roomy.generate(batch, greedy(30))]
+    computed = {}
+    for offload in (0, 1 << 20):
+        tight, _ = make_tiny("llama", num_kv_blocks=32, max_model_len=128, kv_offload_bytes=offload)
+        assert [r.token_ids for r in tight.generate(batch, greedy(30))] == expected, offload
+        assert tight.scheduler.num_preemptions_total > 0
+        computed[offload] = tight.scheduler.num_scheduled_tokens_total
+    tier = tight.kv.tier
+    assert tier is not None and tier.stats.spilled_blocks > 0 and tier.stats.restored_blocks > 0
+    assert tier.stats.swap_in.count > 0 and len(tier.stats.recent_swap_in_s) == tier.stats.swap_in.count
+    assert computed[1 << 20] < computed[0], computed
+
+
+def test_the_host_tier_gives_an_evicted_prefix_back_bit_for_bit(make_tiny) -> None:
+    engine, _ = make_tiny("llama", num_kv_blocks=24, max_model_len=64, kv_offload_bytes=1 << 20)
+    first, other = prompts(2, seed=5, lo=40, hi=41)
+    before = engine.generate([first], greedy(8))[0]
+    engine.generate([other, other[::-1]], greedy(8))  # fills the pool: the first prompt's blocks are evicted
+    assert engine.kv.tier is not None and engine.kv.tier.stats.spilled_blocks > 0
+    again = engine.generate([first], greedy(8))[0]
+    assert again.token_ids == before.token_ids
+    assert again.num_cached_tokens > 0 and engine.kv.tier.stats.restored_blocks > 0
