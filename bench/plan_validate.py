@@ -159,7 +159,7 @@ def readme_table(result: dict[str, Any]) -> str:
     lines = [f"Predicted (simulator, profile `{result['profile_file']}`) against measured (`baton up`), chat "
              f"workload capped at {result['max_prompt']}/{result['max_output']} tokens, {result['requests']} "
              f"requests per point, SLO TTFT {result['slo']['ttft_s']} s / TPOT {result['slo']['tpot_s']} s; "
-             f"run `{result['file']}` (load average at start {result['machine'].get('loadavg', '?')}). "
+             f"run `{result['file']}` (load average at start {result['machine'].get('loadavg_at_start', '?')}). "
              "Each cell: predicted / measured (error).", "",
              "| shape | rate | " + " | ".join(FIGURES) + " |", "|---|---|" + "---|" * len(FIGURES)]
     for p in result["points"]:
