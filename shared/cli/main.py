@@ -7,6 +7,7 @@ import logging
 import sys
 
 from shared.cli import (
+    autoscale_cmd,
     certs_cmd,
     generate_cmd,
     healthcheck_cmd,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs_cmd.register(sub)
     profile_cmd.register(sub)
     plan_cmd.register(sub)
+    autoscale_cmd.register(sub)
     return parser
 
 
