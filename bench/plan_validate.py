@@ -9,9 +9,8 @@
     ─► JSON in bench/results/plan_validate-*.json, a table (and a plot with matplotlib) for bench/README.md
 
 The error of each figure is (predicted − measured) / measured. `--calibrate` adds a second prediction
-whose router overhead (HTTP, tokenization, gRPC hops: what the profile does not see) is the median, over
-the shape's lowest rate, of measured minus predicted TTFT: an attempt to explain the gap, reported
-beside the uncalibrated one, never instead of it.
+(calibrated()): each shape's prefill and decode curves scaled to what its lowest rate measured, the other
+rates held out; reported beside the uncalibrated one, never instead of it.
 
     .venv/bin/python -m bench.plan_validate [--quick] [--profile P] [--shapes colocated,1P1D,1P2D,2P1D]
                                             [--rates 0.1,0.2,0.4] [--requests 20] [--calibrate]
@@ -137,20 +136,33 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
     return points
 
 
+def scaled(profile: Profile, prefill_scale: float, decode_scale: float) -> Profile:
+    """A copy of `profile` whose prefill and decode step times are multiplied by the scales."""
+    copy = Profile.from_json(json.loads(json.dumps(profile.to_json())))
+    for curves in copy.engines.values():
+        curves.prefill_fit = [c * prefill_scale for c in curves.prefill_fit]
+        curves.decode_fit = [c * decode_scale for c in curves.decode_fit]
+    return copy
+
+
 def calibrated(points: list[dict[str, Any]], profile: Profile, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Attempt 2: the router overhead each shape's lowest rate shows, added to every first token."""
+    """Attempt 2: per shape, scale the prefill curve by measured / predicted p50 TTFT and the decode curve by
+    measured / predicted p50 TPOT at the shape's lowest rate (the machine's speed during this run, which a
+    shared machine moves), then predict every rate again; the lowest rate is fitted, the others held out."""
     out = []
-    for name in {p["shape"] for p in points}:
+    for name in sorted({p["shape"] for p in points}):
         mine = sorted((p for p in points if p["shape"] == name), key=lambda p: p["rate"])
-        gap = mine[0]["figures"]["p50_ttft_ms"]
-        overhead_s = max(0.0, (gap["measured"] - gap["predicted"]) / 1e3)
+        low = mine[0]["figures"]
+        prefill_scale = low["p50_ttft_ms"]["measured"] / max(low["p50_ttft_ms"]["predicted"], 1e-9)
+        decode_scale = low["p50_tpot_ms"]["measured"] / max(low["p50_tpot_ms"]["predicted"], 1e-9)
+        tuned = scaled(profile, prefill_scale, decode_scale)
         for p in mine:
             trace = capped_trace(p["rate"], args.requests, args.seed, args.max_prompt, args.max_output)
-            options = SimOptions(cores=os.cpu_count(), router_overhead_s=overhead_s)
-            predicted = sim_summarize(simulate(profile, SHAPES[name], trace, options),
+            predicted = sim_summarize(simulate(tuned, SHAPES[name], trace, SimOptions(cores=os.cpu_count())),
                                       SimSLO(args.ttft_slo, args.tpot_slo))
             measured = {k: v["measured"] for k, v in p["figures"].items()}
-            out.append({"shape": name, "rate": p["rate"], "router_overhead_s": round(overhead_s, 4),
+            out.append({"shape": name, "rate": p["rate"], "fitted": p is mine[0],
+                        "prefill_scale": round(prefill_scale, 3), "decode_scale": round(decode_scale, 3),
                         "figures": compare(predicted, measured)})
     return out
 
@@ -163,11 +175,16 @@ def readme_table(result: dict[str, Any]) -> str:
              "Each cell: predicted / measured (error).", "",
              "| shape | rate | " + " | ".join(FIGURES) + " |", "|---|---|" + "---|" * len(FIGURES)]
     for p in result["points"]:
-        cells = [f"{f['predicted']:.0f} / {f['measured']:.0f} ({f['error']:+.0%})" if f["error"] is not None
-                 else f"{f['predicted']:.2f} / {f['measured']:.2f}" for f in (p["figures"][n] for n in FIGURES)]
+        cells = [f"{f['predicted']:.3g} / {f['measured']:.3g} ({f['error']:+.0%})" if f["error"] is not None
+                 else f"{f['predicted']:.3g} / {f['measured']:.3g}" for f in (p["figures"][n] for n in FIGURES)]
         lines.append(f"| {p['shape']} | {p['rate']} | " + " | ".join(cells) + " |")
     within = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p["figures"].values() if f["error"] is not None]
     lines += ["", f"Points within 15%: {sum(within)} of {len(within)}."]
+    held_out = [abs(f["error"]) <= 0.15 for p in result.get("calibrated", []) if not p["fitted"]
+                for f in p["figures"].values() if f["error"] is not None]
+    if held_out:
+        lines.append(f"Calibrated on each shape's lowest rate (prefill and decode speed of this run), the other "
+                     f"rates' points within 15%: {sum(held_out)} of {len(held_out)}.")
     return "\n".join(lines)
 
 
