@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
+from shared.registry.cost_model import CostModel
 
 PROFILE_VERSION = 1
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")  # what steers our CPU kernels
@@ -190,6 +191,18 @@ class Profile:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"profile {path} is not JSON: {exc}") from exc
         return cls.from_json(data, str(path))
+
+    def cost_model(self, threads: int) -> CostModel:
+        """The router's cost model (shared/registry/cost_model.py) with this profile's measured coefficients:
+        what the router would score with on these machines, and what the simulated router scores with."""
+        curves, handoff = self.curves(threads), self.handoff
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        return CostModel(
+            prefill_s_per_token=max(curves.prefill_fit[1], 1e-9),
+            decode_s_per_request=max(curves.decode_fit[1], 1e-9),
+            transfer_s_per_block=handoff.pull_fit[1] * block_bytes,
+            handoff_overhead_s=handoff.push_fit[0] + handoff.pull_fit[0],
+        )
 
     def check_model(self, model: str) -> None:
         """Refuse a plan for another model than the one measured."""

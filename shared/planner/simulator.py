@@ -1,7 +1,8 @@
 """A discrete-event simulation (SimPy) of a baton fleet serving a workload, under the router's policy.
 
 ```
- arrival ─► router: pick by policy (the router's CostModel for "kv", as services/router/routing.py)
+ arrival ─► router: pick by policy (for "kv": the router's CostModel, as services/router/routing.py scores,
+            with the profile's measured coefficients: Profile.cost_model)
    colocated:  colocated engine d: prefill (chunked) → first token → decode batch → done
    disagg:     prefill engine p: prefill (chunked) → first token sampled
                  └─ + push_s(KV bytes): reply after Commit            TTFT ends here
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import simpy
 
@@ -64,7 +65,7 @@ class SimOptions:
     threads_per_engine: int | None = None  # None: cores // engines (as `baton up`), else the profile's largest
     local_prefill_max_tokens: int = 0  # the router's setting (-1: the cost model's break-even)
     router_overhead_s: float = 0.0  # added to every request's first token (HTTP, tokenization, gRPC)
-    cost_model: CostModel = field(default_factory=CostModel)
+    cost_model: CostModel | None = None  # None: the router's cost model with the profile's coefficients
 
 
 class Fleet:
@@ -78,6 +79,7 @@ class Fleet:
         threads = options.threads_per_engine or (
             max(1, options.cores // shape.num_engines) if options.cores else max(profile.engines))
         curves = profile.curves(threads)
+        self.cost_model = options.cost_model or profile.cost_model(threads)
         limits = (profile.max_num_seqs, profile.max_num_batched_tokens)
         role = "colocated" if shape.colocated else "decode"
         self.decodes = [SimEngine(env, f"decode-{i}", role, curves, threads, host, limits)
@@ -112,7 +114,7 @@ class Fleet:
         return min(engines, key=lambda e: (cost(e), e.name))  # type: ignore[operator]
 
     def _pick_decode(self, request: SimRequest, pulls: bool) -> SimEngine:
-        model, block = self.options.cost_model, self.profile.block_size
+        model, block = self.cost_model, self.profile.block_size
 
         def cost(engine: SimEngine) -> float:
             hits = self._hit_tokens(engine.prefix_groups, request)
@@ -123,7 +125,7 @@ class Fleet:
         return self._pick("decode", self.decodes, cost)
 
     def _pick_prefill(self, request: SimRequest) -> SimEngine:
-        model, block = self.options.cost_model, self.profile.block_size
+        model, block = self.cost_model, self.profile.block_size
 
         def cost(engine: SimEngine) -> float:
             hits = max(self._hit_tokens(engine.prefix_groups, request), self._hit_tokens(self.pool_groups, request))
@@ -132,7 +134,7 @@ class Fleet:
 
     def _local_threshold(self) -> int:
         setting = self.options.local_prefill_max_tokens
-        return self.options.cost_model.break_even_tokens(self.profile.block_size) if setting == -1 else setting
+        return self.cost_model.break_even_tokens(self.profile.block_size) if setting == -1 else setting
 
     # ---- a request's path --------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> None:

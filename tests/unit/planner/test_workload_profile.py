@@ -123,3 +123,13 @@ def test_fits_recover_the_points() -> None:
     curves.refit()
     assert curves.prefill_fit == pytest.approx([0.01, 0.002, 1e-7], rel=1e-6, abs=1e-9)
     assert curves.decode_fit == pytest.approx([0.03, 0.004, 2e-6], rel=1e-6, abs=1e-9)
+
+
+def test_cost_model_takes_the_profile_coefficients() -> None:
+    profile = make_profile(prefill=(0.01, 0.002, 0.0), decode=(0.02, 0.004, 0.0), push=(0.003, 0.0),
+                           pull=(0.001, 1e-9), kv_bytes_per_token=1000)
+    model = profile.cost_model(1)
+    assert model.prefill_s_per_token == 0.002
+    assert model.decode_s_per_request == 0.004
+    assert model.transfer_s_per_block == pytest.approx(1e-9 * 1000 * 16)
+    assert model.handoff_overhead_s == pytest.approx(0.004)
