@@ -93,7 +93,6 @@ class Fleet:
         self.kv = simpy.Resource(env, capacity=max(1, shape.num_kv))
         self.pool_groups: dict[str, int] = {}  # kv_transfer's prefix pool: group -> leading tokens committed
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
-        self.pending_decode: dict[int, SimEngine] = {}  # request index -> decode instance picked for it
         self.num_local_prefills = 0
 
     # ---- the router's picks ----------------------------------------------------------------------
@@ -139,16 +138,15 @@ class Fleet:
     # ---- a request's path --------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> None:
         if self.shape.colocated:
-            self._prefill_on(self.decodes, self._pick_decode(request, pulls=False), request)
+            self._prefill_on(self._pick_decode(request, pulls=False), request)
             return
-        decode = self._pick_decode(request, pulls=self.options.local_prefill_max_tokens == 0)
-        threshold = self._local_threshold()
-        local_todo = request.prompt_tokens - self._hit_tokens(decode.prefix_groups, request)
-        if self.options.local_prefill_max_tokens != 0 and local_todo <= threshold:
-            self.num_local_prefills += 1
-            self._prefill_on(self.decodes, decode, request)
-            return
-        self.pending_decode[request.index] = decode
+        if self.options.local_prefill_max_tokens != 0:  # the router asks the decode it would pick first
+            decode = self._pick_decode(request, pulls=False)
+            local_todo = request.prompt_tokens - self._hit_tokens(decode.prefix_groups, request)
+            if local_todo <= self._local_threshold():
+                self.num_local_prefills += 1
+                self._prefill_on(decode, request)
+                return
         prefill = self._pick_prefill(request)
         own = self._hit_tokens(prefill.prefix_groups, request)
         pooled = self._hit_tokens(self.pool_groups, request)
@@ -158,7 +156,7 @@ class Fleet:
         else:
             prefill.add_prompt(request)
 
-    def _prefill_on(self, engines: Sequence[SimEngine], engine: SimEngine, request: SimRequest) -> None:
+    def _prefill_on(self, engine: SimEngine, request: SimRequest) -> None:
         request.cached_tokens = min(self._hit_tokens(engine.prefix_groups, request), request.prompt_tokens - 1)
         engine.add_prompt(request)
 
@@ -192,7 +190,7 @@ class Fleet:
             self.pool_groups[request.prefix_group] = max(held, request.prompt_tokens)
         if request.done:
             return
-        decode = self.pending_decode.pop(request.index)
+        decode = self._pick_decode(request, pulls=True)  # as the router: the decode is bound after prefill
         missing = request.prompt_tokens - self._hit_tokens(decode.prefix_groups, request)
         with self.kv.request() as channel:
             yield channel

@@ -98,3 +98,19 @@ def test_summary_counts_goodput() -> None:
     assert summary["slo_attainment"] == 0.5  # TTFTs 0.1, 0.2 meet it; 0.3, 0.4 do not
     assert summary["goodput_req_s"] == pytest.approx(2 / 0.4)  # 2 met over the run's 0.4 s
     assert summary["p50_ttft_ms"] == pytest.approx(250.0)
+
+
+def test_local_prefill_skips_the_handoff_for_short_prompts() -> None:
+    """The router's conditional disaggregation: a prompt its decode instance lacks at most N tokens of is
+    computed there (no push, no pull); a longer one goes through prefill and the handoff."""
+    from shared.planner.simulator import Fleet
+
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), push=(0.01, 0.0), pull=(0.02, 0.0))
+    short, long = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 100, 3), TraceRequest(10.0, 500, 3)],
+                           SimOptions(local_prefill_max_tokens=200))
+    assert not short.pulled and ttft_s(short) == pytest.approx(0.1)  # no push before its first token
+    assert long.pulled and ttft_s(long) == pytest.approx(0.5 + 0.01)
+    import simpy
+
+    fleet = Fleet(simpy.Environment(), profile, Shape(1, 1), SimOptions(local_prefill_max_tokens=-1))
+    assert fleet._local_threshold() == profile.cost_model(1).break_even_tokens(16)
