@@ -6,7 +6,7 @@
         host memory (swap-in, timed inside the engine), without it: X is computed again
     ─► swap-in p50/p95 (ms), TTFT with the tier vs without (ratio, same run), JSON in bench/results/
 
-    .venv/bin/python -m bench.kv_swap [--context 2048] [--rounds 12]
+    .venv/bin/python -m bench.kv_swap [--context 2000] [--rounds 12]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def measure(context: int, rounds: int, offload: bool) -> dict[str, Any]:
     num_blocks = context // BLOCK + 8  # one context and a little: the other context evicts it
-    engine = packaged_engine(MODEL, max_model_len=context + 64, num_kv_blocks=num_blocks,
+    engine = packaged_engine(MODEL, max_model_len=context + 16, num_kv_blocks=num_blocks,
                              max_num_batched_tokens=context + 64,
                              kv_offload_bytes=(num_blocks * 2) << 20 if offload else 0)
     g = torch.Generator().manual_seed(0)
@@ -65,7 +65,7 @@ def measure(context: int, rounds: int, offload: bool) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--context", type=int, default=2000, help="tokens (SmolLM2 holds 2048)")
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

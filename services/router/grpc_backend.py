@@ -6,19 +6,20 @@ Disaggregated request lifecycle (the picks are routing.py's, under the configure
         │ (no handoff: the decode instance computes the prompt, the colocated path)
         ▼ otherwise
     pick kv_transfer (prompt-prefix affinity, for its prefix pool), then prefill (cost model / queue)
-    Prefill(request, handoff_id) ──fails before the first token──► retry on another prefill
+    Prefill(request, handoff_id, capability) ──fails before the first token──► retry on another prefill
+        │                                     (all failed, or no kv_transfer: a decode computes the prompt)
         │ first token (streams to the client now: TTFT is prefill's time)
         │ finish_reason set (max_tokens=1, eos) ──► done, no decode
         ▼
     pick decode now (draining ones skipped) ──refused before reaching it──► another decode
     decode.Generate(request, handoff_id, first_token) ──► token batches ──► finished
+        └─ breaks mid-stream (dies, goes silent) ──► migration.py: another decode resumes from the tokens sent
     abort(request_id): Abort on the prefill and decode it used, Release its handoff.
 
 Every Prefill call and every Generate stream is counted in `Router.inflight` while it is open, so
 picks made between load reports see what this router already sent.
 
-Instances come from the registry, refreshed in the background so a request
-never waits on Redis. Every call made for a request carries the trace context that
+Instances come from the registry through instance_cache.py. Every call made for a request carries the trace context that
 was current when `generate` started (the router's request span), so the services'
 spans join the request's trace whichever task sends the call (aborts included).
 """
@@ -43,6 +44,7 @@ from proto.baton.v1 import (
     prefill_pb2_grpc,
 )
 from services.router.backend import BackendChunk, BackendRequest
+from services.router.instance_cache import InstanceCache
 from services.router.migration import (
     MIGRATABLE_CODES,
     DecodeStalledError,
@@ -55,20 +57,19 @@ from shared.engine.choices import split_choice_id
 from shared.errors import BatonError, InvalidRequestError, UnavailableError
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
-from shared.registry.base import InstanceInfo, Registry
+from shared.registry.base import InstanceInfo
 from shared.registry.kv_picker import PromptBlocks
 from shared.registry.kv_summary import KVSummary
 from shared.registry.picker import pick_kv_transfer
-from shared.service.lifecycle import cancel, every
 from shared.telemetry import inject_metadata
 from shared.wire import sampling_params_to_proto, token_logprobs_from_proto
 
 logger = logging.getLogger(__name__)
 
-# a prefill failing with one of these before its first token is retried elsewhere (a full
-# kv_transfer store, RESOURCE_EXHAUSTED, is not the prefill's fault: it goes back as 429)
 _MAX_REFUSALS = 4  # decode calls refused before reaching an instance, retried as they were
 _WAIT_POLL_S = 0.25  # how often a request waiting for a live instance looks at the registry cache again
+# a prefill failing with one of these before its first token is retried elsewhere (a full
+# kv_transfer store, RESOURCE_EXHAUSTED, is not the prefill's fault: it goes back as 429)
 _RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -95,44 +96,18 @@ class _InFlight:
 
 
 @dataclass
-class InstanceCache:
-    """Live instances per service, refreshed from the registry every `interval_s`."""
+class _DecodeLeg:
+    """One request's decode stream across the instances it tries (migration.py)."""
 
-    registry: Registry
-    interval_s: float = 0.5
-    services: tuple[str, ...] = ("prefill", "decode", "kv_transfer", "colocated")
-    instances: dict[str, list[InstanceInfo]] = field(default_factory=dict)
-    # a registry that answers "none" for a service that had instances a moment ago has most likely restarted
-    # empty (the instances re-register within a heartbeat): the last list is kept this long meanwhile
-    empty_grace_s: float = 10.0
-    _task: asyncio.Task[None] | None = None
-    _emptied_at: dict[str, float] = field(default_factory=dict)
+    message: decode_pb2.DecodeRequest  # what the next attempt sends
+    service: str  # "decode", or "colocated" in colocated mode
+    emitted: list[int] = field(default_factory=list)  # tokens the client has (n == 1), for a migration
+    tried: set[tuple[str, float]] = field(default_factory=set)  # (instance id, start): a restart is a new one
+    num_migrations: int = 0
 
-    async def start(self) -> None:
-        await self.refresh()
-        self._task = every(self.interval_s, self.refresh, "registry-refresh")
-
-    async def stop(self) -> None:
-        await cancel(self._task)
-
-    async def refresh(self) -> None:
-        now = asyncio.get_running_loop().time()
-        for service in self.services:
-            try:
-                listed = await self.registry.list(service)
-            except BatonError as e:
-                logger.warning("registry refresh of %s failed: %s", service, e)
-                continue
-            if listed or not self.instances.get(service):
-                self._emptied_at.pop(service, None)
-                self.instances[service] = listed
-                continue
-            emptied_at = self._emptied_at.setdefault(service, now)
-            if now - emptied_at >= self.empty_grace_s:
-                self.instances[service] = []  # gone for real
-
-    def get(self, service: str) -> list[InstanceInfo]:
-        return [i for i in self.instances.get(service, []) if not i.draining]
+    def tried_ids(self, live: list[InstanceInfo]) -> set[str]:
+        """The ids of live instances this leg has already failed on (not their restarts)."""
+        return {i.instance_id for i in live if (i.instance_id, i.started_at) in self.tried}
 
 
 class GrpcBackend:
@@ -273,61 +248,63 @@ class GrpcBackend:
         another one: the handoff is still unclaimed in kv_transfer. A stream that breaks later migrates
         (migration.py): another instance goes on from the tokens the client has.
         """
-        message = decode_pb2.DecodeRequest(request=_request(req))
-        emitted: list[int] = []  # tokens the client has (n == 1), for a migration
+        leg = _DecodeLeg(decode_pb2.DecodeRequest(request=_request(req)),
+                         "colocated" if self.mode == "colocated" else "decode")
         if first_token is not None:
-            message.handoff_id = state.handoff_id or ""
-            message.kv_transfer_address = state.kv_transfer or ""
-            message.handoff_capability = state.handoff_capability
-            message.first_token_id = first_token.first_token_id
+            leg.message.handoff_id = state.handoff_id or ""
+            leg.message.kv_transfer_address = state.kv_transfer or ""
+            leg.message.handoff_capability = state.handoff_capability
+            leg.message.first_token_id = first_token.first_token_id
             if first_token.HasField("first_logprobs"):
-                message.first_logprobs.CopyFrom(first_token.first_logprobs)
-            message.more_choices.extend(first_token.more_choices)
-            emitted.append(first_token.first_token_id)
-        service = "colocated" if self.mode == "colocated" else "decode"
-        tried: set[tuple[str, float]] = set()  # (instance id, start): a restarted instance is a new one
-        num_migrations = 0
+                leg.message.first_logprobs.CopyFrom(first_token.first_logprobs)
+            leg.message.more_choices.extend(first_token.more_choices)
+            leg.emitted.append(first_token.first_token_id)
         while True:
-            live = self.cache.get(service)
-            instance = first_choice if first_choice is not None and not tried else \
-                self.router.pick_decode(live, prompt, _tried_ids(live, tried), pulls=bool(message.handoff_id))
+            live = self.cache.get(leg.service)
+            instance = first_choice if first_choice is not None and not leg.tried else \
+                self.router.pick_decode(live, prompt, leg.tried_ids(live), pulls=bool(leg.message.handoff_id))
             state.decode = instance.address
             received = False
             num_open = req.params.n  # choices not finished yet: each ends with its own finished message
             try:
                 stub = decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address))
                 with self.router.hold("decode", instance.instance_id):
-                    call = stub.Generate(message, metadata=state.metadata)
+                    call = stub.Generate(leg.message, metadata=state.metadata)
                     async for msg in read_stream(call, self.migration.stall_timeout_s):
                         received = True
                         num_open -= msg.finished
                         if num_open == 0:
                             state.done = True
-                        emitted.extend(msg.token_ids)
-                        yield _chunk(msg, req, prompt_logprobs=not message.handoff_id)
+                        leg.emitted.extend(msg.token_ids)
+                        yield _chunk(msg, req, prompt_logprobs=not leg.message.handoff_id)
                 return
             except (grpc.RpcError, DecodeStalledError) as e:
                 if state.done:  # every choice had finished: what broke was the stream's end
                     return
-                tried.add((instance.instance_id, instance.started_at))
-                error = e if isinstance(e, BatonError) else error_from_rpc(e)
-                code = grpc.StatusCode.UNAVAILABLE if isinstance(e, BatonError) else e.code()  # type: ignore[attr-defined]
-                # refused before reaching the instance: the same message goes elsewhere
-                refused = code == grpc.StatusCode.UNAVAILABLE and not received and len(tried) <= _MAX_REFUSALS
-                if not (refused or self._may_migrate(req, code, num_migrations)) \
-                        or not await self._wait_for_other(service, tried):
-                    raise error from e
-                if refused:
-                    logger.warning("request %s: decode %s unavailable before its first token, retrying elsewhere",
-                                   req.request_id, instance.address)
-                    continue
-                num_migrations += 1
-                self.router.num_migrations += 1
-                logger.warning("request %s: decode %s failed after %d tokens (%s: %s); migrating (%d of %d)",
-                               req.request_id, instance.address, len(emitted), code.name, error,
-                               num_migrations, self.migration.limit)
-                await self._leave(state, req.request_id, stalled=isinstance(e, DecodeStalledError))
-                message = resumed_message(message, emitted, keep_prompt_logprobs=not emitted)
+                leg.tried.add((instance.instance_id, instance.started_at))
+                await self._recover(req, state, leg, e, received)
+
+    async def _recover(self, req: BackendRequest, state: _InFlight, leg: _DecodeLeg,
+                       e: grpc.RpcError | DecodeStalledError, received: bool) -> None:
+        """After the leg's instance failed: set the leg up for its next attempt, or raise the failure."""
+        error = e if isinstance(e, BatonError) else error_from_rpc(e)
+        code = grpc.StatusCode.UNAVAILABLE if isinstance(e, BatonError) else e.code()  # type: ignore[attr-defined]
+        # refused before reaching the instance: the same message goes elsewhere
+        refused = code == grpc.StatusCode.UNAVAILABLE and not received and len(leg.tried) <= _MAX_REFUSALS
+        if not (refused or self._may_migrate(req, code, leg.num_migrations)) \
+                or not await self._wait_for_other(leg.service, leg.tried):
+            raise error from e
+        if refused:
+            logger.warning("request %s: decode %s unavailable before its first token, retrying elsewhere",
+                           req.request_id, state.decode)
+            return
+        leg.num_migrations += 1
+        self.router.num_migrations += 1
+        logger.warning("request %s: decode %s failed after %d tokens (%s: %s); migrating (%d of %d)",
+                       req.request_id, state.decode, len(leg.emitted), code.name, error, leg.num_migrations,
+                       self.migration.limit)
+        await self._leave(state, req.request_id, stalled=isinstance(e, DecodeStalledError))
+        leg.message = resumed_message(leg.message, leg.emitted, keep_prompt_logprobs=not leg.emitted)
 
     def _may_migrate(self, req: BackendRequest, code: grpc.StatusCode, num_migrations: int) -> bool:
         """Whether a broken decode stream goes on elsewhere (n > 1 does not: its choices' tokens interleave)."""
@@ -405,11 +382,6 @@ class GrpcBackend:
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
-
-
-def _tried_ids(live: list[InstanceInfo], tried: set[tuple[str, float]]) -> set[str]:
-    """The ids of live instances this request has already failed on (not their restarts)."""
-    return {i.instance_id for i in live if (i.instance_id, i.started_at) in tried}
 
 
 def _chunk(msg: decode_pb2.DecodeResponse, req: BackendRequest, prompt_logprobs: bool) -> BackendChunk:

@@ -17,7 +17,8 @@ from typing import Any
 import uvicorn
 
 from services.router.app import create_app
-from services.router.grpc_backend import GrpcBackend, InstanceCache
+from services.router.grpc_backend import GrpcBackend
+from services.router.instance_cache import InstanceCache
 from services.router.migration import MigrationPolicy
 from services.router.routing import Router
 from services.router.settings import RouterSettings

@@ -1,11 +1,13 @@
 """Plain TCP: the fallback where neither NIXL nor ucxx can run.
 
 Each agent serves its registered memory on a TCP port (127.0.0.1 unless told
-otherwise); its metadata blob is "host:port". An initiator keeps one
+otherwise); its metadata blob is "host:port:key" (the key: 32 random bytes, hex,
+that every connection opens with; tcp_server.py). An initiator keeps one
 connection per remote agent and runs that connection's transfers in order on
 a small thread; the transfer's completion is the target's reply::
 
     initiator                                        target (server thread per connection)
+    on connect: [hello magic key]                 ─►  the agent's key? else close
     READ:  [hdr op xfer_id n][n × (addr, nbytes)]  ─►  check ranges
                                                    ◄─  [reply status xfer_id err] [bytes of each desc]
     WRITE: [hdr][descs][bytes of each desc]         ─►  check, recv into its memory (or drain)
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import socket
 import threading
 from collections.abc import Sequence
@@ -39,6 +42,9 @@ from shared.transport.metadata import AgentMetadata
 from shared.transport.regions import host_view
 from shared.transport.tcp_server import (
     DESC,
+    HELLO,
+    HELLO_MAGIC,
+    KEY_NBYTES,
     MAGIC,
     OP_CODES,
     REPLY,
@@ -85,8 +91,9 @@ class _TcpXfer:
 class _Connection:
     """One socket to one remote agent and the thread that runs its transfers in order."""
 
-    def __init__(self, address: tuple[str, int], timeout_s: float, label: str) -> None:
+    def __init__(self, address: tuple[str, int], key: bytes, timeout_s: float, label: str) -> None:
         self._address = address
+        self._key = key
         self._timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._queue: queue.SimpleQueue[_TcpXfer | None] = queue.SimpleQueue()
@@ -159,6 +166,7 @@ class _Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_NBYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_NBYTES)
+            sock.sendall(HELLO.pack(HELLO_MAGIC, self._key))
             self._sock = sock
         return self._sock
 
@@ -191,7 +199,8 @@ class TcpTransport(TransportCore):
         """Serve on (host, port) (port 0: any free one); peers connect to `advertise_host` (default: host)."""
         super().__init__(name, transfer_timeout_s)
         self._guard = RegionGuard()
-        self._server = TcpServer(host, port, self._guard, transfer_timeout_s, label=name)
+        self._key = secrets.token_bytes(KEY_NBYTES)  # in the metadata only: who connects must have asked for it
+        self._server = TcpServer(host, port, self._guard, transfer_timeout_s, label=name, key=self._key)
         self._advertise_host = advertise_host or self._server.address[0]
         self._connections: dict[str, _Connection] = {}
 
@@ -199,9 +208,13 @@ class TcpTransport(TransportCore):
     def address(self) -> tuple[str, int]:
         return self._advertise_host, self._server.address[1]
 
+    @property
+    def num_refused_connections(self) -> int:
+        return self._server.num_refused
+
     def _blob(self) -> bytes:
         host, port = self.address
-        return f"{host}:{port}".encode()
+        return f"{host}:{port}:{self._key.hex()}".encode()
 
     def _register_backend(self, region: MemoryRegion) -> None:
         self._guard.publish(self._local.regions)
@@ -211,10 +224,15 @@ class TcpTransport(TransportCore):
         self._guard.publish([r for r in self._local.regions if r != region])
 
     def _connect(self, remote: AgentMetadata) -> None:
-        host, _, port = remote.blob.decode().rpartition(":")
-        if not host or not port.isdigit():
-            raise TransportError(f"bad tcp address {remote.blob!r} in {remote.name!r}'s metadata")
-        self._connections[remote.name] = _Connection((host, int(port)), self._transfer_timeout_s,
+        address, _, key_hex = remote.blob.decode(errors="replace").rpartition(":")
+        host, _, port = address.rpartition(":")
+        try:
+            key = bytes.fromhex(key_hex)
+        except ValueError:
+            key = b""
+        if not host or not port.isdigit() or len(key) != KEY_NBYTES:
+            raise TransportError(f"bad tcp address or key in {remote.name!r}'s metadata")
+        self._connections[remote.name] = _Connection((host, int(port)), key, self._transfer_timeout_s,
                                                      f"{self._name}->{remote.name}")
 
     def _disconnect(self, name: str) -> None:

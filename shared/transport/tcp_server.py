@@ -3,11 +3,14 @@
 The server reads and writes registered memory in place. `RegionGuard` holds
 the regions it may touch; deregistration publishes the smaller set and then
 waits until no request still uses the old one, so freed memory is never
-touched.
+touched. A connection opens with the agent's key (a random secret in its
+metadata, which peers get only through an authenticated GetAgent), as a UCX
+peer needs the region's rkey: reaching the port is not enough to touch memory.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import struct
@@ -22,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 # The wire format (little-endian); the module doc of tcp_backend draws the exchange.
 MAGIC = b"BTX1"
+HELLO = struct.Struct("<4s32s")  # magic, the agent's key: the first bytes of every connection
+HELLO_MAGIC = b"BTH1"
+KEY_NBYTES = 32
 REQUEST = struct.Struct("<4sBQI")  # magic, op, xfer_id, num_descs; then num_descs x DESC
 DESC = struct.Struct("<QQ")  # addr, nbytes (target memory)
 REPLY = struct.Struct("<4sBQI")  # magic, status (0 ok), xfer_id, error_nbytes; then the error text
@@ -75,7 +81,11 @@ class RegionGuard:
 class TcpServer:
     """Accepts connections on (host, port) and serves READ/WRITE requests against `guard`'s regions."""
 
-    def __init__(self, host: str, port: int, guard: RegionGuard, timeout_s: float, label: str) -> None:
+    def __init__(self, host: str, port: int, guard: RegionGuard, timeout_s: float, label: str, key: bytes) -> None:
+        if len(key) != KEY_NBYTES:
+            raise ValueError(f"the connection key has {KEY_NBYTES} bytes")
+        self._key = key
+        self.num_refused = 0  # connections that did not open with the key
         self._guard = guard
         self._timeout_s = timeout_s
         self._listener = socket.create_server((host, port))
@@ -118,6 +128,8 @@ class TcpServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if not self._greeted(conn):
+                return
             while self._serve_one(conn):
                 pass
         except (OSError, TransportError) as e:
@@ -126,6 +138,17 @@ class TcpServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _greeted(self, conn: socket.socket) -> bool:
+        """Whether the peer opened with this agent's key (compared in constant time); refusals are counted."""
+        conn.settimeout(self._timeout_s)
+        magic, key = HELLO.unpack(recv_exact(conn, HELLO.size))
+        if magic == HELLO_MAGIC and hmac.compare_digest(key, self._key):
+            return True
+        with self._lock:
+            self.num_refused += 1
+        logger.warning("tcp server: refused a connection that did not open with the agent's key")
+        return False
 
     def _serve_one(self, conn: socket.socket) -> bool:
         """Serve one request; False when the peer closed the connection between requests."""

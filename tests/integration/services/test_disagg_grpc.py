@@ -88,7 +88,8 @@ async def backend_for(stack: Stack, dead_prefill: str | None = None, kv_transfer
     `kv_transfer`: the address registered for it instead of the stack's)."""
     import time
 
-    from services.router.grpc_backend import GrpcBackend, InstanceCache
+    from services.router.grpc_backend import GrpcBackend
+    from services.router.instance_cache import InstanceCache
     from shared.registry.base import InstanceInfo, Load
     from shared.registry.memory_registry import MemoryRegistry
 
@@ -210,7 +211,8 @@ def test_router_backend_spreads_requests_between_heartbeats() -> None:
     """With registry loads frozen (no heartbeat yet), the router's in-flight counts still spread prefills."""
     import time
 
-    from services.router.grpc_backend import GrpcBackend, InstanceCache
+    from services.router.grpc_backend import GrpcBackend
+    from services.router.instance_cache import InstanceCache
     from shared.registry.base import InstanceInfo, Load
     from shared.registry.kv_picker import PromptBlocks
     from shared.registry.kv_summary import KVSummary

@@ -24,7 +24,8 @@ from services.kv_transfer.settings import KVTransferSettings
 from services.prefill.main import start as start_prefill
 from services.prefill.settings import PrefillSettings
 from services.router.app import create_app
-from services.router.grpc_backend import GrpcBackend, InstanceCache
+from services.router.grpc_backend import GrpcBackend
+from services.router.instance_cache import InstanceCache
 from services.router.settings import RouterSettings
 from shared.registry.base import InstanceInfo, Load
 from shared.registry.memory_registry import MemoryRegistry

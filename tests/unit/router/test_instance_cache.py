@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.router.grpc_backend import InstanceCache
+from services.router.instance_cache import InstanceCache
 from shared.registry.base import InstanceInfo, Load
 from shared.registry.memory_registry import MemoryRegistry
 

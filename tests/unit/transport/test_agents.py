@@ -185,7 +185,7 @@ def silent_peer() -> Iterator[bytes]:
     thread.start()
     host, port = listener.getsockname()[:2]
     regions = (MemoryRegion(1 << 30, 1 << 20),)
-    yield AgentMetadata("tcp", "silent", regions, f"{host}:{port}".encode()).encode()
+    yield AgentMetadata("tcp", "silent", regions, f"{host}:{port}:{'00' * 32}".encode()).encode()
     stop.set()
     thread.join()
     for conn in accepted:
