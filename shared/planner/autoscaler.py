@@ -66,7 +66,7 @@ def router_urls(spec: str) -> list[str]:
         if parsed.hostname is None or parsed.port is None:
             raise ConfigError(f"{item}: a dns+ URL needs a host name and a port")
         infos = socket.getaddrinfo(parsed.hostname, parsed.port, type=socket.SOCK_STREAM)
-        for address in sorted({info[4][0] for info in infos}):
+        for address in sorted({str(info[4][0]) for info in infos}):
             host = f"[{address}]" if ":" in address else address
             urls.append(urllib.parse.urlunsplit((parsed.scheme, f"{host}:{parsed.port}", parsed.path, "", "")))
     if not urls:
