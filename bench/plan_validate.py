@@ -13,7 +13,8 @@ The error of each figure is (predicted − measured) / measured. `--calibrate` a
 rates held out; reported beside the uncalibrated one, never instead of it.
 
     .venv/bin/python -m bench.plan_validate [--quick] [--profile P] [--shapes colocated,1P1D,1P2D,2P1D]
-                                            [--rates 0.1,0.2,0.4] [--requests 20] [--calibrate]
+                                            [--rates 0.25,0.5,1.0] [--requests 20] [--calibrate]
+                                            [--quick-profile]
 """
 
 from __future__ import annotations
@@ -218,8 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8 requests per point, short outputs")
     parser.add_argument("--profile", type=Path, default=None, help="default: `baton profile` now (--quick too)")
+    parser.add_argument("--quick-profile", action="store_true", help="`baton profile --quick` (implied by --quick)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--rates", default="0.1,0.2,0.4")
+    parser.add_argument("--rates", default="0.25,0.5,1.0")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--max-output", type=int, default=32)
@@ -242,9 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     if args.profile is None:
         args.profile = args.work_dir / "profile.json"
-        logger.info("profiling this machine (baton profile%s) ...", " --quick" if args.quick else "")
+        quick = args.quick or args.quick_profile
+        logger.info("profiling this machine (baton profile%s) ...", " --quick" if quick else "")
         subprocess.run([sys.executable, "-m", "shared.cli.main", "profile", "--out", str(args.profile),
-                        *(["--quick"] if args.quick else [])], check=True)
+                        *(["--quick"] if quick else [])], check=True)
     profile = Profile.load(args.profile)
     profile.check_machine(MachineShape.this_machine())
     config = ServerConfig(work_dir=args.work_dir, hf_dir=export_hf(args.work_dir), port=args.port,
