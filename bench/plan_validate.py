@@ -120,11 +120,12 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
     points = []
     with Server("baton", config, up_args=up_args, name=f"plan-{name}") as server:
         asyncio.run(warm_up(server.base_url, MODEL_NAME, vocab))
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
             trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
             logger.info("%s at %.3g req/s: %d requests ...", name, rate, len(trace))
-            records, span = asyncio.run(replay(server.base_url, trace, trace_specs(trace, vocab, args.seed),
-                                               args.timeout))
+            # fresh token ids at every rate: the same prompts again would be prefix-cache hits of the last run
+            specs = trace_specs(trace, vocab, args.seed * 1000 + i + 1)
+            records, span = asyncio.run(replay(server.base_url, trace, specs, args.timeout))
             measured = measured_summary(records, span, slo)
             options = SimOptions(cores=os.cpu_count())
             predicted = sim_summarize(simulate(profile, shape, trace, options), SimSLO(slo.ttft_s, slo.tpot_s))

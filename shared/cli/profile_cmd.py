@@ -47,10 +47,8 @@ def run_profile(args: argparse.Namespace) -> int:
     started = time.monotonic()
     config = EngineConfig(model=args.model, kv_cache_bytes=(1 << 30) if args.quick else (2 << 30),
                           max_model_len=4096, cache_dir=args.cache_dir)
-    engines, engine = measure_engines(config, plan)
-    identity = engine.loaded.identity
+    engines, identity = measure_engines(config, plan)
     block_size, budget, max_seqs = config.block_size, config.max_num_batched_tokens, config.max_num_seqs
-    engine.close()
     handoff_threads = min(threads)  # a prefill beside a decode: the fewer threads each gets
     logger.info("profile: handoff sweep through kv_transfer, prefill and decode services ...")
     handoff, kv_bytes_per_token = measure_handoff_sync(args.model, plan.handoff_lengths, plan.repeats,

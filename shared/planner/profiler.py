@@ -105,6 +105,9 @@ def measure_engine(engine: LLMEngine, plan: SweepPlan, seed: int = 0) -> EngineC
         for length in plan.prefill_lengths:
             if batch * length > budget:
                 continue  # more than one step: the fit is per step
+            # the first run of a shape pays its one-time costs (oneDNN primitives for a new M, allocation):
+            # a served engine has paid them long before; timed runs come after it
+            time_prefill(engine, batch, length, rng, f"p{batch}x{length}w")
             runs = [time_prefill(engine, batch, length, rng, f"p{batch}x{length}r{r}") for r in range(plan.repeats)]
             seconds = statistics.median(runs)
             curves.prefill_points.append([batch, length, batch * length, seconds])
@@ -121,18 +124,23 @@ def measure_engine(engine: LLMEngine, plan: SweepPlan, seed: int = 0) -> EngineC
     return curves
 
 
-def measure_engines(config: EngineConfig, plan: SweepPlan, seed: int = 0) -> tuple[dict[int, EngineCurves], LLMEngine]:
-    """The sweeps at every thread count of `plan`, on one engine (the weights load once); returns the engine
-    too, for what the caller reads of the model (identity, KV bytes). Torch's thread count is restored."""
+def measure_engines(config: EngineConfig, plan: SweepPlan, seed: int = 0) -> tuple[dict[int, EngineCurves], str]:
+    """The sweeps at every thread count of `plan`, each on an engine built at that thread count (as a
+    service builds its engine after setting its threads); returns them and the model's identity. Torch's
+    thread count is restored."""
     before = torch.get_num_threads()
-    logger.info("profile: loading %s ...", config.model)
-    engine = LLMEngine(config)
     curves: dict[int, EngineCurves] = {}
+    identity = ""
     try:
         for threads in plan.threads:
             torch.set_num_threads(threads)
-            logger.info("profile: engine sweeps at %d torch thread(s)", threads)
-            curves[threads] = measure_engine(engine, plan, seed)
+            logger.info("profile: loading %s for the sweeps at %d torch thread(s) ...", config.model, threads)
+            engine = LLMEngine(config)
+            try:
+                identity = engine.loaded.identity
+                curves[threads] = measure_engine(engine, plan, seed)
+            finally:
+                engine.close()
     finally:
         torch.set_num_threads(before)
-    return curves, engine
+    return curves, identity
