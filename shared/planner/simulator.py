@@ -1,8 +1,7 @@
 """A discrete-event simulation (SimPy) of a baton fleet serving a workload, under the router's policy.
 
 ```
- arrival ─► router: pick by policy (for "kv": the router's CostModel, as services/router/routing.py scores,
-            with the profile's measured coefficients: Profile.cost_model)
+ arrival ─► router: pick by policy (for "kv": the router's CostModel, as services/router/routing.py scores)
    colocated:  colocated engine d: prefill (chunked) → first token → decode batch → done
    disagg:     prefill engine p: prefill (chunked) → first token sampled
                  └─ + push_s(KV bytes): reply after Commit            TTFT ends here
@@ -65,7 +64,10 @@ class SimOptions:
     threads_per_engine: int | None = None  # None: cores // engines (as `baton up`), else the profile's largest
     local_prefill_max_tokens: int = 0  # the router's setting (-1: the cost model's break-even)
     router_overhead_s: float = 0.0  # added to every request's first token (HTTP, tokenization, gRPC)
-    cost_model: CostModel | None = None  # None: the router's cost model with the profile's coefficients
+    # None: the router's own CostModel() (what services/router scores with today). Profile.cost_model's measured
+    # coefficients are not the default: on the H100 profile a decode request's measured step cost is ~0, so
+    # prefix affinity outweighs load and every request of a system prompt lands on one decode (4 of 11 busy)
+    cost_model: CostModel | None = None
 
 
 class Fleet:
@@ -79,7 +81,7 @@ class Fleet:
         threads = options.threads_per_engine or (
             max(1, options.cores // shape.num_engines) if options.cores else max(profile.engines))
         curves = profile.curves(threads)
-        self.cost_model = options.cost_model or profile.cost_model(threads)
+        self.cost_model = options.cost_model or CostModel()
         limits = (profile.max_num_seqs, profile.max_num_batched_tokens)
         role = "colocated" if shape.colocated else "decode"
         self.decodes = [SimEngine(env, f"decode-{i}", role, curves, threads, host, limits)

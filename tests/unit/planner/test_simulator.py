@@ -9,6 +9,7 @@ import pytest
 from shared.planner.metrics import SLO, summarize, tpot_s, ttft_s
 from shared.planner.simulator import Shape, SimOptions, simulate
 from shared.planner.workload import TraceRequest
+from shared.registry.cost_model import CostModel
 from tests.unit.planner.factories import make_profile
 
 
@@ -113,4 +114,4 @@ def test_local_prefill_skips_the_handoff_for_short_prompts() -> None:
     import simpy
 
     fleet = Fleet(simpy.Environment(), profile, Shape(1, 1), SimOptions(local_prefill_max_tokens=-1))
-    assert fleet._local_threshold() == profile.cost_model(1).break_even_tokens(16)
+    assert fleet._local_threshold() == CostModel().break_even_tokens(16)  # the router's own coefficients
