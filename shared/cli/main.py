@@ -7,10 +7,13 @@ import logging
 import sys
 
 from shared.cli import (
+    autoscale_cmd,
     certs_cmd,
     generate_cmd,
     healthcheck_cmd,
     make_tiny_cmd,
+    plan_cmd,
+    profile_cmd,
     service_cmds,
     train_draft_cmd,
     up_cmd,
@@ -29,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     make_tiny_cmd.register(sub)
     healthcheck_cmd.register(sub)
     certs_cmd.register(sub)
+    profile_cmd.register(sub)
+    plan_cmd.register(sub)
+    autoscale_cmd.register(sub)
     return parser
 
 

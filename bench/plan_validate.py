@@ -1,0 +1,289 @@
+"""Does `baton plan`'s simulator predict real runs? Predicted against measured, on real `baton up` stacks.
+
+    profile (`baton profile`, or --profile P taken on this machine's shape)
+    for shape in colocated, 1P1D, 1P2D, 2P1D:
+        `baton up` of that shape ─► warm up ─► for rate in rates:
+            one fixed-seed trace (the chat workload, lengths capped for 2 cores) sent at its own arrival
+            times as exact-length completions ─► measured TTFT / TPOT p50, p99, attainment, goodput
+            the same trace through the simulator (this host's cores shared, the router's kv policy) ─► predicted
+    ─► JSON in bench/results/plan_validate-*.json, a table (and a plot with matplotlib) for bench/README.md
+
+The error of each figure is (predicted − measured) / measured. `--calibrate` adds a second prediction
+(calibrated()): each shape's prefill and decode curves scaled to what its lowest rate measured, the other
+rates held out; reported beside the uncalibrated one, never instead of it.
+
+    .venv/bin/python -m bench.plan_validate [--quick] [--profile P] [--shapes colocated,1P1D,1P2D,2P1D]
+                                            [--rates 0.25,0.5,1.0] [--requests 20] [--calibrate]
+                                            [--quick-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.serve_load import RequestSpec, send_one, warm_up
+from bench.serve_machine import machine_info
+from bench.serve_report import write_block
+from bench.serve_stats import SLO, RequestRecord, summarize
+from bench.serve_systems import MODEL_NAME, Server, ServerConfig, export_hf
+from shared.planner.metrics import SLO as SimSLO
+from shared.planner.metrics import summarize as sim_summarize
+from shared.planner.profile import MachineShape, Profile
+from shared.planner.simulator import Shape, SimOptions, simulate
+from shared.planner.workload import TraceRequest, synthetic
+
+RESULTS = Path(__file__).parent / "results"
+logger = logging.getLogger("bench.plan_validate")
+SHAPES = {"colocated": Shape(0, 1, 0, colocated=True), "1P1D": Shape(1, 1), "1P2D": Shape(1, 2),
+          "2P1D": Shape(2, 1)}
+FIGURES = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "goodput_req_s")
+
+
+def capped_trace(rate: float, num_requests: int, seed: int, max_prompt: int, max_output: int) -> list[TraceRequest]:
+    """The chat workload at `rate`, lengths capped so that two cores serve it at a few requests a minute."""
+    return [TraceRequest(r.arrival_s, min(r.prompt_tokens, max_prompt), min(r.output_tokens, max_output),
+                         r.prefix_group, min(r.prefix_tokens, max_prompt))
+            for r in synthetic("chat", rate, num_requests, seed)]
+
+
+def trace_specs(trace: Sequence[TraceRequest], vocab_ids: Sequence[int], seed: int) -> list[RequestSpec]:
+    """Exact-length completions; a prefix group's requests share their first prefix_tokens token ids."""
+    rng = random.Random(seed)
+    groups: dict[str, list[int]] = {}
+    specs = []
+    for r in trace:
+        shared = groups.setdefault(r.prefix_group, [rng.choice(vocab_ids) for _ in range(4096)]) \
+            if r.prefix_group else []
+        prompt = shared[: r.prefix_tokens] + [rng.choice(vocab_ids) for _ in range(r.prompt_tokens - r.prefix_tokens)]
+        specs.append(RequestSpec("/v1/completions", {"prompt": prompt, "max_tokens": r.output_tokens,
+                                                     "min_tokens": r.output_tokens, "ignore_eos": True,
+                                                     "temperature": 0.0}))
+    return specs
+
+
+async def replay(base_url: str, trace: Sequence[TraceRequest], specs: Sequence[RequestSpec],
+                 timeout_s: float) -> tuple[list[RequestRecord], float]:
+    """Send each request at its trace time; the run's records and its span (first send to last token)."""
+    records = [RequestRecord(sent_s=0.0, error="unfinished at the run timeout") for _ in specs]
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s,
+                                 limits=httpx.Limits(max_connections=len(specs) + 1)) as client:
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + trace[i].arrival_s - time.perf_counter()))
+            records[i] = await send_one(client, MODEL_NAME, specs[i], timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s + trace[-1].arrival_s):
+                await asyncio.gather(*(one(i) for i in range(len(specs))))
+        except TimeoutError:
+            pass
+    ends = [r.token_times_s[-1] for r in records if r.ok]
+    return records, (max(ends) - start) if ends else 0.0
+
+
+def error(predicted: float, measured: float) -> float | None:
+    return None if not measured or measured != measured else round((predicted - measured) / measured, 3)
+
+
+def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, Any]:
+    return {name: {"predicted": round(predicted[name], 2), "measured": round(measured[name], 2),
+                   "error": error(predicted[name], measured[name])} for name in FIGURES}
+
+
+def measured_summary(records: list[RequestRecord], span_s: float, slo: SLO) -> dict[str, float]:
+    summary = summarize(records, span_s, slo)
+    met = sum(slo.met_by(r) for r in records)
+    summary["goodput_req_s"] = met / span_s if span_s > 0 else 0.0
+    return summary
+
+
+def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.Namespace,
+              vocab: Sequence[int]) -> list[dict[str, Any]]:
+    shape = SHAPES[name]
+    up_args = ("--mode", "colocated") if shape.colocated else \
+        ("--prefill", str(shape.num_prefill), "--decode", str(shape.num_decode))
+    slo = SLO(args.ttft_slo, args.tpot_slo)
+    points = []
+    with Server("baton", config, up_args=up_args, name=f"plan-{name}") as server:
+        asyncio.run(warm_up(server.base_url, MODEL_NAME, vocab))
+        for i, rate in enumerate(args.rates):
+            trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
+            logger.info("%s at %.3g req/s: %d requests ...", name, rate, len(trace))
+            # fresh token ids at every rate: the same prompts again would be prefix-cache hits of the last run
+            specs = trace_specs(trace, vocab, args.seed * 1000 + i + 1)
+            records, span = asyncio.run(replay(server.base_url, trace, specs, args.timeout))
+            measured = measured_summary(records, span, slo)
+            options = SimOptions(cores=os.cpu_count())
+            predicted = sim_summarize(simulate(profile, shape, trace, options), SimSLO(slo.ttft_s, slo.tpot_s))
+            point = {"shape": name, "rate": rate, "num_failed": measured["num_failed"],
+                     "measured_attainment": measured.get("slo_attainment"),
+                     "predicted_attainment": predicted["slo_attainment"], "figures": compare(predicted, measured),
+                     "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok)}
+            logger.info("%s at %.3g req/s: %s", name, rate, {k: v["error"] for k, v in point["figures"].items()})
+            points.append(point)
+    return points
+
+
+def scaled(profile: Profile, prefill_scale: float, decode_scale: float) -> Profile:
+    """A copy of `profile` whose prefill and decode step times are multiplied by the scales."""
+    copy = Profile.from_json(json.loads(json.dumps(profile.to_json())))
+    for curves in copy.engines.values():
+        curves.prefill_fit = [c * prefill_scale for c in curves.prefill_fit]
+        curves.decode_fit = [c * decode_scale for c in curves.decode_fit]
+    return copy
+
+
+def calibrated(points: list[dict[str, Any]], profile: Profile, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Attempt 2: per shape, scale the prefill curve by measured / predicted p50 TTFT and the decode curve by
+    measured / predicted p50 TPOT at the shape's lowest rate (the machine's speed during this run, which a
+    shared machine moves), then predict every rate again; the lowest rate is fitted, the others held out."""
+    out = []
+    for name in sorted({p["shape"] for p in points}):
+        mine = sorted((p for p in points if p["shape"] == name), key=lambda p: p["rate"])
+        low = mine[0]["figures"]
+        prefill_scale = low["p50_ttft_ms"]["measured"] / max(low["p50_ttft_ms"]["predicted"], 1e-9)
+        decode_scale = low["p50_tpot_ms"]["measured"] / max(low["p50_tpot_ms"]["predicted"], 1e-9)
+        tuned = scaled(profile, prefill_scale, decode_scale)
+        for p in mine:
+            trace = capped_trace(p["rate"], args.requests, args.seed, args.max_prompt, args.max_output)
+            predicted = sim_summarize(simulate(tuned, SHAPES[name], trace, SimOptions(cores=os.cpu_count())),
+                                      SimSLO(args.ttft_slo, args.tpot_slo))
+            measured = {k: v["measured"] for k, v in p["figures"].items()}
+            out.append({"shape": name, "rate": p["rate"], "fitted": p is mine[0],
+                        "prefill_scale": round(prefill_scale, 3), "decode_scale": round(decode_scale, 3),
+                        "figures": compare(predicted, measured)})
+    return out
+
+
+def readme_table(result: dict[str, Any]) -> str:
+    lines = [f"Predicted (simulator, profile `{result['profile_file']}`) against measured (`baton up`), chat "
+             f"workload capped at {result['max_prompt']}/{result['max_output']} tokens, {result['requests']} "
+             f"requests per point, SLO TTFT {result['slo']['ttft_s']} s / TPOT {result['slo']['tpot_s']} s; "
+             f"run `{result['file']}` (load average at start {result['machine'].get('loadavg_at_start', '?')}). "
+             "Each cell: predicted / measured (error).", "",
+             "| shape | rate | " + " | ".join(FIGURES) + " |", "|---|---|" + "---|" * len(FIGURES)]
+    for p in result["points"]:
+        cells = [f"{f['predicted']:.3g} / {f['measured']:.3g} ({f['error']:+.0%})" if f["error"] is not None
+                 else f"{f['predicted']:.3g} / {f['measured']:.3g}" for f in (p["figures"][n] for n in FIGURES)]
+        lines.append(f"| {p['shape']} | {p['rate']} | " + " | ".join(cells) + " |")
+    within = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p["figures"].values() if f["error"] is not None]
+    lines += ["", f"Points within 15%: {sum(within)} of {len(within)}."]
+    held_out = [abs(f["error"]) <= 0.15 for p in result.get("calibrated", []) if not p["fitted"]
+                for f in p["figures"].values() if f["error"] is not None]
+    if held_out:
+        lines.append(f"Calibrated on each shape's lowest rate (prefill and decode speed of this run), the other "
+                     f"rates' points within 15%: {sum(held_out)} of {len(held_out)}.")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], png: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    for ax, name in zip(axes, FIGURES[:4], strict=False):
+        for shape in SHAPES:
+            pts = [p for p in result["points"] if p["shape"] == shape]
+            if pts:
+                ax.plot([p["figures"][name]["measured"] for p in pts], [p["figures"][name]["predicted"] for p in pts],
+                        "o-", label=shape)
+        top = max([1.0] + [p["figures"][name][k] for p in result["points"] for k in ("measured", "predicted")])
+        ax.plot([0, top], [0, top], "k--", lw=0.5)
+        ax.set_title(name)
+        ax.set_xlabel("measured")
+        ax.set_ylabel("predicted")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 requests per point, short outputs")
+    parser.add_argument("--profile", type=Path, default=None, help="default: `baton profile` now (--quick too)")
+    parser.add_argument("--quick-profile", action="store_true", help="`baton profile --quick` (implied by --quick)")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rates", default="0.25,0.5,1.0")
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--max-output", type=int, default=32)
+    parser.add_argument("--ttft-slo", type=float, default=3.0)
+    parser.add_argument("--tpot-slo", type=float, default=0.3)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=18400)
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/baton/bench-plan")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-readme", action="store_true")
+    args = parser.parse_args(argv)
+    args.rates = [float(r) for r in args.rates.split(",")]
+    if args.quick:
+        args.requests, args.max_output = min(args.requests, 8), min(args.max_output, 16)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    if args.profile is None:
+        args.profile = args.work_dir / "profile.json"
+        quick = args.quick or args.quick_profile
+        logger.info("profiling this machine (baton profile%s) ...", " --quick" if quick else "")
+        subprocess.run([sys.executable, "-m", "shared.cli.main", "profile", "--out", str(args.profile),
+                        *(["--quick"] if quick else [])], check=True)
+    profile = Profile.load(args.profile)
+    profile.check_machine(MachineShape.this_machine())
+    config = ServerConfig(work_dir=args.work_dir, hf_dir=export_hf(args.work_dir), port=args.port,
+                          vllm_venv=Path("/nonexistent"))
+    from bench.serve import vocab_ids
+
+    vocab = vocab_ids(config.hf_dir)
+    result: dict[str, Any] = {
+        "bench": "plan_validate", "quick": args.quick, "profile_file": str(args.profile),
+        "profile": profile.to_json(), "machine": machine_info(Path("/nonexistent")), "requests": args.requests,
+        "max_prompt": args.max_prompt, "max_output": args.max_output, "rates": args.rates,
+        "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo}, "points": []}
+    for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        try:
+            result["points"] += run_shape(name, config, profile, args, vocab)
+        except (RuntimeError, TimeoutError) as exc:
+            logger.error("%s failed: %s", name, exc)
+            result.setdefault("errors", {})[name] = str(exc)
+    if args.calibrate and result["points"]:
+        result["calibrated"] = calibrated(result["points"], profile, args)
+    errors = [abs(f["error"]) for p in result["points"] for f in p["figures"].values() if f["error"] is not None]
+    result["median_abs_error"] = statistics.median(errors) if errors else None
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"plan_validate-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    result["file"] = path.name
+    path.write_text(json.dumps(result, separators=(",", ":")))
+    logger.info("wrote %s", path)
+    if result["points"] and not args.no_readme:
+        write_block(Path(__file__).parent / "README.md", "plan_validate", readme_table(result))
+        if plot(result, args.out / path.name.replace(".json", ".png")):
+            logger.info("plotted %s", path.name.replace(".json", ".png"))
+    print(json.dumps({"bench": "plan_validate", "file": path.name, "median_abs_error": result["median_abs_error"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

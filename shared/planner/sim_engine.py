@@ -1,0 +1,181 @@
+"""One engine instance in the simulator: the step loop of shared/engine, with step times from a profile.
+
+```
+ loop:  wait for work
+        plan:  every running request decodes one token (up to max_num_seqs), then the waiting
+               prompts are chunked FCFS into what is left of the step's token budget
+        time:  EngineCurves.mixed_step_s(prefill tokens, batch, its context) × CPU contention
+        update: a prompt whose last chunk ran samples its first token → on_prefilled(request)
+               (prefill role: the handoff; otherwise it joins the running batch);
+               each decoded request gets a token, and leaves at its output length
+```
+
+CPU contention (`Host`): engines sharing `cores` cores share them as the OS would (processor sharing):
+while the engines with work (queued or running) have more threads between them than there are cores,
+every step in progress runs at cores / those threads of its full speed, re-rated whenever an engine
+starts or runs out of work. A fleet of separate machines has no host and no contention.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from shared.planner.profile import EngineCurves
+
+
+@dataclass
+class SimRequest:
+    """One request's state and timings (seconds of simulated time)."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    prefix_group: str = ""
+    prefix_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a prefix cache (or the pool) supplied: not computed
+    prefilled_tokens: int = 0
+    first_token_s: float = -1.0
+    token_times_s: list[float] = field(default_factory=list)  # every output token, the first included
+    pulled: bool = False  # decode: its KV came by handoff
+
+    @property
+    def num_to_compute(self) -> int:
+        return self.prompt_tokens - self.cached_tokens - self.prefilled_tokens
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + len(self.token_times_s)
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_times_s) >= self.output_tokens
+
+
+class Host:
+    """Cores shared by the engines of one machine; `None` cores: each engine has its own."""
+
+    def __init__(self, cores: int | None) -> None:
+        self.cores = cores
+        self.active_threads = 0  # of the engines that have work
+        self.stepping: set[simpy.Process] = set()  # engines in the middle of a step
+
+    def speed(self) -> float:
+        """The share of full speed a step runs at now."""
+        if self.cores is None or self.active_threads <= self.cores:
+            return 1.0
+        return self.cores / self.active_threads
+
+    def change(self, threads: int) -> None:
+        """An engine with `threads` threads got work (> 0) or ran out of it (< 0): re-rate running steps."""
+        self.active_threads += threads
+        if self.cores is not None:
+            for process in list(self.stepping):
+                process.interrupt("re-rate")
+
+    def run_step(self, env: simpy.Environment, process: simpy.Process,
+                 work_s: float) -> Generator[Any, Any, None]:
+        """Hold the caller for `work_s` seconds of full-speed work at the speed of the moment."""
+        self.stepping.add(process)
+        try:
+            while work_s > 1e-12:
+                speed, started = self.speed(), env.now
+                try:
+                    yield env.timeout(work_s / speed)
+                    work_s = 0.0
+                except simpy.Interrupt:
+                    work_s -= (env.now - started) * speed
+        finally:
+            self.stepping.discard(process)
+
+
+class SimEngine:
+    """An engine's step loop as a SimPy process (see the module docstring)."""
+
+    def __init__(self, env: simpy.Environment, name: str, role: str, curves: EngineCurves, threads: int,
+                 host: Host, limits: tuple[int, int]) -> None:
+        self.env, self.name, self.role, self.curves = env, name, role, curves
+        self.threads, self.host = threads, host
+        self.max_num_seqs, self.max_num_batched_tokens = limits
+        self.waiting: deque[SimRequest] = deque()  # prompts still to compute
+        self.running: list[SimRequest] = []  # decoding
+        self.on_prefilled: Callable[[SimRequest], None] = self._start_decoding
+        self.on_finished: Callable[[SimRequest], None] = lambda request: None
+        self.prefix_groups: dict[str, int] = {}  # group -> leading tokens this engine's prefix cache holds
+        self._wake = env.event()
+        self.busy_s = 0.0
+        host.active_threads += threads  # until the loop first finds nothing to do
+        self.process = env.process(self._loop())
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(r.num_to_compute for r in self.waiting)
+
+    def add_prompt(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+        self._poke()
+
+    def add_decoding(self, request: SimRequest) -> None:
+        self.running.append(request)
+        self._poke()
+
+    def _poke(self) -> None:
+        if not self._wake.triggered:
+            self._wake.succeed()
+
+    def _start_decoding(self, request: SimRequest) -> None:
+        self.running.append(request)
+
+    def _plan(self) -> tuple[list[SimRequest], list[tuple[SimRequest, int]]]:
+        batch = self.running[: self.max_num_seqs]
+        budget = self.max_num_batched_tokens - len(batch)
+        chunks: list[tuple[SimRequest, int]] = []
+        for request in self.waiting:
+            if budget <= 0 or len(batch) + len(chunks) >= self.max_num_seqs:
+                break
+            take = min(budget, request.num_to_compute)
+            chunks.append((request, take))
+            budget -= take
+        return batch, chunks
+
+    def _loop(self) -> Generator[Any, Any, None]:
+        while True:
+            if not self.waiting and not self.running:
+                self.host.change(-self.threads)
+                self._wake = self.env.event()
+                yield self._wake
+                self.host.change(self.threads)
+                continue
+            batch, chunks = self._plan()
+            num_prefill = sum(n for _, n in chunks)
+            context = sum(r.context_tokens for r in batch)
+            started = self.env.now
+            yield from self.host.run_step(self.env, self.process,
+                                          self.curves.mixed_step_s(num_prefill, len(batch), context))
+            self.busy_s += self.env.now - started
+            self._finish_step(batch, chunks)
+
+    def _finish_step(self, batch: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:
+        now = self.env.now
+        for request in batch:
+            request.token_times_s.append(now)
+            if request.done:
+                self.running.remove(request)
+                self.on_finished(request)
+        for request, num_tokens in chunks:
+            request.prefilled_tokens += num_tokens
+            if request.num_to_compute <= 0:
+                self.waiting.remove(request)
+                if request.prefix_group:
+                    held = self.prefix_groups.get(request.prefix_group, 0)
+                    self.prefix_groups[request.prefix_group] = max(held, request.prompt_tokens)
+                self.on_prefilled(request)

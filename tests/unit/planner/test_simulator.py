@@ -1,0 +1,117 @@
+"""The simulator against cases worked out by hand: one request, a queue of equal jobs, M/D/1, contention."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.planner.metrics import SLO, summarize, tpot_s, ttft_s
+from shared.planner.simulator import Shape, SimOptions, simulate
+from shared.planner.workload import TraceRequest
+from shared.registry.cost_model import CostModel
+from tests.unit.planner.factories import make_profile
+
+
+def test_one_request_colocated() -> None:
+    profile = make_profile(prefill=(0.01, 0.001, 0.0), decode=(0.02, 0.005, 0.0))
+    [r] = simulate(profile, Shape(0, 1, colocated=True), [TraceRequest(1.0, 100, 5)])
+    assert ttft_s(r) == pytest.approx(0.01 + 0.1)  # one step of 100 prompt tokens
+    assert tpot_s(r) == pytest.approx(0.025)  # each later token: a decode step of batch 1 (0.02 + 0.005)
+    assert r.token_times_s[-1] == pytest.approx(1.0 + 0.11 + 4 * 0.025)
+
+
+def test_one_request_disaggregated_pays_push_and_pull() -> None:
+    profile = make_profile(push=(0.003, 1e-6), pull=(0.002, 2e-6), kv_bytes_per_token=100)
+    [r] = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 100, 3)])
+    push, pull = 0.003 + 1e-6 * 10_000, 0.002 + 2e-6 * 10_000
+    assert ttft_s(r) == pytest.approx(0.11 + push)  # the reply waits for the commit
+    assert r.pulled
+    assert r.token_times_s[1] - r.token_times_s[0] == pytest.approx(pull + 0.025)
+    assert tpot_s(r) == pytest.approx((pull + 2 * 0.025) / 2)
+
+
+def test_long_prompt_is_chunked() -> None:
+    profile = make_profile(prefill=(0.01, 0.001, 0.0), budget=512)
+    [r] = simulate(profile, Shape(0, 1, colocated=True), [TraceRequest(0.0, 1200, 1)])
+    assert ttft_s(r) == pytest.approx(2 * (0.01 + 0.512) + (0.01 + 0.176))  # chunks of 512, 512 and 176
+
+
+def test_queue_of_equal_jobs_waits_in_turn() -> None:
+    """Five prompts at once, one per step (the budget is one prompt): the k-th first token after k steps."""
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), budget=100)
+    trace = [TraceRequest(0.0, 100, 1) for _ in range(5)]
+    requests = simulate(profile, Shape(1, 1), trace, SimOptions(policy="round_robin"))
+    assert [round(ttft_s(r), 6) for r in requests] == [0.1, 0.2, 0.3, 0.4, 0.5]
+    two = simulate(profile, Shape(2, 1), trace, SimOptions(policy="round_robin"))
+    assert [round(ttft_s(r), 6) for r in two] == [0.1, 0.1, 0.2, 0.2, 0.3]
+
+
+def test_md1_queue_matches_pollaczek_khinchine() -> None:
+    """Poisson arrivals, deterministic service S, one server: mean wait = rho S / (2 (1 - rho))."""
+    service_s, rate = 0.1, 6.0  # rho 0.6
+    profile = make_profile(prefill=(0.0, service_s / 100, 0.0), budget=100)
+    rng = random.Random(1)
+    now, trace = 0.0, []
+    for _ in range(20_000):
+        trace.append(TraceRequest(now, 100, 1))
+        now += rng.expovariate(rate)
+    requests = simulate(profile, Shape(0, 1, colocated=True), trace)
+    rho = rate * service_s
+    expected = service_s + rho * service_s / (2 * (1 - rho))
+    mean = sum(ttft_s(r) for r in requests) / len(requests)
+    assert mean == pytest.approx(expected, rel=0.05)
+
+
+def test_continuous_batching_shares_decode_steps() -> None:
+    """The second prompt joins the first's decode step as a chunk, then both decode in one batch."""
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.02, 0.005, 0.0))
+    a, b = simulate(profile, Shape(0, 1, colocated=True), [TraceRequest(0.0, 50, 4), TraceRequest(0.0, 50, 4)])
+    # a's prompt alone (0.05); a decodes while b's prompt runs: one step of 51 tokens (0.051); then
+    # batch-2 steps (0.02 + 2 x 0.005); b's last token in a batch-1 step (0.025)
+    assert a.token_times_s == pytest.approx([0.05, 0.101, 0.131, 0.161])
+    assert b.token_times_s == pytest.approx([0.101, 0.131, 0.161, 0.186])
+
+
+def test_shared_cores_slow_busy_engines() -> None:
+    """Two 1-thread engines with work on a 1-core host: each step takes twice as long."""
+    profile = make_profile(prefill=(0.0, 0.001, 0.0))
+    trace = [TraceRequest(0.0, 100, 1), TraceRequest(0.0, 100, 1)]
+    alone = simulate(profile, Shape(0, 2, colocated=True), trace, SimOptions(policy="round_robin"))
+    shared = simulate(profile, Shape(0, 2, colocated=True), trace,
+                      SimOptions(policy="round_robin", cores=1, threads_per_engine=1))
+    assert [ttft_s(r) for r in alone] == pytest.approx([0.1, 0.1])
+    assert [ttft_s(r) for r in shared] == pytest.approx([0.2, 0.2])
+
+
+def test_prefix_pool_saves_compute_for_a_later_turn() -> None:
+    profile = make_profile(prefill=(0.0, 0.001, 0.0))
+    trace = [TraceRequest(0.0, 320, 1, "s1", 0), TraceRequest(5.0, 400, 1, "s1", 320)]
+    first, second = simulate(profile, Shape(2, 1), trace, SimOptions(policy="round_robin"))
+    assert ttft_s(first) == pytest.approx(0.32)
+    assert ttft_s(second) == pytest.approx(0.08)  # on the other prefill: 320 tokens from the pool
+
+
+def test_summary_counts_goodput() -> None:
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.02, 0.0, 0.0), budget=100)
+    trace = [TraceRequest(0.0, 100, 1) for _ in range(4)]
+    summary = summarize(simulate(profile, Shape(0, 1, colocated=True), trace), SLO(ttft_s=0.25, tpot_s=1.0))
+    assert summary["slo_attainment"] == 0.5  # TTFTs 0.1, 0.2 meet it; 0.3, 0.4 do not
+    assert summary["goodput_req_s"] == pytest.approx(2 / 0.4)  # 2 met over the run's 0.4 s
+    assert summary["p50_ttft_ms"] == pytest.approx(250.0)
+
+
+def test_local_prefill_skips_the_handoff_for_short_prompts() -> None:
+    """The router's conditional disaggregation: a prompt its decode instance lacks at most N tokens of is
+    computed there (no push, no pull); a longer one goes through prefill and the handoff."""
+    from shared.planner.simulator import Fleet
+
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), push=(0.01, 0.0), pull=(0.02, 0.0))
+    short, long = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 100, 3), TraceRequest(10.0, 500, 3)],
+                           SimOptions(local_prefill_max_tokens=200))
+    assert not short.pulled and ttft_s(short) == pytest.approx(0.1)  # no push before its first token
+    assert long.pulled and ttft_s(long) == pytest.approx(0.5 + 0.01)
+    import simpy
+
+    fleet = Fleet(simpy.Environment(), profile, Shape(1, 1), SimOptions(local_prefill_max_tokens=-1))
+    assert fleet._local_threshold() == CostModel().break_even_tokens(16)  # the router's own coefficients
