@@ -41,6 +41,7 @@ from tests.helpers.gemma4_mm import hf_mm_greedy, image_bytes, random_image, ran
 pytestmark = pytest.mark.slow
 
 NUM_TOKENS = 8
+CAPABILITY = "test-capability"  # the handoff secret a router would choose
 PARAMS = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.0)
 
 
@@ -81,10 +82,11 @@ async def _generate(prefill: Any, decode: Any, kv: Any, prompt: list[int], items
                                      params=sampling_params_to_proto(PARAMS), media=media_to_proto(items))
     handoff_id = f"h-{request_id}"
     first = await prefill_pb2_grpc.PrefillServiceStub(channel(prefill.address)).Prefill(prefill_pb2.PrefillRequest(
-        request=req, handoff_id=handoff_id, kv_transfer_address=kv.address))
+        request=req, handoff_id=handoff_id, kv_transfer_address=kv.address, handoff_capability=CAPABILITY))
     tokens = [first.first_token_id]
     async for msg in decode_pb2_grpc.DecodeServiceStub(channel(decode.address)).Generate(decode_pb2.DecodeRequest(
-            request=req, handoff_id=handoff_id, kv_transfer_address=kv.address, first_token_id=first.first_token_id)):
+            request=req, handoff_id=handoff_id, kv_transfer_address=kv.address, first_token_id=first.first_token_id,
+            handoff_capability=CAPABILITY)):
         tokens.extend(msg.token_ids)
     return tokens, first.num_cached_tokens
 
