@@ -23,17 +23,13 @@ from typing import Any
 import torch
 
 from shared.engine.request import SamplingParams
+from shared.planner.metrics import percentile
 from tests.helpers.models import packaged_engine
 
 RESULTS = Path(__file__).parent / "results"
 logger = logging.getLogger("bench.kv_swap")
 MODEL = "smollm2-135m"
 BLOCK = 16
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def measure(context: int, rounds: int, offload: bool) -> dict[str, Any]:
@@ -56,7 +52,7 @@ def measure(context: int, rounds: int, offload: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"ttft_ms_p50": statistics.median(ttft_s) * 1000, "ttft_ms": [t * 1000 for t in ttft_s]}
     if tier is not None:
         swaps = list(tier.stats.recent_swap_in_s)
-        out |= {"swap_in_ms_p50": _percentile(swaps, 0.5) * 1000, "swap_in_ms_p95": _percentile(swaps, 0.95) * 1000,
+        out |= {"swap_in_ms_p50": percentile(swaps, 50) * 1000, "swap_in_ms_p95": percentile(swaps, 95) * 1000,
                 "restored_blocks": tier.stats.restored_blocks, "spilled_blocks": tier.stats.spilled_blocks,
                 "block_nbytes": tier.block_nbytes, "num_swap_ins": len(swaps)}
     engine.close()

@@ -20,6 +20,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared.planner.metrics import percentile
+
 
 @dataclass
 class RequestRecord:
@@ -66,19 +68,6 @@ class SLO:
 
     def met_by(self, record: RequestRecord) -> bool:
         return record.ok and record.ttft_s <= self.ttft_s and record.tpot_s <= self.tpot_s
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default); NaN if empty."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile {q} outside 0..100")
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:

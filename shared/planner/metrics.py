@@ -43,7 +43,9 @@ class SLO:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between ranks (numpy's default); NaN if empty."""
+    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default); NaN if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} outside 0..100")
     if not values:
         return math.nan
     ordered = sorted(values)
