@@ -1,25 +1,19 @@
 """Shared fixtures for the attention op tests.
 
-Triton picks compile-vs-interpret when a kernel is defined (at import of the
-module that holds it), so interpreter mode must be switched on here, before any
-test module imports the kernel. Without CUDA the interpreter runs the kernel on
-CPU tensors.
+Without CUDA the Triton kernels run on CPU tensors through the interpreter, which
+tests/conftest.py switches on before anything is collected.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from shared.kv.layout import KVLayout  # noqa: E402
-from shared.ops.attention import AttentionMetadata, write_kv  # noqa: E402
+from shared.kv.layout import KVLayout
+from shared.ops.attention import AttentionMetadata, write_kv
 
 
 @dataclass
