@@ -129,7 +129,39 @@ def precision_table(result: dict[str, Any]) -> str:
                          f"{_f(pt['p50_ttft_ms'], 0)} | {_f(pt['p50_tpot_ms'])} / {_f(pt['p99_tpot_ms'])} | "
                          f"{pt['num_failed']}/{pt['num_requests']} |")
     lines += [f"| {s['system']} | failed: {s['error'][:120]} | | | | | |" for s in result["systems"] if "error" in s]
-    return "\n".join(lines)
+    peers = peer_table(ok)
+    return "\n".join(lines + (["", *peers] if peers else []))
+
+
+def peer_table(systems: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each baton system at each load against the best vLLM configuration of the run at that
+    load (the one with the most out tok/s, named) and against llama.cpp; empty without a peer."""
+    def points(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {pt["label"]: pt for pt in s["concurrency"]}
+
+    vllm = [s for s in systems if s["system"].startswith("vllm")]
+    llama = next((points(s) for s in systems if s["system"].startswith("llamacpp")), {})
+    if not vllm and not llama:
+        return []
+    lines = ["Against the peers of the same run: the best vLLM configuration at each load (most out tok/s) "
+             "and llama.cpp:", "",
+             "| system | load | out tok/s | best vLLM (config) | ratio | TPOT p99 baton / vLLM (ms) | llama.cpp "
+             "| ratio |", "|---|---|---|---|---|---|---|---|"]
+    for s in systems:
+        if not s["system"].startswith("baton"):
+            continue
+        for label, pt in points(s).items():
+            best = max((points(v)[label] | {"system": v["system"]} for v in vllm if label in points(v)),
+                       key=lambda v: v["output_tok_s"], default=None)
+            lp = llama.get(label)
+            lines.append(
+                f"| {s['system']} | {label} | {_f(pt['output_tok_s'])} | "
+                + (f"{_f(best['output_tok_s'])} ({best['system']}) | {_f(pt['output_tok_s'] / best['output_tok_s'], 2)}"
+                   f" | {_f(pt['p99_tpot_ms'])} / {_f(best['p99_tpot_ms'])} | " if best and best['output_tok_s']
+                   else "– | – | – | ")
+                + (f"{_f(lp['output_tok_s'])} | {_f(pt['output_tok_s'] / lp['output_tok_s'], 2)} |"
+                   if lp and lp["output_tok_s"] else "– | – |"))
+    return lines
 
 
 def experiment_tables(result: dict[str, Any]) -> str:

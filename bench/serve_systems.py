@@ -36,18 +36,22 @@ from shared.models.loader import ALIASES
 
 HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m"
-SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "llamacpp")
+SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "vllm-allcores",
+           "llamacpp")
 # a baton system may name its precision after an @ (baton-colocated@int8): the `baton up` flags it adds
 PRECISION_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"],
                    "gguf": ["--quantization", "gguf"]}
+VLLM_DTYPES = ("float32", "bfloat16")  # vllm@bfloat16: its --dtype (default float32, as baton's)
 # Set when kv_transfer's 30 s lease could expire behind a long prefill queue (32 concurrent 256-token
 # prompts on one core: 499s). Prefill now renews the lease while its prompt waits; the published runs
 # kept this setting, so it stays until a run without it is compared.
 BATON_ENV = {"BATON_KV_TRANSFER_LEASE_TIMEOUT_S": "300"}
 # vLLM's CPU build binds its OpenMP threads to all cores but one and leaves that one to the API
-# server (VLLM_CPU_OMP_THREADS_BIND=auto). Binding both cores (0-1) measured 3x slower at 1 request
-# in flight on this machine, so vLLM runs with its default.
+# server (VLLM_CPU_OMP_THREADS_BIND=auto): `vllm`. Which binding wins depends on the load (both cores
+# lost at 1 request in flight and won at 32 in earlier runs), so `vllm-allcores` binds every core
+# and reserves none, and a comparison runs both.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+VLLM_ALLCORES_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 logger = logging.getLogger("bench.serve")
 
 
@@ -91,15 +95,16 @@ class Server:
 
     def __enter__(self) -> Server:
         base, _, precision = self.system.partition("@")
-        if base not in SYSTEMS or (precision and (precision not in PRECISION_FLAGS or not base.startswith("baton"))):
+        known = PRECISION_FLAGS if base.startswith("baton") else VLLM_DTYPES if base.startswith("vllm") else ()
+        if base not in SYSTEMS or (precision and precision not in known):
             raise ValueError(f"unknown system {self.system!r}; known: {', '.join(SYSTEMS)}, a baton one with "
-                             f"@{'|'.join(PRECISION_FLAGS)}")
+                             f"@{'|'.join(PRECISION_FLAGS)}, a vllm one with @{'|'.join(VLLM_DTYPES)}")
         log_dir = self.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.started_s = time.monotonic()
         try:
-            if base == "vllm":
-                self._start_vllm(log_dir)
+            if base.startswith("vllm"):
+                self._start_vllm(log_dir, all_cores=base == "vllm-allcores", dtype=precision or "float32")
             elif base == "llamacpp":
                 self._start_llamacpp(log_dir)
             elif base.startswith("baton-pinned"):
@@ -151,15 +156,16 @@ class Server:
                 argv = ["taskset", "-c", cores[child.service], *argv]
             self._spawn(argv, {**BATON_ENV, **child.env}, log_dir / f"{child.name}.log")
 
-    def _start_vllm(self, log_dir: Path) -> None:
+    def _start_vllm(self, log_dir: Path, all_cores: bool, dtype: str) -> None:
         vllm = self.config.vllm_venv / "bin" / "vllm"
         if not vllm.exists():
             raise FileNotFoundError(f"{vllm} missing: run bench/peers/setup_vllm.sh first")
         cache = self.config.work_dir / "vllm-cache"
-        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(cache), "HOME": str(self.config.work_dir / "home")}
+        env = {**VLLM_ENV, **(VLLM_ALLCORES_ENV if all_cores else {}), "VLLM_CACHE_ROOT": str(cache),
+               "HOME": str(self.config.work_dir / "home")}
         (self.config.work_dir / "home").mkdir(parents=True, exist_ok=True)
         argv = [str(vllm), "serve", str(self.config.hf_dir), "--served-model-name", MODEL_NAME,
-                "--max-model-len", str(self.config.max_model_len), "--dtype", "float32",
+                "--max-model-len", str(self.config.max_model_len), "--dtype", dtype,
                 "--host", HOST, "--port", str(self.config.port)]
         self._spawn(argv, env, log_dir / "vllm.log")
 

@@ -22,9 +22,12 @@ def test_precision_flags_follow_the_system_name(tmp_path: Path) -> None:
     assert Server("baton-colocated@bfloat16", config).precision_flags == ["--dtype", "bfloat16"]
     assert Server("baton@gguf", config).precision_flags == ["--quantization", "gguf"]
     assert Server("baton", config).precision_flags == []
-    for bad in ("baton@fp8", "vllm@int8"):
+    for bad in ("baton@fp8", "vllm@int8", "llamacpp@bfloat16", "vllm-onecore"):
         with pytest.raises(ValueError, match="unknown system"):
             Server(bad, config).__enter__()
+    for vllm in ("vllm@bfloat16", "vllm-allcores", "vllm-allcores@float32"):  # known: fails on the missing venv
+        with pytest.raises(FileNotFoundError, match="setup_vllm.sh"):
+            Server(vllm, config).__enter__()
 
 
 def test_precision_table_gives_ratios_to_the_first_system() -> None:
@@ -42,3 +45,17 @@ def test_precision_table_gives_ratios_to_the_first_system() -> None:
     table = precision_table(result)
     assert "| baton@int8 | c=1 | 50.0 | 1.25 |" in table and "| baton | c=1 | 40.0 | 1.00 |" in table
     assert "baton@gguf | failed: did not start" in table
+
+
+def test_peer_table_takes_the_best_vllm_configuration_at_each_load() -> None:
+    from bench.serve_report import peer_table
+
+    def system(name: str, **tok_s: float) -> dict[str, object]:
+        return {"system": name, "concurrency": [
+            {"label": label.replace("c", "c="), "output_tok_s": v, "p99_tpot_ms": 100.0 / v} for label, v in tok_s.items()]}
+
+    lines = peer_table([system("baton@int8", c1=40.0, c32=200.0), system("vllm", c1=20.0, c32=100.0),
+                        system("vllm-allcores@bfloat16", c1=10.0, c32=160.0), system("llamacpp", c1=50.0, c32=40.0)])
+    assert "| baton@int8 | c=1 | 40.0 | 20.0 (vllm) | 2.00 | 2.5 / 5.0 | 50.0 | 0.80 |" in lines
+    assert "| baton@int8 | c=32 | 200.0 | 160.0 (vllm-allcores@bfloat16) | 1.25 | 0.5 / 0.6 | 40.0 | 5.00 |" in lines
+    assert peer_table([system("baton", c1=1.0)]) == []
