@@ -29,6 +29,7 @@ from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
 from shared.registry.kv_summary import KVSummary, summarize
 from shared.service.engine_metrics import engine_registry
+from shared.service.fresh_thread import run_on_fresh_thread
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import MetricsHTTP, write_port_file
 from shared.service.settings import EngineServiceSettings
@@ -92,7 +93,7 @@ async def start_engine_service(
     # before the model load: a registry that cannot be reached fails the start now, with its reason
     registry = await connect_registry(settings.redis_url, settings.registry_namespace) if settings.redis_url else None
     logger.info("%s: loading %s (role %s) ...", service, settings.model, role)
-    engine = await asyncio.to_thread(LLMEngine, settings.engine_config(role))
+    engine = await run_on_fresh_thread(LLMEngine, settings.engine_config(role))
     # handoffs move through kv_transfer's slots (the transport agents are made on first use)
     engine.enable_remote_kv(push_mode, settings.host, settings.kv_transfer_timeout_s)
     aengine = AsyncEngine(engine)
