@@ -124,7 +124,7 @@ class LFUPolicy:
         return len(self._live)
 
 
-EVICTION_POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -87,8 +87,9 @@ def multimodal_model_config(text: Any, vision: bool, audio: bool, token_ids: dic
     """A `Gemma4Config` around `text` with the tiny towers asked for."""
     from transformers import Gemma4Config
 
+    extra: dict[str, Any] = dict(token_ids or {})  # the media token ids, where a test picks its own
     return Gemma4Config(text_config=text.to_dict(), vision_config=vision_config().to_dict() if vision else None,
-                        audio_config=audio_config().to_dict() if audio else None, **(token_ids or {}))
+                        audio_config=audio_config().to_dict() if audio else None, **extra)
 
 
 def tiny_processor_config() -> dict[str, Any]:
