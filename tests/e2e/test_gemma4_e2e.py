@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.helpers.gemma4 import hf_from_checkpoint, hf_greedy, tiny_gemma4_checkpoint
-from tests.helpers.stack import BatonStack, start_stack
+from tests.helpers.stack import BatonStack, disagg_and_colocated
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +26,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stacks(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BatonStack]]:
-    started: dict[str, BatonStack] = {}
-    try:
-        for mode, extra in (("disagg", ("--prefill", "1", "--decode", "1")), ("colocated", ("--mode", "colocated"))):
-            started[mode] = start_stack(tmp_path_factory.mktemp(mode), "--model", str(checkpoint), *ARGS, *extra)
+    with disagg_and_colocated(tmp_path_factory, "--model", str(checkpoint), *ARGS) as started:
         yield started
-    finally:
-        for stack in started.values():
-            stack.stop()
 
 
 def complete(stack: BatonStack, model: str, prompt: list[int]) -> str:

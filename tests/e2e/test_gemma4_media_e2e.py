@@ -7,7 +7,6 @@ inputs is the engine's and the router's integration tests' job; this is the serv
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 
 from tests.helpers.gemma4 import tiny_gemma4_checkpoint
 from tests.helpers.gemma4_mm import image_bytes, media_processor, random_wave, wav_bytes
-from tests.helpers.stack import BatonStack, start_stack
+from tests.helpers.stack import BatonStack, disagg_and_colocated, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +31,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stacks(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BatonStack]]:
-    started: dict[str, BatonStack] = {}
-    try:
-        for mode, extra in (("disagg", ("--prefill", "1", "--decode", "1")), ("colocated", ("--mode", "colocated"))):
-            started[mode] = start_stack(tmp_path_factory.mktemp(mode), "--model", str(checkpoint), *ARGS, *extra)
+    with disagg_and_colocated(tmp_path_factory, "--model", str(checkpoint), *ARGS) as started:
         yield started
-    finally:
-        for stack in started.values():
-            stack.stop()
 
 
 def image_part(seed: int) -> dict[str, Any]:
@@ -57,24 +50,6 @@ def chat(stack: BatonStack, model: str, parts: list[dict[str, Any]]) -> Any:
     content = [{"type": "text", "text": "Describe:"}, *parts]
     return c.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                      max_tokens=NUM_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-
-
-def engines(stack: BatonStack) -> list[str]:
-    return [s["name"] for s in stack.services() if s["name"].startswith(("prefill", "decode", "colocated"))]
-
-
-def wait_idle(stack: BatonStack, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        free = {n: (stack.metric(n, "baton_kv_blocks_free"), stack.metric(n, "baton_kv_blocks_total"))
-                for n in engines(stack)}
-        leases = stack.metric("kv_transfer", "baton_handoff_leases_active") if "kv_transfer" in {
-            s["name"] for s in stack.services()} else 0.0
-        if all(f == t for f, t in free.values()) and leases == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout_s} s: blocks {free}, leases {leases}")
-        time.sleep(0.25)
 
 
 def test_image_and_audio_disaggregated_equal_colocated(checkpoint: Path, stacks: dict[str, BatonStack]) -> None:

@@ -23,9 +23,8 @@ import pytest
 
 from shared.registry.kv_summary import leading_hits, prompt_block_keys
 from shared.registry.redis_registry import RedisRegistry
-from tests.e2e.test_load_and_faults import wait_idle
 from tests.helpers.gemma4 import tiny_gemma4_checkpoint
-from tests.helpers.stack import BatonStack, start_stack
+from tests.helpers.stack import BatonStack, start_stack, wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL_ARGS
-from tests.helpers.stack import BatonStack, start_stack
+from tests.helpers.stack import BatonStack, start_stack, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -45,19 +45,6 @@ async def stream_text(client: httpx.AsyncClient, url: str, payload: dict[str, ob
             if stop_after is not None and len(parts) >= stop_after:
                 return "".join(parts), None  # leaving the block closes the connection
     return "".join(parts), finish
-
-
-def wait_idle(stack: BatonStack, engines: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        free = {n: (stack.metric(n, "baton_kv_blocks_free"), stack.metric(n, "baton_kv_blocks_total"))
-                for n in engines}
-        leases = stack.metric("kv_transfer", "baton_handoff_leases_active")
-        if all(f == t for f, t in free.values()) and leases == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout_s} s: blocks {free}, leases {leases}")
-        time.sleep(0.25)
 
 
 def test_32_concurrent_streams_16_cancelled(disagg_stack: BatonStack) -> None:

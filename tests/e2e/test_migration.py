@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL_ARGS
-from tests.e2e.test_load_and_faults import body, stream_text, wait_idle
-from tests.helpers.stack import BatonStack, start_stack
+from tests.e2e.test_load_and_faults import body, stream_text
+from tests.helpers.stack import BatonStack, start_stack, wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,3 +90,35 @@ def start_stack(state_dir: Path, *args: str, timeout_s: float = 300.0, env: dict
 
     threading.Thread(target=lambda: [stack.output.append(x) for x in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     return stack
+
+
+@contextmanager
+def disagg_and_colocated(tmp_path_factory: Any, *args: str) -> Iterator[dict[str, BatonStack]]:
+    """Two stacks of the same `baton up` arguments: "disagg" (one prefill, one decode) and "colocated"."""
+    started: dict[str, BatonStack] = {}
+    try:
+        for mode, extra in (("disagg", ("--prefill", "1", "--decode", "1")), ("colocated", ("--mode", "colocated"))):
+            started[mode] = start_stack(tmp_path_factory.mktemp(mode), *args, *extra)
+        yield started
+    finally:
+        for stack in started.values():
+            stack.stop()
+
+
+def wait_idle(stack: BatonStack, engines: list[str] | None = None, timeout_s: float = 30.0) -> None:
+    """Wait until every engine's KV blocks are free again and kv_transfer (where the stack has one) holds no
+    lease; fails naming what is still held after `timeout_s`. `engines`: default every prefill, decode and
+    colocated service of the stack."""
+    names = {s["name"] for s in stack.services()}
+    if engines is None:
+        engines = sorted(n for n in names if n.startswith(("prefill", "decode", "colocated")))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = {n: (stack.metric(n, "baton_kv_blocks_free"), stack.metric(n, "baton_kv_blocks_total"))
+                for n in engines}
+        leases = stack.metric("kv_transfer", "baton_handoff_leases_active") if "kv_transfer" in names else 0.0
+        if all(f == t for f, t in free.values()) and leases == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout_s} s: blocks {free}, leases {leases}")
+        time.sleep(0.25)
