@@ -27,6 +27,10 @@ from tests.deploy.compose_file import DOCKERFILE, REPO_ROOT
 
 BASE_IMAGE = "localhost/debian-minbase:bookworm"
 BATON_IMAGE = "localhost/baton:test"
+# the kernels stage, tagged so that pruning keeps its compile cached (it changes only with csrc/)
+KERNELS_IMAGE = "localhost/baton-kernels:test"
+# the Dockerfile's LABEL: every stage of a baton build carries it
+BATON_LABEL = "io.baton.image=baton"
 REDIS_IMAGE = "localhost/baton-redis:test"
 # the test stack serves SmolLM2 only: baking Gemma 3 too would add a minute to every CI build
 TEST_MODELS = "smollm2-135m"
@@ -91,23 +95,44 @@ def fill_wheelhouse() -> None:
         timeout_s=900)
 
 
-def _build(image: str, dockerfile: Path, context: Path, build_args: dict[str, str]) -> Build:
-    argv = ["podman", "build", "--format", "docker", "--network=host", "--layers", "-f", str(dockerfile),
-            "-t", image]
+def _build_argv(image: str, dockerfile: Path, context: Path, build_args: dict[str, str],
+                target: str | None = None) -> list[str]:
+    # --force-rm: a failed build leaves no working container behind (86 of them, from builds killed or out
+    # of disk, held 27 GB here)
+    argv = ["podman", "build", "--format", "docker", "--network=host", "--layers", "--force-rm", "-f",
+            str(dockerfile), "-t", image]
+    if target is not None:
+        argv += ["--target", target]
     for key, value in build_args.items():
         argv += ["--build-arg", f"{key}={value}"]
+    return [*argv, str(context)]
+
+
+def _build(image: str, dockerfile: Path, context: Path, build_args: dict[str, str]) -> Build:
     t0 = time.monotonic()
-    run([*argv, str(context)], timeout_s=BUILD_TIMEOUT_S)
+    run(_build_argv(image, dockerfile, context, build_args), timeout_s=BUILD_TIMEOUT_S)
     build = Build(image, time.monotonic() - t0, image_size_bytes(image))
     BUILDS.append(build)
     return build
+
+
+def prune_stale_baton_images() -> None:
+    """Every code change leaves the previous app, models and runtime images untagged (a GiB and more
+    each): on a machine that builds many times (CI) they filled the disk. Pruned by the Dockerfile's
+    label, so no other project's images are touched; the tagged images and their layers stay cached."""
+    run(["podman", "image", "prune", "--force", "--filter", f"label={BATON_LABEL}"], timeout_s=300)
 
 
 @functools.cache
 def baton_image() -> Build:
     """Built once per test session (every container test runs this very image)."""
     fill_wheelhouse()
-    return _build(BATON_IMAGE, DOCKERFILE, REPO_ROOT, {"BASE_IMAGE": base_image(), "BATON_MODELS": TEST_MODELS})
+    build_args = {"BASE_IMAGE": base_image(), "BATON_MODELS": TEST_MODELS}
+    build = _build(BATON_IMAGE, DOCKERFILE, REPO_ROOT, build_args)
+    # all cached by now: it only names the stage the prune would otherwise drop
+    run(_build_argv(KERNELS_IMAGE, DOCKERFILE, REPO_ROOT, build_args, target="kernels"), timeout_s=BUILD_TIMEOUT_S)
+    prune_stale_baton_images()
+    return build
 
 
 @functools.cache

@@ -4,13 +4,23 @@
     no compiler in the runtime image, and the CPU kernels load anyway: prebuilt at image build for the
       baseline ISA, the instruction set picked at load
     its size, in the run's summary (tests/deploy/conftest.py) and deploy/README.md
+    no stale build left behind: the previous builds' images pruned, the kernels stage kept cached
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.deploy.images import BATON_IMAGE, baton_image, image_inspect, require_podman, run
+from tests.deploy.images import (
+    BATON_IMAGE,
+    BATON_LABEL,
+    KERNELS_IMAGE,
+    baton_image,
+    image_exists,
+    image_inspect,
+    require_podman,
+    run,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -40,6 +50,14 @@ def test_the_image_runs_baton_as_non_root_with_a_health_check(image: str) -> Non
     assert isinstance(health, dict) and health["Test"] == ["CMD", "python", "-m", "shared.cli.healthcheck_cmd"], config
     whoami = _run_in(image, "-c", "import os; print(os.getuid(), os.getgid())")
     assert whoami.split()[:2] == ["10001", "10001"]
+
+
+def test_a_build_leaves_no_stale_image_and_keeps_the_kernels_stage(image: str) -> None:
+    """CI builds on every run: untagged images of earlier builds once filled the disk (tests/deploy/images.py)."""
+    stale = run(["podman", "images", "--quiet", "--filter", "dangling=true", "--filter", f"label={BATON_LABEL}"])
+    assert stale.stdout.split() == []
+    assert image_exists(KERNELS_IMAGE)
+    assert image_inspect(image)["Config"]["Labels"]["io.baton.image"] == "baton"  # type: ignore[index]
 
 
 def test_no_compiler_yet_the_cpu_kernels_load_prebuilt(image: str) -> None:
