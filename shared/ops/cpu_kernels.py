@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "gemv_cpu.cpp", "gemv_bf16_cpu.cpp",
-                                      "qgemv_cpu.cpp", "norm_rope_cpu.cpp",
+                                      "qgemv_cpu.cpp", "w8a8_cpu.cpp", "norm_rope_cpu.cpp",
                                       "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp",
                                       "moe_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))

@@ -31,9 +31,10 @@ rounded to bf16), weights widened to fp32 in registers below it. Its reference
 is `F.linear` against the bf16-rounded weight.
 
 Quantized weights (`LinearWeight.quantized`: GGUF Q4_0 / Q4_1 / Q5_0 / Q8_0
-blocks and Q4_K / Q6_K super-blocks as the file holds them, or int8 per channel;
-`shared/ops/quant.py`, `shared/ops/kquant.py`) keep only the kernel's packed
-blocks (`csrc/qgemv_cpu.cpp`), for every batch size.
+blocks and Q4_K / Q6_K super-blocks as the file holds them; `shared/ops/quant.py`,
+`shared/ops/kquant.py`) keep only the kernel's packed blocks
+(`csrc/qgemv_cpu.cpp`), for every batch size. int8 per channel keeps only its
+W8A8 panels (`shared/ops/w8a8.py`): rows quantized per row, integer sums.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from shared.ops import w8a8
 from shared.ops.cpu_kernels import cpu_has_avx512, cpu_kernels_available
+from shared.ops.quant import QuantCodes
 
 if TYPE_CHECKING:
     from shared.ops.kquant import KQuantCodes
-    from shared.ops.quant import QuantCodes
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,9 @@ class LinearWeight:
         self = cls.__new__(cls)
         self.out_features, self.in_features = codes.codes.shape
         self.gemv, self.gemv_k_block = None, 0
+        if isinstance(codes, QuantCodes) and codes.fmt == "int8":
+            self.backend, self.weight = "w8a8", w8a8.pack(codes)
+            return self
         self.backend = "qgemv"
         self.weight = codes.pack()
         return self
@@ -147,6 +152,8 @@ class LinearWeight:
             return torch.ops.baton_cpu.gemv_bf16(x.float().contiguous(), self.weight, self.out_features)
         if self.backend == "qgemv":
             return torch.ops.baton_cpu.qgemv(x.float().contiguous(), self.weight, self.out_features)
+        if self.backend == "w8a8":
+            return torch.ops.baton_cpu.w8a8(x.float().contiguous(), self.weight, self.out_features)
         if self.backend == "onednn":
             if self.gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32:
                 return torch.ops.baton_cpu.gemv(x.contiguous(), self.gemv, self.out_features, self.gemv_k_block)
@@ -155,12 +162,13 @@ class LinearWeight:
 
     @property
     def packed(self) -> torch.Tensor | None:
-        """The weight as the C++ layer loop's projections take it: the bf16 pack, or the fp32 GEMV copy."""
-        return self.weight if self.backend in ("gemv_bf16", "qgemv") else self.gemv
+        """The weight as the C++ layer loop's projections take it: the bf16, quantized or W8A8 pack, or the fp32
+        GEMV copy."""
+        return self.weight if self.backend in ("gemv_bf16", "qgemv", "w8a8") else self.gemv
 
     @property
     def nbytes(self) -> int:
         """Bytes a pass over the weight reads (codes and block scales for a quantized one)."""
-        if self.backend == "qgemv":
+        if self.backend in ("qgemv", "w8a8"):
             return self.weight.numel()
         return self.out_features * self.in_features * self.weight.element_size()

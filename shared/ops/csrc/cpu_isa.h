@@ -8,9 +8,9 @@
 //   level         instructions it needs                       what it adds
 //   portable      none (plain loops)                           every kernel, for any CPU
 //   avx2          AVX2, FMA, F16C                              256-bit fp32 GEMV and attention, bf16 widened,
-//                                                              vpmaddubsw quantized GEMV
+//                                                              vpmaddubsw quantized GEMV and W8A8
 //   avx512        AVX-512 F/BW/VL/DQ                           512-bit paths, 8-row GEMV passes with prefetch
-//   avx512_bf16   + AVX512-BF16, AVX512-VNNI                   vdpbf16ps bf16 GEMV, vpdpbusd quantized GEMV
+//   avx512_bf16   + AVX512-BF16, AVX512-VNNI                   vdpbf16ps bf16 GEMV, vpdpbusd quantized GEMV and W8A8
 //   amx           + AMX-TILE, AMX-BF16, AMX-INT8               (what AMX adds is listed in cpu_isa.cpp)
 //
 // Levels are ordered: each needs what the one above it needs, and a level's table takes the kernels of the
@@ -52,6 +52,9 @@ struct QRows {
 using QgemvFn = void (*)(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels, int64_t units,
                          int64_t N, int64_t format, float* y);
 using GemvBf16Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+// x [M, K] fp32 rows, packed by w8a8_pack, y [M, N] (w8a8_cpu.cpp)
+using W8a8Fn = void (*)(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N,
+                        float* y);
 using PagedDecodeFn = void (*)(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq,
                                torch::Tensor row_pos, double scale, int64_t window);
@@ -61,7 +64,8 @@ struct KernelTable {
   GemvFn gemv_f32;              // gemv_cpu.cpp
   GemvBf16Fn gemv_bf16;         // gemv_bf16_cpu.cpp
   PagedDecodeFn paged_decode;   // paged_decode_cpu.cpp (fp32 or bf16 KV)
-  QgemvFn qgemv_rows;           // qgemv_cpu.cpp (GGUF block and super-block formats, int8)
+  QgemvFn qgemv_rows;           // qgemv_cpu.cpp (GGUF block and super-block formats)
+  W8a8Fn w8a8_rows;             // w8a8_cpu.cpp (int8 per channel, rows quantized per row)
 };
 
 // The table of the level picked (the best one supported, unless set_isa chose another).
@@ -82,5 +86,7 @@ BATON_DECLARE_VARIANTS(void paged_decode(torch::Tensor out, torch::Tensor query,
                                          torch::Tensor row_seq, torch::Tensor row_pos, double scale,
                                          int64_t window))
 BATON_DECLARE_VARIANTS(torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features))
+BATON_DECLARE_VARIANTS(void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels,
+                                      int64_t N, float* y))
 BATON_DECLARE_VARIANTS(void qgemv_rows(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels,
                                        int64_t units, int64_t N, int64_t format, float* y))

@@ -20,16 +20,16 @@
 namespace {
 
 // A projection as the GEMV kernels take it: the weight packed by gemv_pack (fp32; with its K blocking), by
-// gemv_bf16_pack (bf16) or by qgemv_pack(_k) (u8 codes, their format told by the unit's size), and its output
-// width.
+// gemv_bf16_pack (bf16), by qgemv_pack(_k) (u8 codes, their format told by the unit's size) or by w8a8_pack
+// (int8), and its output width.
 struct Projection {
   torch::Tensor packed;
   int64_t out_features;
   int64_t k_block;
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (packed.scalar_type() == at::kBFloat16) return gemv_bf16(x.contiguous(), packed, out_features);
-    if (packed.scalar_type() == at::kByte)
-      return qgemv(x, packed, out_features);
+    if (packed.scalar_type() == at::kByte) return qgemv(x, packed, out_features);
+    if (packed.scalar_type() == at::kChar) return w8a8(x, packed, out_features);
     return gemv(x.contiguous(), packed, out_features, k_block);
   }
 };

@@ -13,6 +13,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // qgemv_cpu.cpp
 torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+// w8a8_cpu.cpp
+torch::Tensor w8a8(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // norm_rope_cpu.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta,

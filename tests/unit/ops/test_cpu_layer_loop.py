@@ -113,9 +113,9 @@ def test_bf16_weights_and_a_bf16_cache(family: str, isa_level: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_int8_weights(family: str, isa_level: str) -> None:
-    """Quantized projections (the qgemv kernel) in the loop give the Python loop's bits."""
+    """int8 projections (the W8A8 kernel) in the loop give the Python loop's bits."""
     model = _model(family, weight_format=WeightFormat(quantization="int8"))
-    assert model.cpu_layer_loop is not None and model.layers[0].w_down.backend == "qgemv"
+    assert model.cpu_layer_loop is not None and model.layers[0].w_down.backend == "w8a8"
     (cpp, cpp_kv), (py, py_kv) = _both_loops(model, DECODE_STEP)
     assert torch.equal(cpp, py)
     assert torch.equal(cpp_kv, py_kv)

@@ -1,0 +1,157 @@
+// The W8A8 GEMM's loops, compiled once per instruction-set level (isa_variants.h; contract and layout in
+// w8a8_cpu.cpp). Every level sums each block's products exactly as integers and folds the blocks into the
+// output with the same fp32 FMAs in the same order, so the bits are the same at every level, for any rows and
+// threads:
+//   avx512_bf16 and up (AVX512-VNNI): vpdpbusd, u8 rows (q + 128) times the s8 weights, four products summed
+//     per int32 lane, 64 a zmm instruction; each block's sum starts at -128 times its weights' sum
+//   avx2, avx512: vpmaddubsw on |q| and the weights signed by q (no pair sum reaches int16's limit), then
+//     vpmaddwd to int32
+//   portable: plain integer loops
+
+// Rows per pass over a panel: with VNNI six rows' block sums and running outputs (four zmm a row) stay in
+// registers beside the two weight registers and the block's two offsets
+constexpr int kW8Rows = BATON_ISA >= BATON_ISA_AVX512_BF16 ? 6 : 2;
+
+// A row quantized per block of kW8Block as qgemv_cpu.cpp quantizes it (scale d = max |x| / 127, codes
+// nearbyint(x / d)), stored as q + 128 for vpdpbusd's unsigned operand
+static void w8_quantize_row(const float* x, int64_t K, uint8_t* q, float* scales) {
+  for (int64_t b = 0; b < K / kW8Block; ++b) {
+    const float* xb = x + b * kW8Block;
+    uint8_t* qb = q + b * kW8Block;
+    float amax = 0.f;
+#if BATON_ISA >= BATON_ISA_AVX512
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
+    for (int64_t k = 0; k < kW8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+#endif
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    scales[b] = d;
+#if BATON_ISA >= BATON_ISA_AVX512
+    const __m512 vid = _mm512_set1_ps(id);
+    const __m512i offset = _mm512_set1_epi32(128);
+    const __m512i c0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_roundscale_ps(
+        _mm512_mul_ps(v0, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), offset);
+    const __m512i c1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_roundscale_ps(
+        _mm512_mul_ps(v1, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(c0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(c1));
+#else
+    for (int64_t k = 0; k < kW8Block; ++k)
+      qb[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(xb[k] * id)) + 128);
+#endif
+  }
+}
+
+// MR rows against one panel: out[m][l] = sw[l] * (the blocks' fp32 fold of d_x[m, b] * sum_k q_x q_w)
+template <int MR>
+static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64_t lds, const int8_t* panel,
+                          int64_t blocks, float* y, int64_t ldy, int64_t ncols) {
+  const auto* offsets = reinterpret_cast<const int32_t*>(panel + blocks * kW8Block * kW8Lanes);
+  const auto* sw = reinterpret_cast<const float*>(offsets + blocks * kW8Lanes);
+  float out[MR][kW8Lanes];
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* w = panel + b * kW8Block * kW8Lanes;
+    const __m512i o0 = _mm512_loadu_si512(offsets + b * kW8Lanes), o1 = _mm512_loadu_si512(offsets + b * kW8Lanes + 16);
+    __m512i sum[MR][2];
+    for (int m = 0; m < MR; ++m) sum[m][0] = o0, sum[m][1] = o1;
+    for (int64_t kq = 0; kq < kW8Block / 4; ++kq) {
+      const __m512i w0 = _mm512_loadu_si512(w + kq * 4 * kW8Lanes), w1 = _mm512_loadu_si512(w + kq * 4 * kW8Lanes + 64);
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * ldx + b * kW8Block + 4 * kq, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        sum[m][0] = _mm512_dpbusd_epi32(sum[m][0], xb, w0);
+        sum[m][1] = _mm512_dpbusd_epi32(sum[m][1], xb, w1);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 d = _mm512_set1_ps(sx[m * lds + b]);
+      acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][0]), d, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][1]), d, acc[m][1]);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(out[m], _mm512_mul_ps(acc[m][0], s0));
+    _mm512_storeu_ps(out[m] + 16, _mm512_mul_ps(acc[m][1], s1));
+  }
+#else
+  float acc[MR][kW8Lanes] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* w = panel + b * kW8Block * kW8Lanes;
+    int32_t sum[MR][kW8Lanes];
+#if BATON_ISA >= BATON_ISA_AVX2
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int m = 0; m < MR; ++m) {
+      __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int64_t kq = 0; kq < kW8Block / 4; ++kq) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * ldx + b * kW8Block + 4 * kq, 4);
+        const __m256i xs = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);  // q, signed
+        const __m256i xa = _mm256_abs_epi8(xs);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kq * 4 * kW8Lanes + 32 * j));
+          s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wj, xs)), ones));
+        }
+      }
+      for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum[m] + 8 * j), s[j]);
+    }
+#else
+    for (int m = 0; m < MR; ++m)
+      for (int64_t l = 0; l < kW8Lanes; ++l) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < kW8Block; ++k)
+          s += (static_cast<int32_t>(xq[m * ldx + b * kW8Block + k]) - 128) * w[(k / 4) * 4 * kW8Lanes + 4 * l + k % 4];
+        sum[m][l] = s;
+      }
+#endif
+    for (int m = 0; m < MR; ++m)
+      for (int64_t l = 0; l < kW8Lanes; ++l)
+        acc[m][l] = std::fma(static_cast<float>(sum[m][l]), sx[m * lds + b], acc[m][l]);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t l = 0; l < kW8Lanes; ++l) out[m][l] = acc[m][l] * sw[l];
+#endif
+  for (int m = 0; m < MR; ++m)
+    for (int64_t l = 0; l < ncols; ++l) y[m * ldy + l] = out[m][l];
+}
+
+template <int R>
+static inline void w8_tail_rows(int64_t rest, const uint8_t* xq, int64_t ldx, const float* sx, int64_t lds,
+                                const int8_t* panel, int64_t blocks, float* y, int64_t ldy, int64_t ncols) {
+  if constexpr (R > 0) {
+    if (rest == R) return w8_panel_rows<R>(xq, ldx, sx, lds, panel, blocks, y, ldy, ncols);
+    w8_tail_rows<R - 1>(rest, xq, ldx, sx, lds, panel, blocks, y, ldy, ncols);
+  }
+}
+
+void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N, float* y) {
+  const int64_t blocks = K / kW8Block, panel_bytes = w8_panel_bytes(K);
+  std::vector<uint8_t> xq(M * K);
+  std::vector<float> sx(M * blocks);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) w8_quantize_row(x + m * K, K, xq.data() + m * K, sx.data() + m * blocks);
+  });
+  // a thread's panels pass over a block of rows that stays in L2 (a prompt chunk's rows would not)
+  const int64_t row_block = std::max<int64_t>(kW8Rows, kW8RowBlockBytes / K / kW8Rows * kW8Rows);
+  // panels split across threads, never k: each output's fold is the same whatever the threads and rows
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t m1 = std::min(M, m0 + row_block);
+      for (int64_t p = begin; p < end; ++p) {
+        const int8_t* panel = packed + p * panel_bytes;
+        const int64_t ncols = std::min(kW8Lanes, N - p * kW8Lanes);
+        int64_t m = m0;
+        for (; m + kW8Rows <= m1; m += kW8Rows)
+          w8_panel_rows<kW8Rows>(xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks,
+                                 y + m * N + p * kW8Lanes, N, ncols);
+        w8_tail_rows<kW8Rows - 1>(m1 - m, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks,
+                                  y + m * N + p * kW8Lanes, N, ncols);
+      }
+    }
+  });
+}
