@@ -39,7 +39,9 @@ MODEL_NAME = "smollm2-135m"
 SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "vllm-allcores",
            "llamacpp")
 # a baton system may name its precision after an @ (baton-colocated@int8): the `baton up` flags it adds
+# (int8-bf16-kv: int8 projections beside a bf16 KV cache, which halves what decode attention reads)
 PRECISION_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"],
+                   "int8-bf16-kv": ["--quantization", "int8", "--kv-cache-dtype", "bfloat16"],
                    "gguf": ["--quantization", "gguf"]}
 VLLM_DTYPES = ("float32", "bfloat16")  # vllm@bfloat16: its --dtype (default float32, as baton's)
 # Set when kv_transfer's 30 s lease could expire behind a long prefill queue (32 concurrent 256-token
