@@ -128,8 +128,11 @@ class RouterService:
     # ---- plain endpoints ----------------------------------------------------------------
     async def health(self) -> Response:
         if self.backend.healthy():
-            return Response(json.dumps({"status": "ok", "instance_id": self.settings.instance_id}),
-                            media_type="application/json")
+            body: dict[str, object] = {"status": "ok", "instance_id": self.settings.instance_id}
+            counts = getattr(self.backend, "instance_counts", None)  # a registry-backed backend's view
+            if counts is not None:
+                body["instances"] = counts()
+            return Response(json.dumps(body), media_type="application/json")
         return error_response(UnavailableError("no healthy backend"))
 
     async def metrics_text(self) -> Response:

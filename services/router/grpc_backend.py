@@ -133,6 +133,9 @@ class GrpcBackend:
             ch = self._channels[address] = channel(address, self.max_message_bytes)
         return ch
 
+    def instance_counts(self) -> dict[str, int]:
+        return self.cache.counts()
+
     def healthy(self) -> bool:
         if self.mode == "colocated":
             return bool(self.cache.get("colocated"))

@@ -53,3 +53,7 @@ class InstanceCache:
 
     def get(self, service: str) -> list[InstanceInfo]:
         return [i for i in self.instances.get(service, []) if not i.draining]
+
+    def counts(self) -> dict[str, int]:
+        """How many instances of each service the router can send work to now (its /health reports them)."""
+        return {service: len(self.get(service)) for service in self.services}

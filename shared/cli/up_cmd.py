@@ -18,6 +18,7 @@ Each child is configured only through its `BATON_<SERVICE>_*` environment.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import secrets
@@ -28,7 +29,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,7 +229,9 @@ def start_child(child: Child) -> None:
           flush=True)
 
 
-def healthy(child: Child) -> bool:
+def healthy(child: Child, expected: Mapping[str, int] | None = None) -> bool:
+    """`expected` (the router): instances per service it must see before it counts as ready, so that the
+    first requests after "baton ready" can go to every instance, not only those its registry polled first."""
     if child.service == "router":
         try:
             with urllib.request.urlopen(f"http://{child.address}/health", timeout=2) as r:
@@ -236,7 +239,10 @@ def healthy(child: Child) -> bool:
         except (OSError, ValueError):
             return False
         # another server on the port answers too: only our router names the id it was given
-        return body.get("instance_id") == child.instance_id
+        if body.get("instance_id") != child.instance_id:
+            return False
+        seen = body.get("instances") or {}
+        return all(seen.get(service, 0) >= n for service, n in (expected or {}).items())
     import asyncio
 
     from shared.grpc_common import check_health
@@ -247,11 +253,12 @@ def healthy(child: Child) -> bool:
 def wait_ready(stack: Stack, timeout_s: float, stopping: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(stack.children)
+    expected = collections.Counter(c.service for c in stack.children if c.service != "router")
     while pending and not stopping():
         for child in list(pending):
             if child.proc is not None and child.proc.poll() is not None:
                 raise UnavailableError(f"{child.name} exited with {child.proc.returncode}; see {child.log_path}")
-            if healthy(child):
+            if healthy(child, expected if child.service == "router" else None):
                 pending.remove(child)
                 print(f"baton: {child.name} is healthy", flush=True)
         if pending and time.monotonic() > deadline:

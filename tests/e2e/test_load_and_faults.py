@@ -156,8 +156,9 @@ def test_a_killed_kv_transfer_fails_its_handoffs_cleanly_and_comes_back(tmp_path
 
 def test_killing_the_only_decode_gives_errors_not_hangs_then_the_supervisor_restarts_it(
         tmp_path: Path, redis_url: str) -> None:
-    # the restart waits 20 s: long enough that the stack is seen without a decode first
-    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "1", "--decode", "1", "--restart-backoff", "20")
+    # the restart waits 40 s: the streams' errors come after the router's migration wait for another decode
+    # (migration_wait_s, 15 s), and the stack must still be seen without a decode after them
+    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "1", "--decode", "1", "--restart-backoff", "40")
     try:
         url = stack.base_url
 
@@ -167,6 +168,7 @@ def test_killing_the_only_decode_gives_errors_not_hangs_then_the_supervisor_rest
                 streams = [asyncio.create_task(stream_text(client, url, body(i, True, 900, ignore_eos=True)))
                            for i in range(3)]
                 await asyncio.sleep(1.0)
+                old_pid = stack.service("decode-0")["pid"]
                 stack.kill("decode-0")
                 t0 = time.monotonic()
                 results = await asyncio.gather(*streams, return_exceptions=True)
@@ -174,7 +176,6 @@ def test_killing_the_only_decode_gives_errors_not_hangs_then_the_supervisor_rest
                 assert all(isinstance(r, (AssertionError, httpx.HTTPError)) for r in results), results
                 r = await client.post(f"{url}/chat/completions", json=body(0, False, 4), headers=HEADERS)
                 assert r.status_code == 503 and r.json()["error"]["message"]
-                old_pid = stack.service("decode-0")["pid"]
                 deadline = time.monotonic() + 180
                 while True:  # restarted (a new process), loaded, registered: served again
                     r = await client.post(f"{url}/chat/completions", json=body(0, False, 4), headers=HEADERS)

@@ -236,6 +236,30 @@ def test_router_backend_spreads_requests_between_heartbeats() -> None:
     assert asyncio.run(main()) == ["p0", "p1", "p0"]
 
 
+def test_the_backend_counts_the_instances_it_can_send_work_to() -> None:
+    """What the router's /health reports and `baton up` waits on before it says "baton ready"."""
+    import time
+
+    from services.router.grpc_backend import GrpcBackend
+    from services.router.instance_cache import InstanceCache
+    from shared.registry.base import InstanceInfo, Load
+    from shared.registry.memory_registry import MemoryRegistry
+
+    async def main() -> dict[str, int]:
+        registry = MemoryRegistry()
+        for name in ("d0", "d1"):
+            await registry.register(InstanceInfo("decode", name, f"{name}:1", "", MODEL, Load(), time.time()), 60)
+        await registry.register(InstanceInfo("prefill", "p0", "p0:1", "", MODEL, Load(), time.time()), 60)
+        cache = InstanceCache(registry)
+        await cache.refresh()
+        backend = GrpcBackend(cache)
+        counts = backend.instance_counts()
+        await backend.close()
+        return counts
+
+    assert asyncio.run(main()) == {"prefill": 1, "decode": 2, "kv_transfer": 0, "colocated": 0}
+
+
 def test_a_dead_kv_transfer_sends_the_prompt_to_a_decode_instance_or_fails_without_migration() -> None:
     """No token sent yet and the prefill path broken (its kv_transfer is gone): with migration on, the decode
     instance computes the prompt and the greedy tokens are the same; with --migration-limit 0, a 503."""
