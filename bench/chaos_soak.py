@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from bench.results_file import write_results
 from tests.helpers.redis_server import free_port, start_redis, stop_redis
 from tests.helpers.stack import BatonStack, start_stack
 
@@ -312,9 +313,7 @@ def main() -> None:
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="baton-soak-"))
     logger.info("stack state and logs in %s", state_dir)
     report = run_soak(config, state_dir)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"chaos_soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(report, indent=1))
+    out = write_results(report, RESULTS, "chaos_soak", indent=1)
     logger.info("wrote %s", out)
     summary = {k: report[k] for k in ("elapsed_s", "num_completed", "num_cancelled", "num_errors",
                                       "router_migrations")}

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.results_file import write_results
 from bench.serve_machine import copy_bandwidth_gbs
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -92,9 +93,7 @@ def main() -> int:
         ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in row["top_ops"][:5])
         print(f"batch {row['batch']}: {row['median_step_ms']:.1f} ms/step (floor {floor_ms:.1f}), "
               f"torch ops {row['torch_ops_share']:.0%}: {ops}", file=sys.stderr)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"serve-decode-profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1))
+    write_results(result, args.out, "serve-decode-profile", indent=1)
     print(json.dumps(result))
     return 0
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from bench.engine_gemma4 import bench_checkpoint, fold_prompts, gemma4_step_bytes, readme_table
+from bench.results_file import write_results
 from bench.serve_report import write_block
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -211,9 +212,7 @@ def main() -> None:
         fractions = [tok * wbytes / (bw * 1e9) for tok, bw in zip(b1["baton_runs_tok_s"], bandwidths, strict=True)]
         result["batch1_fraction_of_roofline_runs"] = fractions
         result["batch1_fraction_of_roofline"] = statistics.median(fractions)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_results(result, args.out, "engine")
     log(f"wrote {path}")
     if args.gemma4_like is not None:
         write_block(Path(__file__).parent / "README.md", "engine_gemma4_moe", readme_table(args.out, args.gemma4_like))

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bench.engine import log, machine
+from bench.results_file import write_results
 from bench.serve_report import write_block
 from shared.engine.engine import pick_attention
 from shared.kv.layout import KVLayout
@@ -174,12 +175,9 @@ def main() -> None:
         log(f"{name}: ppl {metrics['perplexity']:.4f}, KL {metrics['mean_kl']:.5f}, top-1 "
             f"{metrics['top1_agreement']:.4f}, bound {metrics.get('bound', '-')}: {metrics.get('holds', '-')} "
             f"({time.monotonic() - t0:.0f} s)")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     out = {"bench": "fidelity", "model": args.model, "text": TEXT.name, "window": args.window, "tokens": len(ids),
            "isa": best_isa(), "machine": machine(), "llama_cpp": llama, "precisions": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"fidelity-{stamp}.json"
-    path.write_text(json.dumps(out, indent=2))
+    path = write_results(out, args.out, "fidelity")
     log(f"wrote {path}")
     if args.readme:
         write_block(Path(__file__).parent / "README.md", "fidelity", readme_table(out))

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.results_file import write_results
 from bench.serve_report import write_block
 from shared.engine.precision import DTYPES
 from shared.kv.layout import KVLayout, cdiv
@@ -129,8 +129,7 @@ def main() -> None:
         rows.append(report(name, published_text_config(name), dtype, args.contexts, args.block_size))
     result = {"bench": "kv_bytes", "dtype": args.dtype, "block_size": args.block_size, "rows": rows,
               "sources": "shared/models/gemma4/published.py"}
-    out = Path(__file__).parent / "results" / f"kv_bytes-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=1))
+    write_results(result, Path(__file__).parent / "results", "kv_bytes", indent=1)
     update_readme(result, Path(__file__).parent / "README.md")
     for row in rows:
         print(f"{row['config']:>18}: naive {row['naive_bytes_per_token']:>7} B/token, hybrid "

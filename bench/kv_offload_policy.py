@@ -33,13 +33,13 @@ import json
 import random
 import statistics
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.results_file import write_results
 from bench.serve_report import write_block
 from services.kv_transfer.slots import EVICTION_POLICIES, make_policy
 from services.kv_transfer.store import HandoffStore
@@ -193,9 +193,8 @@ def main() -> None:
     result = {"bench": "kv_offload_policy", "model_layout": MODEL, "block_size": BLOCK_SIZE, "seeds": args.seeds,
               "trace": vars(shape) | {"system_tokens": list(shape.system_tokens)}, "policies": policies,
               "requests": num_requests, "mean_requests": statistics.mean(num_requests), "rows": rows}
-    out = Path(__file__).parent / "results" / f"kv_offload_policy-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=list))
+    out = write_results(result, Path(__file__).parent / "results", "kv_offload_policy", indent=1,
+                        default=list)
     log(f"wrote {out}")
     if not args.no_readme:
         write_block(Path(__file__).parent / "README.md", "kv_offload_policy", readme_table(result))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bench.results_file import write_results
 from shared.engine.request import SamplingParams
 from shared.planner.metrics import percentile
 from tests.helpers.models import packaged_engine
@@ -70,9 +71,7 @@ def main() -> None:
     result = {"model": MODEL, "context_tokens": args.context, "rounds": args.rounds, "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
               "recompute": recompute, "swap_in": swap,
               "ttft_ratio_swap_over_recompute": swap["ttft_ms_p50"] / recompute["ttft_ms_p50"]}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"kv_swap-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=1))
+    out = write_results(result, RESULTS, "kv_swap", indent=1)
     logger.info("wrote %s", out)
     print(json.dumps({k: result[k] for k in ("context_tokens", "ttft_ratio_swap_over_recompute")} | {
         "swap_in_ms_p50": swap.get("swap_in_ms_p50"), "swap_in_ms_p95": swap.get("swap_in_ms_p95"),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engine import log, machine
+from bench.results_file import write_results
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
@@ -85,9 +86,7 @@ def main() -> int:
             f"x{row['speedup']:.3f}")
     result = {"bench": "layer_loop", "model": args.model, "machine": machine(), "prompt_len": args.prompt_len,
               "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"layer_loop-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_results(result, args.out, "layer_loop")
     log(f"wrote {path}")
     print(json.dumps(result))
     return 0

@@ -12,7 +12,6 @@ ratio oneDNN / GEMV, and whether both gave the same bits (they must).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bench.results_file import write_results
 from shared.models.loader import load_model
 from shared.ops.attention import paged_attention_ref
 from shared.ops.linear import LinearWeight
@@ -95,9 +95,7 @@ def main() -> int:
                             text=True).stdout.strip()
     result = {"bench": "linear", "model": args.model, "threads": args.threads, "commit": commit,
               "torch": torch.__version__, "rows": rows, "totals": totals}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"linear-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_results(result, args.out, "linear", indent=1)
     print(f"wrote {path}", file=sys.stderr)
     return 0 if all(r["same_bits"] for r in rows) else 1
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from safetensors.torch import load_file
 
 from bench.engine import log, machine
 from bench.linear import median_ms
+from bench.results_file import write_results
 from shared.models.loader import resolve_model
 from shared.ops.linear import LinearWeight
 from shared.ops.quant import int8_per_channel
@@ -104,10 +104,7 @@ def main() -> int:
         rows.append(row)
     result = {"bench": "linear_precisions", "model": args.model, "threads": args.threads, "machine": machine(),
               "macs_per_row": macs_per_row, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"linear_precisions-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    result["file"] = path.name
-    path.write_text(json.dumps(result, indent=1))
+    write_results(result, args.out, "linear_precisions", indent=1, record_name=True)
     print(json.dumps(result))
     return 0
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bench.results_file import write_results
 from bench.serve_report import write_block
 from shared.models.gemma4.moe import TorchExperts
 from shared.models.gemma4.moe_cpu import PackedExperts
@@ -123,8 +124,7 @@ def main() -> None:
             + " ".join(f"{x:.2f}" for x in row["speedup_rounds"]) + ")")
     result = {"bench": "moe_experts", "model": "gemma-4-26B-A4B", "weights": "bfloat16", "hf_dtype": args.hf_dtype,
               "hf_experts_implementation": "grouped_mm", "torch_threads": torch.get_num_threads(), "rows": rows}
-    out = Path(__file__).parent / "results" / f"moe_experts-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=1))
+    out = write_results(result, Path(__file__).parent / "results", "moe_experts", indent=1)
     log(f"wrote {out}")
     write_block(readme, "moe_experts", readme_table(result, out.name))
     print(json.dumps(result))

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench.engine import log, machine
+from bench.results_file import write_results
 from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -138,9 +139,7 @@ def main() -> int:
     engine.close()
     for c, row in result["configs"].items():
         log(f"{c}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, p99 {row['ttft_p99_ms']:.2f} ms, x{row['p50_vs_text']:.3f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"multimodal-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2))
+    out = write_results(result, args.out, "multimodal")
     log(f"wrote {out}")
     print(json.dumps(result))
     return 0

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from bench.results_file import write_results
 from bench.serve_load import RequestSpec, send_one, warm_up
 from bench.serve_machine import machine_info
 from bench.serve_report import write_block
@@ -272,10 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = [abs(f["error"]) for p in result["points"] for f in p["figures"].values() if f["error"] is not None]
     result["median_abs_error"] = statistics.median(errors) if errors else None
     result["wall_s"] = round(time.monotonic() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"plan_validate-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    result["file"] = path.name
-    path.write_text(json.dumps(result, separators=(",", ":")))
+    path = write_results(result, args.out, "plan_validate", indent=None, record_name=True)
     logger.info("wrote %s", path)
     if result["points"] and not args.no_readme:
         write_block(Path(__file__).parent / "README.md", "plan_validate", readme_table(result))

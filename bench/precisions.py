@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.engine import QUESTIONS, log, machine, read_bandwidth_gbs, time_baton, weight_bytes
+from bench.results_file import write_results
 from bench.serve_report import write_block
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -65,10 +65,7 @@ def main() -> None:
     else:
         with use_isa(args.isa):
             result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"precisions-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    result["file"] = path.name
-    path.write_text(json.dumps(result, indent=2))
+    path = write_results(result, args.out, "precisions", record_name=True)
     log(f"wrote {path}")
     if args.readme:
         write_block(Path(__file__).parent / "README.md", f"precisions:{result['isa']}", readme_table(result))

@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.results_file import write_results
 from bench.serve_load import warm_up
 from bench.serve_machine import machine_info
 from bench.serve_multiturn import MultiTurnPlan, conversations, run_conversations, summarize_turns
@@ -183,10 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["runs"].append(run)
     result["summary"] = aggregate(result["runs"])
     result["wall_s"] = round(time.monotonic() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"serve_kvroute-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    result["file"] = path.name
-    path.write_text(json.dumps(result, separators=(",", ":")))
+    path = write_results(result, args.out, "serve_kvroute", indent=None, record_name=True)
     logger.info("wrote %s", path)
     if not args.quick and not args.no_readme:
         write_block(Path(__file__).parent / "README.md", "serve_kvroute", readme_table(result))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engine import QUESTIONS, log, machine
+from bench.results_file import write_results
 from bench.serve_report import write_block
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -169,9 +170,7 @@ def main() -> None:
         r = out["results"][-1]
         log(f"batch {batch}: constrained {r['constrained_over_unconstrained']:.3f}x unconstrained; "
             f"fast-forward {r['fast_forward_speedup']:.2f}x")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(out, indent=1))
+    path = write_results(out, args.out, "structured", indent=1)
     log(f"wrote {path}")
     if not args.no_readme and not args.quick:
         write_block(Path(__file__).parent / "README.md", "structured", table(out))
