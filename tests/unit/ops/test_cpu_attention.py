@@ -16,6 +16,7 @@ import torch
 
 from shared.ops import cpu_attention
 from shared.ops.attention import paged_attention_ref
+from tests.helpers.torch_threads import torch_threads
 from tests.unit.ops.conftest import AttentionBatch
 
 MIXED = [(13, 9), (0, 11), (5, 1), (30, 1), (0, 1), (17, 1), (40, 17), (3, 30)]
@@ -60,13 +61,9 @@ def test_matches_reference(make_batch: Callable[..., AttentionBatch], num_heads:
 def test_few_rows_split_their_heads_across_jobs(make_batch: Callable[..., AttentionBatch], threads: int,
                                                 batch_shape: list[tuple[int, int]], isa_level: str) -> None:
     """With fewer rows than twice the threads, a row's KV heads are split over jobs (8 heads: 1 to 8 per job)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         batch = make_batch(batch_shape, 8, 8, 32, 16)
         out, ref = run_both(batch, None, poison=True)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from shared.ops import cpu_isa
 from shared.ops.linear import LinearWeight
+from tests.helpers.torch_threads import torch_threads
 
 # SmolLM2's and Gemma 3's projection shapes, an LM-head slice, and odd shapes (a padded panel, an odd K)
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (1536, 640), (640, 2048), (4096, 576), (70, 33), (5, 7)]
@@ -42,14 +43,10 @@ def test_bits_do_not_depend_on_threads(threads: int, isa_level: str) -> None:
     g = torch.Generator().manual_seed(5)
     lin = LinearWeight(torch.randn(3072, 576, generator=g), weight_dtype=torch.bfloat16)
     x = torch.randn(9, 576, generator=g)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = lin(x)
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         assert torch.equal(lin(x), two)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_half_the_bytes_of_fp32() -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from shared.ops import linear
 from shared.ops.cpu_kernels import cpu_kernels_available
 from shared.ops.linear import GEMV_MAX_ROWS, LinearWeight, onednn_available
+from tests.helpers.torch_threads import torch_threads
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="torch built without oneDNN")
 
@@ -48,14 +49,10 @@ def test_bits_do_not_depend_on_threads(threads: int, isa_level: str) -> None:
     g = torch.Generator().manual_seed(7)
     lin = LinearWeight(torch.randn(3072, 576, generator=g))
     x = torch.randn(5, 576, generator=g)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = lin(x)
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         assert torch.equal(lin(x), one)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_long_inputs_agree_whichever_path_is_kept() -> None:

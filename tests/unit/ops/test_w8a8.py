@@ -11,6 +11,7 @@ from shared.ops import cpu_isa
 from shared.ops.linear import LinearWeight
 from shared.ops.quant import QuantCodes, int8_per_channel, qgemv_ref
 from shared.ops.w8a8 import pack, w8a8_ref
+from tests.helpers.torch_threads import torch_threads
 
 # SmolLM2's projection shapes (qkv, gate_up, down), an LM-head slice, a padded panel, one block
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (4096, 576), (70, 64), (5, 32)]
@@ -77,14 +78,10 @@ def test_bits_do_not_depend_on_threads(threads: int) -> None:
     w, codes = _weight(3072, 576, 5)
     lin = LinearWeight.quantized(codes)
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(6))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = lin(x)
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         assert torch.equal(lin(x), two)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_a_byte_and_an_eighth_a_weight() -> None:
