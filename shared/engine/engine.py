@@ -40,8 +40,7 @@ import torch
 from shared.engine.choices import ChoiceGroups, FirstToken, child_params, choice_request_id
 from shared.engine.config import EngineConfig
 from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
-from shared.engine.kv_manager import KVCacheManager
-from shared.engine.kv_offload import HostKVTier
+from shared.engine.kv_offload import group_tiers
 from shared.engine.kv_setup import build_kv_cache
 from shared.engine.logits.grammars import GrammarCache
 from shared.engine.logits.request_state import RequestLogits
@@ -172,11 +171,7 @@ class LLMEngine:
     def _attach_offload_tier(self) -> None:
         if not self.config.kv_offload_bytes:
             return
-        if type(self.kv) is not KVCacheManager:  # the hybrid manager's sliding pools are not offloaded
-            logger.warning("kv_offload_bytes ignored: this model's KV has several layer groups (%d)",
-                           len(self.layout.groups))
-            return
-        self.kv.attach_tier(HostKVTier(self.layout, self.runner.kv_cache, self.config.kv_offload_bytes))
+        self.kv.attach_tiers(group_tiers(self.layout, self.runner.kv_cache, self.config.kv_offload_bytes))
 
     # ---- intake -------------------------------------------------------------------
     def _new_request(

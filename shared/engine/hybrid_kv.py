@@ -15,6 +15,8 @@ request with the same prefix can still use them). A prefix hit must hold, in
 every sliding group, the blocks inside the window before the hit's end; the hit
 is shortened until it does. NULL is one extra block per sliding pool that no
 request owns (reads of it are masked out: it lies outside every window).
+With a host tier per group (kv_offload.py), a block missing from a pool is
+looked up in its group's tier and copied back before the hit is shortened.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.block_pool import BlockHash, BlockPool
-from shared.engine.kv_manager import KVCacheManager
+from shared.engine.kv_manager import KVCacheManager, restore_block
+from shared.engine.kv_offload import HostKVTier, SwapInTimer
 from shared.engine.request import Request
 from shared.kv.layout import KVGroup, cdiv
 from shared.multimodal.items import MediaInput
@@ -39,6 +42,7 @@ class _WindowGroup:
     null: int  # the block id NULL entries name (one past the pool's blocks)
     tables: dict[str, list[int]] = field(default_factory=dict)
     num_registered: dict[str, int] = field(default_factory=dict)  # blocks registered in the prefix cache
+    tier: HostKVTier | None = None  # the pool's evicted blocks in host memory (kv_offload.py), when configured
 
 
 class HybridKVCacheManager(KVCacheManager):
@@ -55,16 +59,27 @@ class HybridKVCacheManager(KVCacheManager):
         """Each sliding group's table of the request (NULL before the window)."""
         return [w.tables.get(request_id, []) for w in self.windows]
 
+    # ---- host tiers (kv_offload.py) ----------------------------------------------------
+    def attach_tiers(self, tiers: list[HostKVTier]) -> None:
+        super().attach_tiers(tiers[:1])
+        for w, tier in zip(self.windows, tiers[1:], strict=True):
+            w.tier = tier
+            w.pool.on_evict = tier.spill
+
+    @property
+    def tiers(self) -> list[HostKVTier]:
+        return [*super().tiers, *(w.tier for w in self.windows if w.tier is not None)]
+
     # ---- prefix hits ------------------------------------------------------------------
-    def lookup_prefix(self, request: Request) -> tuple[list[int], BlockHash | None]:
-        hit, next_hash = super().lookup_prefix(request)
+    def _lookup(self, request: Request, timer: SwapInTimer | None) -> tuple[list[int], BlockHash | None]:
+        hit, next_hash = super()._lookup(request, timer)
         self._pending_hits.pop(request.request_id, None)
         if not hit:
             return hit, next_hash
         tokens = request.all_token_ids
         hashes = self._chain(tokens, len(hit), request.media)
         for n in range(len(hit), -1, -1):  # the longest hit every sliding group can serve
-            found = [self._window_hits(w, tokens, hashes, n) for w in self.windows]
+            found = [self._window_hits(w, tokens, hashes, n, timer) for w in self.windows]
             if all(f is not None for f in found):
                 break
         if n < len(hit):
@@ -84,12 +99,18 @@ class HybridKVCacheManager(KVCacheManager):
             out.append(parent)
         return out
 
-    def _window_hits(self, w: _WindowGroup, tokens: list[int], hashes: list[BlockHash], n: int) -> list[int] | None:
-        """The group's table for a hit of `n` blocks (NULL before the window), or None if it lacks a block."""
+    def _window_hits(self, w: _WindowGroup, tokens: list[int], hashes: list[BlockHash], n: int,
+                     timer: SwapInTimer | None) -> list[int] | None:
+        """The group's table for a hit of `n` blocks (NULL before the window), or None if it lacks a block that
+        neither its pool nor its host tier holds."""
         first = w.group.first_kept_block(n * self.block_size, self.block_size)
         table = [w.null] * first
         for i in range(first, n):
-            block_id = w.pool.lookup(hashes[i], tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_tokens = tokens[i * self.block_size:(i + 1) * self.block_size]
+            block_id = w.pool.lookup(hashes[i], block_tokens)
+            if block_id is None and timer is not None:
+                block_id = restore_block(w.pool, w.tier, hashes[i], block_tokens, table[first:])
+                timer.num_blocks += block_id is not None
             if block_id is None:
                 return None
             table.append(block_id)

@@ -25,10 +25,16 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self.tier: HostKVTier | None = None  # evicted blocks in host memory (kv_offload.py), when configured
 
-    def attach_tier(self, tier: HostKVTier) -> None:
-        """Spill what the pool evicts into `tier`; lookups restore from it (a second prefix-cache tier)."""
-        self.tier = tier
-        self.pool.on_evict = tier.spill
+    def attach_tiers(self, tiers: list[HostKVTier]) -> None:
+        """Spill what each group's pool evicts into its tier (kv_offload.group_tiers); lookups restore from them
+        (a second prefix-cache tier). One group here; hybrid_kv.py adds the sliding ones."""
+        [self.tier] = tiers
+        self.pool.on_evict = self.tier.spill
+
+    @property
+    def tiers(self) -> list[HostKVTier]:
+        """Every group's host tier (none when offload is off)."""
+        return [self.tier] if self.tier is not None else []
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -54,45 +60,29 @@ class KVCacheManager:
         """
         if not self.pool.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return [], None  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
-        hit: list[int] = []
-        parent: BlockHash | None = None
-        timer = SwapInTimer(self.tier) if self.tier is not None else None
+        timer = SwapInTimer(self.tier) if self.tier is not None else None  # one admission's restores, every group
         try:
-            for i in range(max_blocks):
-                block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
-                parent = hash_block(parent, block_tokens, self.hash_salt,
-                                    block_media_key(request.media, i, self.block_size))
-                block_id = self.pool.lookup(parent, block_tokens)
-                if block_id is None and timer is not None:
-                    block_id = self._restore(parent, block_tokens, hit)
-                    timer.num_blocks += block_id is not None
-                if block_id is None:
-                    return hit, parent
-                hit.append(block_id)
-            return hit, None
+            return self._lookup(request, timer)
         finally:
             if timer is not None:
                 timer.done()
 
-    def _restore(self, block_hash: BlockHash, block_tokens: list[int], hit: list[int]) -> int | None:
-        """A block the tier holds, copied back into a fresh block and cached there (unreferenced, like any
-        cached block); None when the tier lacks it or no block is free for a host write."""
-        assert self.tier is not None
-        if not self.tier.holds(block_hash, block_tokens):
-            return None
-        self.pool.touch(hit)  # the hits found so far must not be what this allocation evicts
-        try:
-            if not self.pool.num_free_for(host_writes=True):
-                return None
-            [block_id] = self.pool.allocate(1, host_writes=True)
-        finally:
-            self.pool.free(hit)
-        self.tier.restore(block_hash, block_id)
-        self.pool.cache_block(block_id, block_hash, block_tokens)
-        self.pool.free([block_id])
-        return block_id
+    def _lookup(self, request: Request, timer: SwapInTimer | None) -> tuple[list[int], BlockHash | None]:
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hit: list[int] = []
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block(parent, block_tokens, self.hash_salt, block_media_key(request.media, i, self.block_size))
+            block_id = self.pool.lookup(parent, block_tokens)
+            if block_id is None and timer is not None:
+                block_id = restore_block(self.pool, self.tier, parent, block_tokens, hit)
+                timer.num_blocks += block_id is not None
+            if block_id is None:
+                return hit, parent
+            hit.append(block_id)
+        return hit, None
 
     def allocate_slots(
         self, request: Request, num_tokens_after_step: int, cached_block_ids: list[int] | None = None,
@@ -186,3 +176,23 @@ class KVCacheManager:
     def check_no_leaks(self) -> None:
         assert not self.block_tables, f"requests still hold blocks: {sorted(self.block_tables)}"
         self.pool.check_no_leaks()
+
+
+def restore_block(pool: BlockPool, tier: HostKVTier | None, block_hash: BlockHash, block_tokens: list[int],
+                  hit: list[int]) -> int | None:
+    """A block `tier` holds, copied back into a fresh block of `pool` and cached there (unreferenced, like any
+    cached block); None when there is no tier, it lacks the block, or no block is free for a host write.
+    `hit`: the blocks of `pool` found so far, which this allocation must not evict."""
+    if tier is None or not tier.holds(block_hash, block_tokens):
+        return None
+    pool.touch(hit)
+    try:
+        if not pool.num_free_for(host_writes=True):
+            return None
+        [block_id] = pool.allocate(1, host_writes=True)
+    finally:
+        pool.free(hit)
+    tier.restore(block_hash, block_id)
+    pool.cache_block(block_id, block_hash, block_tokens)
+    pool.free([block_id])
+    return block_id

@@ -12,9 +12,13 @@
 This is what keeps a preempted request from recomputing its context when the pool runs dry: its full
 blocks stay cached when it is preempted, are spilled when others need the room, and come back when it
 resumes (only the partial last block and what no block holds are computed again). Restore time per
-admission is the swap-in latency (`swap_in_seconds`).
+admission is the swap-in latency (`swap_in_seconds`, recorded in group 0's tier).
 
-One layer group only (the single-pool KVCacheManager); the hybrid manager's sliding pools are not offloaded.
+A model whose layers form several groups (hybrid_kv.py: Gemma 4's full and sliding layers) has one pool per
+group and so one tier per group (`group_tiers`), each holding its group's layers of a block; the host memory
+is split between them as the pools split the cache. A sliding group's tier only ever sees the blocks inside
+some request's window (the others were freed, cached and evicted like any block), which is what a resume
+needs back.
 """
 
 from __future__ import annotations
@@ -51,8 +55,11 @@ class OffloadStats:
 class HostKVTier:
     """Up to `capacity_bytes` of evicted blocks in host memory, one slot per block, LRU."""
 
-    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, capacity_bytes: int) -> None:
-        self._views = [layout.layer_blocks(kv_cache, layer) for layer in layout.stored_layers]
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, capacity_bytes: int,
+                 layers: Sequence[int] | None = None) -> None:
+        """`layers`: the stored layers one block id names (a group's; every stored layer by default)."""
+        layers = layout.stored_layers if layers is None else list(layers)
+        self._views = [layout.layer_blocks(kv_cache, layer) for layer in layers]
         self._sizes = [v[0].numel() for v in self._views]  # elements of one block in each stored layer
         block_elems = sum(self._sizes)
         self.block_nbytes = block_elems * layout.itemsize
@@ -61,7 +68,8 @@ class HostKVTier:
         self._free_slots = list(range(self.num_slots))
         self._entries: OrderedDict[BlockHash, tuple[tuple[int, ...], int]] = OrderedDict()  # hash -> (tokens, slot)
         self.stats = OffloadStats()
-        logger.info("KV offload tier: %d blocks of %d bytes in host memory", self.num_slots, self.block_nbytes)
+        logger.info("KV offload tier: %d blocks of %d bytes in host memory (%d layers)", self.num_slots,
+                    self.block_nbytes, len(layers))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,6 +105,15 @@ class HostKVTier:
             offset += size
         self._free_slots.append(slot)
         self.stats.restored_blocks += 1
+
+
+def group_tiers(layout: KVLayout, kv_cache: torch.Tensor, capacity_bytes: int) -> list[HostKVTier]:
+    """One tier per layer group (KVLayout.groups order), `capacity_bytes` split in proportion to the bytes of
+    each group's pool."""
+    pool_bytes = [layout.group_num_blocks(g) * layout.unit_nbytes(g) for g in range(len(layout.groups))]
+    total = sum(pool_bytes)
+    return [HostKVTier(layout, kv_cache, capacity_bytes * nbytes // total, group.layers)
+            for group, nbytes in zip(layout.groups, pool_bytes, strict=True)]
 
 
 class SwapInTimer:

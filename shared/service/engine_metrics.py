@@ -60,17 +60,19 @@ class EngineCollector(Collector):
         yield from self._offload_metrics()
 
     def _offload_metrics(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
-        """The host tier of evicted blocks (kv_offload.py): spills, restores, swap-in time per admission."""
-        tier = self.aengine.engine.kv.tier
-        if tier is None:
+        """The host tiers of evicted blocks (kv_offload.py, one per layer group): spills, restores (blocks of
+        every group), swap-in time per admission."""
+        tiers = self.aengine.engine.kv.tiers
+        if not tiers:
             return
-        st = tier.stats
+        st = tiers[0].stats  # group 0's tier times each admission's restores, every group's together
         for name, doc, value in (
-            ("baton_kv_offload_spilled_blocks", "Evicted prefix blocks copied to host memory", st.spilled_blocks),
+            ("baton_kv_offload_spilled_blocks", "Evicted prefix blocks copied to host memory (every layer group)",
+             sum(t.stats.spilled_blocks for t in tiers)),
             ("baton_kv_offload_restored_blocks", "Blocks copied back from host memory instead of recomputed",
-             st.restored_blocks),
+             sum(t.stats.restored_blocks for t in tiers)),
             ("baton_kv_offload_dropped_blocks", "Spilled blocks dropped from host memory unused (it was full)",
-             st.dropped_blocks),
+             sum(t.stats.dropped_blocks for t in tiers)),
         ):
             c = CounterMetricFamily(name, doc, labels=["role"])
             c.add_metric([self.role], value)

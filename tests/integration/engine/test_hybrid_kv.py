@@ -80,3 +80,27 @@ def test_a_prefix_hit_needs_the_sliding_blocks_of_its_window(engines) -> None:
     engine.kv.windows[0].pool.reset_prefix_cache()
     miss = engine.generate([shared[:32] + [7, 8, 1]], greedy(6))[0]
     assert miss.num_cached_tokens == 0
+
+
+def test_preempted_requests_swap_every_groups_blocks_back_in_from_the_host_tiers(engines) -> None:
+    """With kv_offload_bytes, each layer group's pool spills what it evicts into its own host tier, and a
+    resuming request gets its full-attention blocks and its window's sliding blocks back from them: the same
+    tokens as a roomy cache, fewer computed than recomputing, restores in every group, nothing leaked."""
+    batch = prompts(8, lo=10, hi=20)
+    loaded, _ = tiny_loaded("gemma4-all")
+    roomy = tiny_engine(loaded)
+    engines.append(roomy)
+    expected = [r.token_ids for r in roomy.generate(batch, greedy(30))]
+    computed = {}
+    for offload in (0, 1 << 20):
+        tight = tiny_engine(loaded, num_kv_blocks=32, max_model_len=128, kv_offload_bytes=offload)
+        engines.append(tight)
+        assert [r.token_ids for r in tight.generate(batch, greedy(30))] == expected, offload
+        assert tight.scheduler.num_preemptions_total > 0
+        computed[offload] = tight.scheduler.num_scheduled_tokens_total
+    kv = tight.kv
+    assert isinstance(kv, HybridKVCacheManager) and len(kv.tiers) == 1 + len(kv.windows)
+    for tier in kv.tiers:  # the full layers' group and every sliding group spilled and restored
+        assert tier.stats.spilled_blocks > 0 and tier.stats.restored_blocks > 0, tier.stats
+    assert kv.tiers[0].stats.swap_in.count > 0
+    assert computed[1 << 20] < computed[0], computed
