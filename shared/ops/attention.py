@@ -211,6 +211,9 @@ ShortBatchFn = Callable[
      torch.Tensor],
     None,
 ]
+# (out [q_len, H, D], query [q_len, H, D], keys, values [s_len, Hkv, D], scale, sliding window or None): a causal
+# chunk (query i at position s_len - q_len + i) with no tree or bidirectional span, written into `out`
+LongChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], None]
 
 
 def split_sequences(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
@@ -238,8 +241,10 @@ def paged_attention_split(
     scale: float,
     sliding_window: int | None,
     short_batch: ShortBatchFn,
+    long_chunk: LongChunkFn | None = None,
 ) -> torch.Tensor:
-    """Long chunks one by one through SDPA; the short sequences all at once through `short_batch`."""
+    """Long chunks one by one (through `long_chunk` when given and the chunk is plainly causal, else SDPA with
+    the chunk's mask); the short sequences all at once through `short_batch`."""
     out = torch.empty_like(query)
     short_seqs, long_seqs, starts = split_sequences(meta)
     for i in long_seqs:
@@ -250,6 +255,9 @@ def paged_attention_split(
         else:  # also a chunk's own keys when the cache rounds them (bf16): every later read sees those
             keys = _gather_keys(k_cache, meta.block_tables[i], s_len)
             values = _gather_keys(v_cache, meta.block_tables[i], s_len)
+        if long_chunk is not None and i not in meta.tree_masks and i not in meta.bidirectional_spans:
+            long_chunk(out[lo:hi], query[lo:hi], keys, values, scale, sliding_window)
+            continue
         mask = _chunk_mask(meta, i, q_len, s_len, sliding_window, query.device)
         out[lo:hi] = _sdpa_grouped(query[None, lo:hi], keys[None], values[None], mask[None], scale)[0]
     if short_seqs:

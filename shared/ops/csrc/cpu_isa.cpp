@@ -23,14 +23,15 @@ constexpr std::array<const char*, 5> kNames = {"portable", "avx2", "avx512", "av
 
 const KernelTable kTables[] = {
     {Isa::kPortable, &portable::gemv_f32, &portable::gemv_bf16, &portable::paged_decode, &portable::qgemv_rows,
-     &portable::w8a8_rows},
-    {Isa::kAvx2, &avx2::gemv_f32, &avx2::gemv_bf16, &avx2::paged_decode, &avx2::qgemv_rows, &avx2::w8a8_rows},
+     &portable::w8a8_rows, &portable::prefill_attention},
+    {Isa::kAvx2, &avx2::gemv_f32, &avx2::gemv_bf16, &avx2::paged_decode, &avx2::qgemv_rows, &avx2::w8a8_rows,
+     &avx2::prefill_attention},
     {Isa::kAvx512, &avx512::gemv_f32, &avx512::gemv_bf16, &avx512::paged_decode, &avx512::qgemv_rows,
-     &avx512::w8a8_rows},
+     &avx512::w8a8_rows, &avx512::prefill_attention},
     {Isa::kAvx512Bf16, &avx512::gemv_f32, &avx512_bf16::gemv_bf16, &avx512::paged_decode,
-     &avx512_bf16::qgemv_rows, &avx512_bf16::w8a8_rows},
+     &avx512_bf16::qgemv_rows, &avx512_bf16::w8a8_rows, &avx512::prefill_attention},
     {Isa::kAmx, &avx512::gemv_f32, &avx512_bf16::gemv_bf16, &avx512::paged_decode, &avx512_bf16::qgemv_rows,
-     &avx512_bf16::w8a8_rows},
+     &avx512_bf16::w8a8_rows, &avx512::prefill_attention},
 };
 
 #if defined(__x86_64__)

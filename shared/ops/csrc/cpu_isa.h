@@ -58,6 +58,8 @@ using W8a8Fn = void (*)(const float* x, int64_t M, int64_t K, const int8_t* pack
 using PagedDecodeFn = void (*)(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq,
                                torch::Tensor row_pos, double scale, int64_t window);
+using PrefillAttentionFn = void (*)(torch::Tensor out, torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                                   double scale, int64_t window);
 
 struct KernelTable {
   Isa isa;
@@ -66,6 +68,7 @@ struct KernelTable {
   PagedDecodeFn paged_decode;   // paged_decode_cpu.cpp (fp32 or bf16 KV)
   QgemvFn qgemv_rows;           // qgemv_cpu.cpp (GGUF block and super-block formats)
   W8a8Fn w8a8_rows;             // w8a8_cpu.cpp (int8 per channel, rows quantized per row)
+  PrefillAttentionFn prefill_attention;  // prefill_attention_cpu.cpp (a prompt chunk, causal)
 };
 
 // The table of the level picked (the best one supported, unless set_isa chose another).
@@ -85,6 +88,8 @@ BATON_DECLARE_VARIANTS(void paged_decode(torch::Tensor out, torch::Tensor query,
                                          torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor rows,
                                          torch::Tensor row_seq, torch::Tensor row_pos, double scale,
                                          int64_t window))
+BATON_DECLARE_VARIANTS(void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
+                                              torch::Tensor value, double scale, int64_t window))
 BATON_DECLARE_VARIANTS(torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features))
 BATON_DECLARE_VARIANTS(void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels,
                                       int64_t N, float* y))

@@ -1,0 +1,223 @@
+// The prefill attention's loops, compiled once per instruction-set level (isa_variants.h; the contract is in
+// prefill_attention_cpu.cpp). Plain loops over fixed-size tiles, which each level's compiler vectorises: the
+// scores of a tile come out of kTk-lane FMAs (one AVX-512 register), the values' sums are D-wide FMAs.
+
+#include "exp_simd.h"  // inside the level's namespace
+
+constexpr int kTq = 16;  // query positions per job (every query head of one KV head: group * kTq rows)
+constexpr int kTk = 16;  // keys per tile
+
+static inline float widen(float v) { return v; }
+static inline float widen(uint16_t bf16_bits) { return bf16_bits_to_float(bf16_bits); }
+
+// Rows whose scores one pass computes: their accumulators are independent FMA chains
+constexpr int kRowsPerPass = 8;
+
+// sc[r][j] = q_r . k_j for rows r < rb (q: rb rows of D, scaled), keys transposed in kt [D][kTk]
+static inline void tile_scores(const float* q, int64_t D, const float* kt, int rb, float (*sc)[kTk]) {
+#if BATON_ISA >= BATON_ISA_AVX512
+  __m512 s[kRowsPerPass];
+  for (int r = 0; r < kRowsPerPass; ++r) s[r] = _mm512_setzero_ps();
+  if (rb == kRowsPerPass) {
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kd = _mm512_loadu_ps(kt + d * kTk);
+      for (int r = 0; r < kRowsPerPass; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kd, s[r]);
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kd = _mm512_loadu_ps(kt + d * kTk);
+      for (int r = 0; r < rb; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kd, s[r]);
+    }
+  }
+  for (int r = 0; r < rb; ++r) _mm512_storeu_ps(sc[r], s[r]);
+#else
+  for (int r = 0; r < rb; ++r) {
+    float* s = sc[r];
+    for (int j = 0; j < kTk; ++j) s[j] = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = q[r * D + d];
+      const float* kd = kt + d * kTk;
+#pragma omp simd
+      for (int j = 0; j < kTk; ++j) s[j] += x * kd[j];
+    }
+  }
+#endif
+}
+
+// The tile's scores s[j] of keys j in [j_begin, j_end) become exp(s[j] - m_new), the others 0, where m_new is
+// the larger of m_old and their max; returns m_new, their sum in *sum
+static inline float softmax_tile(float* s, int64_t j_begin, int64_t j_end, float m_old, float* sum) {
+#if BATON_ISA >= BATON_ISA_AVX512
+  const __mmask16 valid = static_cast<__mmask16>(((1u << j_end) - 1) & ~((1u << j_begin) - 1));
+  const __m512 sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(sv));
+  // exp_nonpositive's steps, on 16 lanes
+  __m512 x = _mm512_max_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)), _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_maskz_mul_ps(valid, p, _mm512_castsi512_ps(bits));
+  _mm512_storeu_ps(s, e);
+  *sum = _mm512_reduce_add_ps(e);
+  return m_new;
+#else
+  float mx = m_old;
+  for (int64_t j = j_begin; j < j_end; ++j) mx = std::max(mx, s[j]);
+  float total = 0.f;
+  for (int j = 0; j < kTk; ++j) {
+    const float e = j >= j_begin && j < j_end ? exp_nonpositive(s[j] - mx) : 0.f;
+    s[j] = e;
+    total += e;
+  }
+  *sum = total;
+  return mx;
+#endif
+}
+
+// acc[d] = acc[d] * corr + sum over j < n of p[j] * vt[j][d]
+static inline void tile_values(float* __restrict acc, int64_t D, float corr, const float* p, const float* vt, int n) {
+#if BATON_ISA >= BATON_ISA_AVX512
+  if (D % 64 == 0) {
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d0), c), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + d0 + 16), c);
+      __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + d0 + 32), c), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + d0 + 48), c);
+      for (int j = 0; j < n; ++j) {
+        const __m512 w = _mm512_set1_ps(p[j]);
+        const float* v = vt + j * D + d0;
+        a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
+        a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
+        a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
+        a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+      }
+      _mm512_storeu_ps(acc + d0, a0);
+      _mm512_storeu_ps(acc + d0 + 16, a1);
+      _mm512_storeu_ps(acc + d0 + 32, a2);
+      _mm512_storeu_ps(acc + d0 + 48, a3);
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+  for (int j = 0; j < n; ++j) {
+    const float w = p[j];
+    const float* __restrict vr = vt + j * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * vr[d];
+  }
+}
+
+// One job: query positions [i0, i1) of the heads of KV head g, online softmax over key tiles.
+//   per tile: kt[d][j] (the keys transposed, widened), vt[j][d]; per row r: s = q_r . kt (kTk lanes), masked
+//   to the row's causal window, m_r / l_r the running max and sum, o_r = o_r * exp(m_old - m_new) + p . vt
+template <typename KV>
+struct PrefillJob {
+  const float* q;  // [Lq, H, D] with strides qs (token), qhs (head)
+  int64_t qs, qhs;
+  const KV* k;  // [Lk, Hkv, D] with strides ks, khs
+  const KV* v;
+  int64_t ks, khs, vs, vhs;
+  float* o;  // [Lq, H, D] with strides os, ohs
+  int64_t os, ohs;
+  int64_t D, G, ctx, window;  // ctx = Lk - Lq: query i sits at position ctx + i
+  float scale;
+};
+
+template <typename KV>
+static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t i1, std::vector<float>& buf) {
+  const int64_t D = jb.D, G = jb.G, nq = i1 - i0, R = G * nq;
+  buf.resize(static_cast<size_t>(D * kTk * 2 + R * (D + 2) + R * D));
+  float* kt = buf.data();             // [D][kTk]
+  float* vt = kt + D * kTk;           // [kTk][D]
+  float* o = vt + D * kTk;            // [R][D] running outputs
+  float* m = o + R * D;               // [R]
+  float* l = m + R;                   // [R]
+  float* qr = l + R;                  // [R][D] the rows' queries times the scale
+  for (int64_t r = 0; r < R; ++r) {   // row r: head g * G + r / nq, position i0 + r % nq
+    const float* src = jb.q + (i0 + r % nq) * jb.qs + (g * G + r / nq) * jb.qhs;
+    for (int64_t d = 0; d < D; ++d) qr[r * D + d] = src[d] * jb.scale;
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + R * D, 0.f);
+  const int64_t last = jb.ctx + i1 - 1;  // the last query's position: no key after it is seen
+  const int64_t first = jb.window > 0 ? std::max<int64_t>(0, jb.ctx + i0 - jb.window + 1) : 0;
+  for (int64_t t0 = first; t0 <= last; t0 += kTk) {
+    const int64_t n = std::min<int64_t>(kTk, last + 1 - t0);
+    for (int64_t j = 0; j < kTk; ++j) {
+      const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
+      const KV* vp = jb.v + (t0 + j) * jb.vs + g * jb.vhs;
+      if (j < n) {
+        for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = widen(kp[d]);
+        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = widen(vp[d]);
+      } else {
+        for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = 0.f;
+        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = 0.f;
+      }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
+      const int rb = static_cast<int>(std::min<int64_t>(kRowsPerPass, R - r0));
+      float sc[kRowsPerPass][kTk];
+      tile_scores(qr + r0 * D, D, kt, rb, sc);
+      for (int rr = 0; rr < rb; ++rr) {
+        const int64_t r = r0 + rr, pos = jb.ctx + i0 + r % nq;
+        const int64_t lo = jb.window > 0 ? pos - jb.window + 1 : 0;
+        if (t0 > pos || t0 + kTk <= lo) continue;  // the tile lies after this query, or before its window
+        // keys j of the tile this row sees: t0 + j in [lo, pos], j < n
+        const int64_t j_end = std::min<int64_t>(n, pos - t0 + 1), j_begin = std::max<int64_t>(0, lo - t0);
+        float* s = sc[rr];
+        float sum;
+        const float m_new = softmax_tile(s, j_begin, j_end, m[r], &sum);
+        const float corr = exp_nonpositive(m[r] - m_new);  // 0 for the first tile (m = -inf)
+        m[r] = m_new;
+        l[r] = l[r] * corr + sum;
+        tile_values(o + r * D, D, corr, s, vt, static_cast<int>(n));
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = jb.o + (i0 + r % nq) * jb.os + (g * G + r / nq) * jb.ohs;
+    const float inv = 1.f / l[r];  // every row sees at least its own key
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+  }
+}
+
+template <typename KV>
+static void prefill_attention_t(torch::Tensor out, torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                                double scale, int64_t window) {
+  const int64_t Lq = query.size(0), H = query.size(1), D = query.size(2), Lk = key.size(0), Hkv = key.size(1);
+  const PrefillJob<KV> jb{query.data_ptr<float>(), query.stride(0), query.stride(1),
+                          reinterpret_cast<const KV*>(key.data_ptr()), reinterpret_cast<const KV*>(value.data_ptr()),
+                          key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                          out.data_ptr<float>(), out.stride(0), out.stride(1),
+                          D, H / Hkv, Lk - Lq, window, static_cast<float>(scale)};
+  const int64_t tiles = (Lq + kTq - 1) / kTq, jobs = tiles * Hkv;
+  // a tile's cost grows with its position (causal): the threads take jobs from a shared counter, dearest
+  // tiles first, so that the cheap ones at the end even out their shares
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> buf;
+    for (int64_t job = next.fetch_add(1); job < jobs; job = next.fetch_add(1)) {
+      const int64_t tile = tiles - 1 - job / Hkv, g = job % Hkv;
+      prefill_job<KV>(jb, g, tile * kTq, std::min(Lq, (tile + 1) * kTq), buf);
+    }
+  });
+}
+
+void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                       double scale, int64_t window) {
+  if (key.scalar_type() == at::kFloat)
+    prefill_attention_t<float>(out, query, key, value, scale, window);
+  else
+    prefill_attention_t<uint16_t>(out, query, key, value, scale, window);
+}
