@@ -7,7 +7,7 @@
         │
  load: --requests streams, --concurrency at a time, --cancel-fraction closed early by the client
         │            controller, in turn: SIGKILL prefill-0 ─► wait until it is back ─► decode-0 ─► ...
-        │            kv_transfer ─► Redis (restarted empty, same port) ─► router; then again
+        │            kv_transfer ─► Redis (restarted empty, same port) ─► router; --rounds times
         ▼
  every stream: completed (text == reference), cancelled by its client, or an error that came within
  30 s of its last byte (never a hang) ─► engines' KV blocks and kv_transfer's leases back to their
@@ -15,7 +15,7 @@
         ─► JSON in bench/results/chaos_soak-*.json (last stdout line: the summary)
 ```
 
-    .venv/bin/python -m bench.chaos_soak [--requests 1000] [--concurrency 8]
+    .venv/bin/python -m bench.chaos_soak [--requests 1000] [--concurrency 8] [--rounds 1]
 
 tests/e2e/test_chaos_soak.py runs a bounded soak (under 10 minutes) and asserts the invariants.
 """
@@ -65,8 +65,9 @@ class SoakConfig:
     num_prompts: int = 8
     settle_s: float = 4.0  # load runs this long between one victim back and the next kill
     request_timeout_s: float = 120.0
-    max_requests_factor: int = 4  # the load goes on past num_requests until every victim was killed once
+    max_requests_factor: int = 4  # the load goes on past num_requests until every round of kills is done
     seed: int = 0
+    rounds: int = 1  # times every victim is killed, in turn
 
 
 @dataclass
@@ -174,9 +175,9 @@ class Controller:
         self.stack, self.redis, self.config, self.log = stack, redis, config, log
 
     def run(self, faults_done: threading.Event, load_done: threading.Event) -> None:
-        """Every victim once, in turn (then `faults_done`), unless the load ends first."""
+        """Every victim in turn, `rounds` times (then `faults_done`), unless the load ends first."""
         try:
-            for victim in VICTIMS:
+            for victim in VICTIMS * self.config.rounds:
                 if load_done.wait(self.config.settle_s):
                     return
                 self._fault(victim)
@@ -304,12 +305,16 @@ def main() -> None:
     parser.add_argument("--cancel-fraction", type=float, default=0.1)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="times every victim is killed, in turn")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="where the stack's logs stay (default: a fresh temporary directory, kept)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     config = SoakConfig(num_requests=args.requests, concurrency=args.concurrency,
-                        cancel_fraction=args.cancel_fraction, max_tokens=args.max_tokens, seed=args.seed)
+                        cancel_fraction=args.cancel_fraction, max_tokens=args.max_tokens, seed=args.seed,
+                        rounds=args.rounds)
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="baton-soak-"))
     logger.info("stack state and logs in %s", state_dir)
     report = run_soak(config, state_dir)
