@@ -124,15 +124,17 @@ class TransferGroup:
             return
         self.handles.append(handle)
         self.nbytes += plan.nbytes
+        if handle.state is TransferState.FAILED:  # a transport may fail a transfer as it posts it
+            self.error = handle.error or "transfer failed"
 
     def poll(self) -> TransferState:
         if self.error is not None:
             return TransferState.FAILED
         pending = False
         for handle in self.handles:
-            if handle.done:
-                continue
-            state = self.link.transport.poll(handle)
+            # a handle that ended is checked too: one that failed as it was posted, or in another poll, must
+            # fail the group (counting it as done once let a pull whose reads never ran serve its blocks)
+            state = handle.state if handle.done else self.link.transport.poll(handle)
             if state is TransferState.FAILED:
                 self.error = handle.error or "transfer failed"
                 return TransferState.FAILED
