@@ -4,13 +4,11 @@
 // the compiler's version of the plain loop left as one chain through memory, 2.4 ms against 0.9 a chunk);
 // below it, plain loops over the same tiles.
 
-#include "exp_simd.h"  // inside the level's namespace
+#include "exp_simd.h"  // inside the level's namespace: exp_nonpositive(16)
+#include "simd_dot.h"  // to_f32: a bf16 cache's bits widened
 
 constexpr int kTq = 16;  // query positions per job (every query head of one KV head: group * kTq rows)
 constexpr int kTk = 16;  // keys per tile
-
-static inline float widen(float v) { return v; }
-static inline float widen(uint16_t bf16_bits) { return bf16_bits_to_float(bf16_bits); }
 
 // Rows whose scores one pass computes: their accumulators are independent FMA chains
 constexpr int kRowsPerPass = 8;
@@ -53,20 +51,7 @@ static inline float softmax_tile(float* s, int64_t j_begin, int64_t j_end, float
   const __mmask16 valid = static_cast<__mmask16>(((1u << j_end) - 1) & ~((1u << j_begin) - 1));
   const __m512 sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s));
   const float m_new = std::max(m_old, _mm512_reduce_max_ps(sv));
-  // exp_nonpositive's steps, on 16 lanes
-  __m512 x = _mm512_max_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)), _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-  const __m512 e = _mm512_maskz_mul_ps(valid, p, _mm512_castsi512_ps(bits));
+  const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
   _mm512_storeu_ps(s, e);
   *sum = _mm512_reduce_add_ps(e);
   return m_new;
@@ -159,8 +144,8 @@ static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t
       if (j < n) {
         const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
         const KV* vp = jb.v + (t0 + j) * jb.vs + g * jb.vhs;
-        for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = widen(kp[d]);
-        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = widen(vp[d]);
+        for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = to_f32(kp[d]);
+        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f32(vp[d]);
       } else {
         for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = 0.f;
         for (int64_t d = 0; d < D; ++d) vt[j * D + d] = 0.f;

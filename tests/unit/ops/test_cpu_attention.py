@@ -2,9 +2,9 @@
 
 Short rows (decodes, verify chunks of up to 17 tokens) go through the decode kernel, long
 prefill chunks through the prefill kernel (csrc/prefill_attention_cpu.cpp; its own tests are
-test_prefill_attention.py), so mixed batches check the split too. The kernel must build on any machine that runs the tests (it needs the C++
-compiler torch uses); a machine where it does not fails here rather than silently
-comparing the reference with itself.
+test_prefill_attention.py), so mixed batches check the split too. The kernels must build on
+any machine that runs the tests (they need the C++ compiler torch uses); a machine where they
+do not fails here rather than silently comparing the reference with itself.
 """
 
 from __future__ import annotations
