@@ -27,7 +27,7 @@ from shared.errors import InvalidRequestError
 from shared.models.gemma4.multimodal import MultimodalConfig
 from shared.multimodal.items import AUDIO, IMAGE, MediaItem
 from shared.multimodal.media import AUDIO_SAMPLE_RATE, MediaLimits, content_hash, decode_audio, decode_image
-from shared.multimodal.processor import Gemma4MediaProcessor
+from shared.multimodal.seams import MediaProcessor
 
 MEDIA_PART_TYPES = ("image_url", "input_audio", "input_image")
 MARKER = "\x00baton-media-{}\x00"
@@ -51,7 +51,7 @@ class RouterMedia:
     """What the router knows of a model's media side: its token ids, processor rules and the request limits."""
 
     config: MultimodalConfig
-    processor: Gemma4MediaProcessor
+    processor: MediaProcessor
     limits: MediaLimits = field(default_factory=MediaLimits)
     url_allowlist: tuple[str, ...] = ()  # hosts (or ".domain" suffixes) http(s) image URLs may name
     fetch_timeout_s: float = 10.0

@@ -2,7 +2,7 @@
 
     baton make-tiny gemma4 --out DIR [--moe] [--k-eq-v] [--kv-shared-layers N] [--ple-size N]
                            [--double-wide-mlp] [--layers N] [--hidden-size N] [--multimodal] [--seed S]
-                           [--vision] [--audio] [--bidirectional-vision]
+                           [--vision] [--audio] [--bidirectional-vision] [--unified]
     baton make-tiny gemma4-assistant --target DIR --out ADIR [--ordered-embeddings]
     baton up --model DIR --spec gemma4_assistant --spec-draft-model ADIR
 
@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--audio", action="store_true", help="with a tiny audio tower (implies --multimodal)")
     p.add_argument("--bidirectional-vision", action="store_true",
                    help="an image's soft tokens attend to each other on sliding layers")
+    p.add_argument("--unified", action="store_true",
+                   help="the 12B model's layout (gemma4_unified): no PLE or MoE; --vision / --audio add its "
+                        "encoder-free embedders (images seen both ways on every layer, as published)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="40MB", help="safetensors shard size (default 40MB)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
@@ -58,7 +61,7 @@ def run_make_tiny(args: argparse.Namespace) -> int:
                       kv_shared_layers=args.kv_shared_layers, ple_size=args.ple_size,
                       double_wide_mlp=args.double_wide_mlp, sliding_window=args.sliding_window,
                       multimodal=args.multimodal, vision=args.vision, audio=args.audio,
-                      bidirectional_vision=args.bidirectional_vision, seed=args.seed)
+                      bidirectional_vision=args.bidirectional_vision, unified=args.unified, seed=args.seed)
     tokenizer_dir = resolve_model("gemma3-270m", args.cache_dir)
     print(write_checkpoint(args.out, opts, tokenizer_dir, args.max_shard_size))
     return 0

@@ -135,6 +135,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.layout, config.device, config.seed,
                                   tuple(config.aux_hidden_layers))
         self.runner.media_encoder = self.loaded.media_encoder
+        self.runner.bidirectional_every_layer = bool(self.loaded.multimodal is not None
+                                                     and self.loaded.multimodal.bidirectional_every_layer)
         self._attach_offload_tier()
         bind = getattr(self.speculator.proposer, "bind_target", None) if self.speculator is not None else None
         if bind is not None:  # a proposer that reads the target's cache (gemma4_assistant)

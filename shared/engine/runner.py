@@ -206,6 +206,7 @@ class ModelRunner:
         self.overlap_masks = True
         self.masks = MaskOverlap()
         self.media_encoder: MediaEncoder | None = None  # a multimodal model's towers (set by the engine)
+        self.bidirectional_every_layer = False  # its images' spans hold on every layer (set by the engine)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
         """Replay decode steps of up to `max_num_seqs` single-token sequences from CUDA graphs.
@@ -382,6 +383,7 @@ class ModelRunner:
             positions=positions,
             tree_masks=inputs.tree_masks,
             bidirectional_spans=inputs.bidirectional_spans,
+            bidirectional_every_layer=self.bidirectional_every_layer,
         )
         if inputs.group_tables:  # each group's slot of each token, from the same (slot) positions
             bs, slot_pos = self.layout.block_size, out.positions

@@ -1,7 +1,9 @@
 """Media items to soft tokens in an engine: decode, preprocess, encode; the result cached by content hash.
 
-    MediaItem(bytes) ──media.decode_*──► image | wave ──Gemma4MediaProcessor──► patches | mel
-                     ──Gemma4Encoders──► [num_tokens, hidden]   (checked against the item's count)
+    MediaItem(bytes) ──media.decode_*──► image | wave ──MediaProcessor──► patches | audio frames
+                     ──MediaTowers──► [num_tokens, hidden]   (checked against the item's count)
+
+(seams.py: Gemma 4's processor and towers, or gemma4_unified's encoder-free ones.)
 
 The cache is a small LRU of encoder outputs keyed by the item's digest: the
 same image sent again (a later turn, n > 1, a retried request) is not encoded
@@ -17,10 +19,9 @@ from collections import OrderedDict
 import torch
 
 from shared.errors import InvalidRequestError
-from shared.models.gemma4.multimodal import Gemma4Encoders
 from shared.multimodal.items import AUDIO, IMAGE, MediaItem
 from shared.multimodal.media import MediaLimits, decode_audio, decode_image
-from shared.multimodal.processor import Gemma4MediaProcessor
+from shared.multimodal.seams import MediaProcessor, MediaTowers
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 class MediaEncoder:
     """A model's media path: processor, towers and the encoder-output cache."""
 
-    def __init__(self, processor: Gemma4MediaProcessor, encoders: Gemma4Encoders,
+    def __init__(self, processor: MediaProcessor, encoders: MediaTowers,
                  limits: MediaLimits | None = None, cache_items: int = 64) -> None:
         self.processor = processor
         self.encoders = encoders
@@ -70,4 +71,4 @@ class MediaEncoder:
             image = self.processor.image(decode_image(item.data, self.limits, "messages"))
             return self.encoders.encode_image(image.patches, image.positions)
         clip = self.processor.audio(decode_audio(item.data, item.audio_format, self.limits, "messages"))
-        return self.encoders.encode_audio(clip.mel, clip.frame_mask)
+        return self.encoders.encode_audio(clip.features, clip.frame_mask)

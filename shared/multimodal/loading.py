@@ -4,6 +4,9 @@ A `Gemma4ForConditionalGeneration` checkpoint with a `vision_config` or an
 `audio_config` reads images or audio; its towers' tensors live under
 `model.vision_tower.`, `model.audio_tower.`, `model.embed_vision.` and
 `model.embed_audio.`, and its `processor_config.json` says how media is cut.
+A `Gemma4UnifiedForConditionalGeneration` checkpoint (model type `gemma4_unified`)
+has no towers, only the embedders under `model.embed_vision.` and
+`model.embed_audio.`, and its own processor rules (unified_processor.py).
 Any other checkpoint is text-only: a media part sent to it is a 400.
 """
 
@@ -18,16 +21,23 @@ import torch
 
 from shared.models.checkpoint import read_prefixed_weights
 from shared.models.gemma4.multimodal import Gemma4Encoders, MultimodalConfig, multimodal_config
+from shared.models.gemma4.unified_media import Gemma4UnifiedEncoders
 from shared.multimodal.encoder import MediaEncoder
 from shared.multimodal.processor import Gemma4MediaProcessor
+from shared.multimodal.seams import MediaProcessor, MediaTowers
+from shared.multimodal.unified_processor import Gemma4UnifiedMediaProcessor
 
 logger = logging.getLogger(__name__)
 
 TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
-MULTIMODAL_ARCHITECTURES = frozenset({"Gemma4ForConditionalGeneration"})
+MULTIMODAL_ARCHITECTURES = frozenset({"Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration"})
 
 
-def read_multimodal(hf_dir: Path, arch_name: str) -> tuple[MultimodalConfig, Gemma4MediaProcessor, Any] | None:
+def _is_unified(config: Any) -> bool:
+    return getattr(config, "model_type", None) == "gemma4_unified"
+
+
+def read_multimodal(hf_dir: Path, arch_name: str) -> tuple[MultimodalConfig, MediaProcessor, Any] | None:
     """(its multimodal config, its processor, the full HF config) when the checkpoint reads media, else None."""
     if arch_name not in MULTIMODAL_ARCHITECTURES:
         return None
@@ -37,6 +47,10 @@ def read_multimodal(hf_dir: Path, arch_name: str) -> tuple[MultimodalConfig, Gem
     mm = multimodal_config(config)
     if mm is None:
         return None
+    if _is_unified(config):
+        unified = Gemma4UnifiedMediaProcessor.from_dir(hf_dir)
+        unified.check_against(config)
+        return mm, unified, config
     return mm, Gemma4MediaProcessor.from_dir(hf_dir), config
 
 
@@ -48,8 +62,10 @@ def load_media_encoder(hf_dir: Path, arch_name: str, device: str, dtype: torch.d
         return None
     mm, processor, config = found
     t0 = time.monotonic()
-    encoders = Gemma4Encoders(config, read_prefixed_weights(hf_dir, TOWER_PREFIXES), device, dtype)
-    logger.info("loaded the media towers (%s) in %.2f s",
+    weights = read_prefixed_weights(hf_dir, TOWER_PREFIXES)
+    towers: MediaTowers = (Gemma4UnifiedEncoders(config, weights, device, dtype) if _is_unified(config)
+                           else Gemma4Encoders(config, weights, device, dtype))
+    logger.info("loaded the media %s (%s) in %.2f s", "embedders" if _is_unified(config) else "towers",
                 ", ".join(k for k, on in (("vision", mm.has_vision), ("audio", mm.has_audio)) if on),
                 time.monotonic() - t0)
-    return MediaEncoder(processor, encoders, cache_items=cache_items), mm
+    return MediaEncoder(processor, towers, cache_items=cache_items), mm

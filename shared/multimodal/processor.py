@@ -37,7 +37,9 @@ class ProcessedImage:
 
 @dataclass
 class ProcessedAudio:
-    mel: torch.Tensor  # [num_frames, num_mel_bins] float32
+    # [num_frames, num_mel_bins] log-mel frames (Gemma 4), or [num_frames, samples_per_token] raw waveform frames
+    # (gemma4_unified), float32
+    features: torch.Tensor
     frame_mask: torch.Tensor  # [num_frames] bool
     num_soft_tokens: int
 

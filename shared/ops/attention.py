@@ -15,6 +15,8 @@ So is a chunk holding an image whose soft tokens see each other (Gemma 4's
 `use_bidirectional_attention: "vision"`): on sliding-window layers a query inside
 one of `bidirectional_spans` also sees the later keys of its span (still within
 the window: `p > pos - sliding_window`); full layers stay causal, as transformers'.
+With `bidirectional_every_layer` (gemma4_unified, whose forward builds Gemma 3's
+mask) a query sees its whole span on every layer, past the window too.
 The scheduler never splits such a span across chunks.
 
 The reference runs anywhere (the CPU serving path uses it); the Triton kernel in
@@ -53,6 +55,8 @@ class AttentionMetadata:
     # sequence index -> [start, end) positions of the images in its chunk whose tokens attend to each other on
     # sliding-window layers (multimodal prompts of Gemma 4 models that ask for it)
     bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # the spans hold on full layers too, and on sliding ones past the window (gemma4_unified)
+    bidirectional_every_layer: bool = False
     # (block_tables, slot_mapping) of each further KV layer group (shared/engine/hybrid_kv.py), as above
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # per-step values every layer shares (index tensors, masks), built once by the first layer
@@ -136,9 +140,11 @@ def _chunk_mask(
         mask = _position_mask(context + depth, torch.arange(s_len, device=device), sliding_window)
         if tree is not None:  # ancestors lie within the window: a tree is far shallower than any window
             mask[:, context:] = tree
-        spans = meta.bidirectional_spans.get(seq) if sliding_window is not None else None
+        every_layer = meta.bidirectional_every_layer
+        spans = meta.bidirectional_spans.get(seq) if sliding_window is not None or every_layer else None
         if spans:
-            mask |= _span_mask(context + depth, torch.arange(s_len, device=device), spans, sliding_window)
+            mask |= _span_mask(context + depth, torch.arange(s_len, device=device), spans,
+                               None if every_layer else sliding_window)
         meta.step_cache[key] = mask
     return mask  # type: ignore[return-value]
 

@@ -39,10 +39,14 @@ class MultimodalConfig:
     has_vision: bool
     has_audio: bool
     bidirectional_vision: bool  # sliding layers let an image's soft tokens see each other
+    # gemma4_unified: Gemma 3's mask instead, an image's soft tokens see each other on every layer, full and
+    # sliding, past the sliding window (unified_media.py)
+    bidirectional_every_layer: bool = False
 
 
 def multimodal_config(config: Any) -> MultimodalConfig | None:
-    """The multimodal part of a `Gemma4Config` (None: a text-only config or checkpoint without towers)."""
+    """The multimodal part of a `Gemma4Config` or `Gemma4UnifiedConfig` (None: a text-only config or checkpoint
+    without towers)."""
     vision, audio = getattr(config, "vision_config", None), getattr(config, "audio_config", None)
     if vision is None and audio is None:
         return None
@@ -53,6 +57,7 @@ def multimodal_config(config: Any) -> MultimodalConfig | None:
         boa_token_id=int(config.boa_token_id), eoa_token_id=int(config.eoa_token_index),
         pad_token_id=int(text.pad_token_id or 0), has_vision=vision is not None, has_audio=audio is not None,
         bidirectional_vision=getattr(text, "use_bidirectional_attention", None) == "vision",
+        bidirectional_every_layer=getattr(config, "model_type", None) == "gemma4_unified",
     )
 
 

@@ -9,6 +9,8 @@ safetensors with their index. `multimodal` saves a Gemma4ForConditionalGeneratio
 checkpoints are; `vision` and `audio` add tiny towers (vision.py, audio.py) with
 their embedders and a `processor_config.json` (image processor and audio feature
 extractor settings, as Gemma4Processor saves them) sized for the tiny towers.
+`unified` builds the 12B model's layout instead (`gemma4_unified`, tiny_unified.py):
+its decoder without PLE or MoE and, with `vision` / `audio`, its encoder-free embedders.
 
 The tokenizer is a stand-in: the packaged Gemma 3 tokenizer (the same 262,144
 token vocabulary, but without Gemma 4's control tokens such as `<|turn>`, which
@@ -25,6 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from shared.errors import ConfigError
+from shared.models.gemma4.tiny_unified import (
+    unified_model_config,
+    unified_processor_config,
+    unified_text_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +58,8 @@ class TinyGemma4:
     multimodal: bool = False  # save as Gemma4ForConditionalGeneration
     vision: bool = False  # with a vision tower (implies multimodal)
     audio: bool = False  # with an audio tower (implies multimodal)
-    bidirectional_vision: bool = False  # use_bidirectional_attention="vision"
+    bidirectional_vision: bool = False  # use_bidirectional_attention="vision" (always so with `unified`)
+    unified: bool = False  # gemma4_unified: the 12B model's decoder and encoder-free media embedders
     seed: int = 0
 
 
@@ -104,11 +114,12 @@ def tiny_processor_config() -> dict[str, Any]:
             "audio_ms_per_token": 40}
 
 
-def write_processor_config(out_dir: Path) -> None:
-    """`processor_config.json` as Gemma4Processor writes it: its image processor and feature extractor."""
+def write_processor_config(out_dir: Path, config: dict[str, Any] | None = None) -> None:
+    """`processor_config.json` as Gemma4Processor writes it (or `config`): its image processor and feature
+    extractor."""
     import json
 
-    config = tiny_processor_config()
+    config = config if config is not None else tiny_processor_config()
     (out_dir / "processor_config.json").write_text(json.dumps(config, indent=2, default=str))
 
 
@@ -130,6 +141,10 @@ def text_config(opts: TinyGemma4) -> Any:
     )
     if opts.k_eq_v:
         kw["num_global_key_value_heads"] = 1
+    if opts.unified:
+        if opts.moe or opts.ple_size:
+            raise ConfigError("gemma4_unified has no MoE block and no per-layer input embeddings")
+        return unified_text_config(kw)
     if opts.moe:
         kw |= dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=opts.hidden_size // 2)
     return Gemma4TextConfig(**kw)
@@ -153,14 +168,20 @@ def randomize(model: Any, seed: int = 0, std: float = 0.2) -> Any:
 
 
 def build(opts: TinyGemma4) -> Any:
-    """The transformers model (Gemma4ForCausalLM, or Gemma4ForConditionalGeneration when multimodal)."""
+    """The transformers model (Gemma4ForCausalLM, or Gemma4ForConditionalGeneration when multimodal; their
+    Gemma4Unified* counterparts with `unified`)."""
     from transformers import AutoModelForCausalLM, Gemma4ForConditionalGeneration
 
     text = text_config(opts)
     if opts.bidirectional_vision:
         text.use_bidirectional_attention = "vision"
-    if opts.multimodal or opts.vision or opts.audio:
-        token_ids = SMALL_VOCAB_TOKEN_IDS if opts.vocab_size <= 256 else None
+    token_ids = SMALL_VOCAB_TOKEN_IDS if opts.vocab_size <= 256 else None
+    model: Any
+    if opts.unified and (opts.multimodal or opts.vision or opts.audio):
+        from transformers.models.gemma4_unified import Gemma4UnifiedForConditionalGeneration
+
+        model = Gemma4UnifiedForConditionalGeneration(unified_model_config(text, opts.vision, opts.audio, token_ids))
+    elif opts.multimodal or opts.vision or opts.audio:
         model = Gemma4ForConditionalGeneration(multimodal_model_config(text, opts.vision, opts.audio, token_ids))
     else:
         model = AutoModelForCausalLM.from_config(text)
@@ -180,7 +201,7 @@ def write_checkpoint(out_dir: Path, opts: TinyGemma4, tokenizer_dir: Path | None
             shutil.copy(tokenizer_dir / name, out_dir / name)
     shutil.copy(CHAT_TEMPLATE, out_dir / "chat_template.jinja")
     if opts.vision or opts.audio:
-        write_processor_config(out_dir)
+        write_processor_config(out_dir, unified_processor_config() if opts.unified else None)
     return out_dir
 
 

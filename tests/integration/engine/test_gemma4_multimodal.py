@@ -66,7 +66,7 @@ def test_audio_soft_tokens_match_transformers(hf: Any, ours: tuple[Any, Gemma4En
         with torch.no_grad():
             res = hf.model.get_audio_features(out["input_features"], out["input_features_mask"])
         theirs = res.pooler_output[res.attention_mask]
-        mine = ours[1].encode_audio(clip.mel, clip.frame_mask)
+        mine = ours[1].encode_audio(clip.features, clip.frame_mask)
         assert mine.shape == theirs.shape and mine.shape[0] == clip.num_soft_tokens
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
@@ -111,7 +111,7 @@ def test_image_and_audio_prompt_logits_and_greedy_match_transformers(bidirection
     img, wave = random_image(40, 28, seed=3), random_wave(0.5, seed=2)
     image, clip = proc.image(img), proc.audio(wave)
     soft = torch.cat([encoders.encode_image(image.patches, image.positions),
-                      encoders.encode_audio(clip.mel, clip.frame_mask)])
+                      encoders.encode_audio(clip.features, clip.frame_mask)])
     ids = _prompt(image.num_soft_tokens, clip.num_soft_tokens)
     pix = proc.images(images=[img], return_tensors="pt")
     feats = proc.audio_features([wave], return_tensors="pt")
