@@ -5,8 +5,8 @@ A `Gemma4ForConditionalGeneration` checkpoint with a `vision_config` or an
 `model.vision_tower.`, `model.audio_tower.`, `model.embed_vision.` and
 `model.embed_audio.`, and its `processor_config.json` says how media is cut.
 A `Gemma4UnifiedForConditionalGeneration` checkpoint (model type `gemma4_unified`)
-has no towers, only the embedders under `model.embed_vision.` and
-`model.embed_audio.`, and its own processor rules (unified_processor.py).
+has no towers, only embedders (`model.vision_embedder.`, `model.embed_vision.`,
+`model.embed_audio.`), and its own processor rules (unified_processor.py).
 Any other checkpoint is text-only: a media part sent to it is a 400.
 """
 
@@ -29,7 +29,8 @@ from shared.multimodal.unified_processor import Gemma4UnifiedMediaProcessor
 
 logger = logging.getLogger(__name__)
 
-TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                  "model.vision_embedder.")
 MULTIMODAL_ARCHITECTURES = frozenset({"Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration"})
 
 

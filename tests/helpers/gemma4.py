@@ -104,7 +104,9 @@ def hf_from_checkpoint(path: Path) -> Any:
     import json
 
     from transformers import AutoModelForCausalLM, Gemma4ForConditionalGeneration
+    from transformers.models.gemma4_unified import Gemma4UnifiedForConditionalGeneration
 
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
-    cls = Gemma4ForConditionalGeneration if arch == "Gemma4ForConditionalGeneration" else AutoModelForCausalLM
-    return cls.from_pretrained(path).eval()
+    classes: dict[str, Any] = {"Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
+                               "Gemma4UnifiedForConditionalGeneration": Gemma4UnifiedForConditionalGeneration}
+    return classes.get(arch, AutoModelForCausalLM).from_pretrained(path).eval()

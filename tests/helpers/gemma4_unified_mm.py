@@ -33,6 +33,14 @@ def tiny_unified_hf(seed: int = 0, vision: bool = True, audio: bool = True, **ov
     return randomize(Gemma4UnifiedForConditionalGeneration(config).eval(), seed)
 
 
+def saved_weights(hf: Any) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names `save_pretrained` writes (transformers renames the vision embedder's as
+    it loads them; baton reads the saved names)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(hf, dict(hf.state_dict()))  # type: ignore[no-any-return]
+
+
 def unified_processor() -> Any:
     """The tiny embedders' processor (what `baton make-tiny gemma4 --unified --vision --audio` writes)."""
     from shared.multimodal.unified_processor import Gemma4UnifiedMediaProcessor
@@ -100,7 +108,7 @@ def tiny_unified_loaded(seed: int = 0, **overrides: Any) -> tuple[Any, Any]:
     hf = tiny_unified_hf(seed, **overrides)
     spec = spec_from_config(hf.config.text_config)
     model = build_model(spec, text_weights(hf), pick_attention("auto", "cpu"))
-    encoder = MediaEncoder(unified_processor(), Gemma4UnifiedEncoders(hf.config, hf.state_dict()))
+    encoder = MediaEncoder(unified_processor(), Gemma4UnifiedEncoders(hf.config, saved_weights(hf)))
     loaded = LoadedModel(name="tiny-gemma4-unified", hf_dir=Path("/nonexistent"), hf_config=hf.config.text_config,
                          spec=spec, model=model, tokenizer=None, eos_token_ids=frozenset({1}),
                          media_encoder=encoder, multimodal=multimodal_config(hf.config))

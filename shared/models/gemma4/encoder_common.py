@@ -55,10 +55,6 @@ class TowerWeights:
             raise ConfigError(f"checkpoint tensor {full!r} has shape {tuple(tensor.shape)}, the config implies {shape}")
         return tensor.to(device=self._device, dtype=self._dtype).contiguous()
 
-    def nested(self, prefix: str) -> TowerWeights:
-        """The tensors under `prefix` inside this one's (a submodule's)."""
-        return TowerWeights(self._weights, self._prefix + prefix, self._device, self._dtype)
-
     def has(self, name: str) -> bool:
         return self._prefix + name in self._weights
 

@@ -8,8 +8,13 @@
 
 transformers' Gemma4UnifiedVisionEmbedder runs on the processor's batch padded
 to `max_soft_tokens` and strips the padding rows after it; every step acts on
-one patch alone, so running only the real patches gives the same rows. Its
-checkpoint tensors live under `model.embed_vision.` and `model.embed_audio.`.
+one patch alone, so running only the real patches gives the same rows.
+
+Checkpoint tensors, as saved (transformers renames them as it loads, its
+conversion_mapping.py; baton reads the saved names):
+    model.vision_embedder.{patch_ln1,patch_dense,patch_ln2,pos_norm}.{weight,bias}, .pos_embedding
+    model.embed_vision.embedding_projection.weight   (transformers: embed_vision.multimodal_embedder....)
+    model.embed_audio.embedding_projection.weight
 
 Attention over images: the unified model's forward builds Gemma 3's mask (an
 image's soft tokens see each other on every layer, full and sliding, past the
@@ -44,7 +49,8 @@ class _LayerNorm:
 class UnifiedVisionEmbedder:
     """transformers' Gemma4UnifiedVisionEmbedder: merged pixel patches straight into the text model's space."""
 
-    def __init__(self, vision: Any, text_hidden: int, weights: TowerWeights) -> None:  # a Gemma4UnifiedVisionConfig
+    def __init__(self, vision: Any, text_hidden: int, weights: TowerWeights,
+                 projection: TowerWeights) -> None:  # a Gemma4UnifiedVisionConfig; the embedder's own weights
         patch_dim = (vision.patch_size * vision.pooling_kernel_size) ** 2 * 3
         embed_dim = vision.mm_embed_dim
         if vision.output_proj_dims != embed_dim:
@@ -58,7 +64,7 @@ class UnifiedVisionEmbedder:
         self.patch_ln2 = _LayerNorm(weights, "patch_ln2", embed_dim)
         self.pos_embedding = weights.get("pos_embedding", (vision.mm_posemb_size, 2, embed_dim))
         self.pos_norm = _LayerNorm(weights, "pos_norm", embed_dim)
-        self.embedder = Embedder(weights.nested("multimodal_embedder."), embed_dim, text_hidden, vision.rms_norm_eps)
+        self.embedder = Embedder(projection, embed_dim, text_hidden, vision.rms_norm_eps)
 
     def __call__(
         self,
@@ -85,6 +91,7 @@ class Gemma4UnifiedEncoders:
         self.audio: Embedder | None = None
         if config.vision_config is not None:
             self.vision = UnifiedVisionEmbedder(config.vision_config, text_hidden,
+                                                TowerWeights(weights, "model.vision_embedder.", device, dtype),
                                                 TowerWeights(weights, "model.embed_vision.", device, dtype))
         if config.audio_config is not None:
             audio = config.audio_config

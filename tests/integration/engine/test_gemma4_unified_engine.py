@@ -14,6 +14,8 @@ import pytest
 
 from shared.engine.engine import GenerationResult
 from shared.engine.request import SamplingParams
+from shared.multimodal.items import MediaItem
+from shared.multimodal.media import content_hash
 from tests.helpers.gemma4_mm import image_bytes, mm_prompt, random_image, random_wave, wav_bytes
 from tests.helpers.gemma4_unified_mm import hf_unified_greedy, tiny_unified_loaded, unified_processor
 from tests.helpers.models import tiny_engine
@@ -50,3 +52,38 @@ def test_image_and_audio_prompts_match_transformers(engines, models, budget: int
     _check(results[1], hf_unified_greedy(hf, aud_ids, [], [wave], 8))
     _check(results[2], hf_unified_greedy(hf, both_ids, [random_image(30, 30, seed=4)], [wave], 8))
     assert loaded.media_encoder.num_encoded >= 3
+
+
+def test_make_tiny_unified_checkpoint_serves_media(engines, tmp_path) -> None:
+    """`baton make-tiny gemma4 --unified --vision --audio`, loaded as a user would: the loader picks the unified
+    processor and embedders by the config's model type, with the published token ids and vocabulary."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.models.gemma4.unified_media import Gemma4UnifiedEncoders
+    from shared.multimodal.unified_processor import Gemma4UnifiedMediaProcessor
+    from tests.helpers.gemma4 import hf_from_checkpoint, tiny_gemma4_checkpoint
+
+    path = tiny_gemma4_checkpoint(tmp_path / "tiny", unified=True, vision=True, audio=True, moe=False, ple_size=0,
+                                  num_layers=4)
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=512, kv_cache_bytes=16 << 20,
+                                    max_num_batched_tokens=32))
+    engines.append(engine)
+    encoder, mm = engine.loaded.media_encoder, engine.loaded.multimodal
+    assert isinstance(encoder.encoders, Gemma4UnifiedEncoders)
+    assert isinstance(encoder.processor, Gemma4UnifiedMediaProcessor)
+    assert mm.bidirectional_every_layer and engine.runner.bidirectional_every_layer
+    hf = hf_from_checkpoint(path)
+    assert mm.image_token_id == hf.config.image_token_id > 256_000  # the published ids
+    proc = encoder.processor
+    wave = random_wave(0.2, seed=6)
+    ids, items = [2, 1000, 2000], []
+    for kind, data, n in [("image", image_bytes(20, 52, seed=5), proc.image_tokens(20, 52)),
+                          ("audio", wav_bytes(wave), proc.audio_tokens(len(wave)))]:
+        begin, token, end = ((mm.boi_token_id, mm.image_token_id, mm.eoi_token_id) if kind == "image"
+                             else (mm.boa_token_id, mm.audio_token_id, mm.eoa_token_id))
+        ids.append(begin)
+        items.append(MediaItem(kind, len(ids), n, content_hash(data), data, "wav" if kind == "audio" else ""))
+        ids += [token] * n + [end]
+    ids += [3000, 4000]
+    result = engine.generate([ids], GREEDY, media=[items])[0]
+    _check(result, hf_unified_greedy(hf, ids, [random_image(20, 52, seed=5)], [wave], 8))

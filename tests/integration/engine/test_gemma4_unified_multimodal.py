@@ -35,6 +35,7 @@ from tests.helpers.gemma4_unified_mm import (
     feature_extractor,
     hf_inputs,
     padded_pixels,
+    saved_weights,
     tiny_unified_hf,
     unified_processor,
 )
@@ -49,7 +50,7 @@ def hf() -> Any:
 def ours(hf: Any) -> tuple[Any, Gemma4UnifiedEncoders]:
     spec = spec_from_config(hf.config.text_config)
     model = build_model(spec, text_weights(hf), pick_attention("auto", "cpu"))
-    return model, Gemma4UnifiedEncoders(hf.config, hf.state_dict())
+    return model, Gemma4UnifiedEncoders(hf.config, saved_weights(hf))
 
 
 def test_config_asks_for_images_seen_both_ways_on_every_layer(hf: Any) -> None:
