@@ -95,3 +95,23 @@ def test_an_unsupported_architecture_is_named(causal_lm: Path, tmp_path: Path) -
     proc = baton("generate", "--model", str(bad), "--prompt", "hi")
     assert proc.returncode == 2
     assert "architecture MistralForCausalLM is not supported" in proc.stderr
+
+
+def test_make_tiny_unified_writes_the_embedders_baton_reads(tmp_path: Path) -> None:
+    """`--unified --vision --audio`: the 12B layout with its encoder-free embedders, under the names transformers
+    saves (the engine's fidelity test serves one: tests/integration/engine/test_gemma4_unified_engine.py); a
+    checkpoint without one of them fails at load, naming it."""
+    from shared.multimodal.loading import read_multimodal
+    from shared.multimodal.unified_processor import Gemma4UnifiedMediaProcessor
+
+    out = tmp_path / "unified"
+    proc = baton("make-tiny", "gemma4", "--unified", "--vision", "--audio", "--layers", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4UnifiedForConditionalGeneration"]
+    found = read_multimodal(out, "Gemma4UnifiedForConditionalGeneration")
+    assert found is not None and isinstance(found[1], Gemma4UnifiedMediaProcessor)
+    assert found[0].has_vision and found[0].has_audio and found[0].bidirectional_every_layer
+    _edit_tensor(out, "model.vision_embedder.patch_dense.weight", None)
+    proc = baton("generate", "--model", str(out), "--prompt", "hi")
+    assert proc.returncode == 2
+    assert "checkpoint lacks tensor 'model.vision_embedder.patch_dense.weight'" in proc.stderr
