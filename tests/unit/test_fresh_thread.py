@@ -24,6 +24,18 @@ def _settled_threads(expected: int) -> int:
     return n
 
 
+def _steady_threads(steady_s: float = 0.3, timeout_s: float = 5.0) -> int:
+    """The thread count once it has not changed for `steady_s` (a thread an earlier test ended may still be
+    exiting: counted before and gone after, it would read as a team torn down)."""
+    deadline = time.monotonic() + timeout_s
+    n, since = _threads(), time.monotonic()
+    while time.monotonic() - since < steady_s and time.monotonic() < deadline:
+        time.sleep(0.01)
+        if (m := _threads()) != n:
+            n, since = m, time.monotonic()
+    return n
+
+
 def _parallel_work() -> float:
     # big enough that at::parallel_for forks a team (one worker per extra core)
     return float(torch.ones(1 << 22).mul(2.0).sum())
@@ -42,7 +54,7 @@ def test_result_and_error_come_back() -> None:
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2, reason="one core: no OpenMP team")
 def test_the_threads_team_is_gone_afterwards() -> None:
     async def main() -> tuple[int, int, int]:
-        before = _threads()
+        before = _steady_threads()
         await run_on_fresh_thread(_parallel_work)
         after_fresh = _settled_threads(before)
         await asyncio.to_thread(_parallel_work)  # what the model load used to do: the executor thread stays
