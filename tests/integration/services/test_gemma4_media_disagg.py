@@ -119,7 +119,9 @@ def test_media_disaggregated_equals_colocated_and_transformers(checkpoint: Path)
             engines = [s.host.aengine.engine for s in (first_prefill, second_prefill, decode)]
             assert all(e.num_free_kv_blocks == e.num_kv_blocks and not e.has_unfinished() for e in engines)
             assert kv.store.active_leases == 0
-            assert second_prefill.host.aengine.engine.loaded.media_encoder.num_encoded == 2
+            # case 1's image only: case 0's lies wholly in blocks imported from the pool, and the towers run
+            # only for the chunks that read an item
+            assert second_prefill.host.aengine.engine.loaded.media_encoder.num_encoded == 1
             return got
         finally:
             for s in (decode, second_prefill, first_prefill, kv):
