@@ -10,12 +10,15 @@ that arrive together go through the tower together (larger projections, one
 pass), and the same image in several of them is encoded once. The cache is a
 small LRU of encoder outputs keyed by the item's digest: the same image sent
 again (a later turn, n > 1, a retried request) is not encoded twice in this
-process; an item found there at intake needs no preparing.
+process; an item found there at intake needs no preparing. A prefill service
+also fills it from kv_transfer's shared cache and offers what it encoded there
+(`peek` / `remember`, called from the service's event loop: the cache has a lock).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,6 +44,7 @@ class MediaEncoder:
         self.limits = limits or MediaLimits()
         self.cache_items = cache_items
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()  # the engine thread and a service's event loop both use the cache
         self.num_encoded = 0  # items run through a tower (cache misses)
         self.num_cache_hits = 0
         self.num_batches = 0  # tower passes (encode_batch calls that encoded anything)
@@ -50,13 +54,27 @@ class MediaEncoder:
         return frozenset({IMAGE} if self.encoders.vision else set()) | (
             frozenset({AUDIO}) if self.encoders.audio else frozenset())
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoders.dtype
+
     def cached(self, item: MediaItem) -> torch.Tensor | None:  # [num_tokens, hidden]
-        out = self._cache.get(item.content_hash)
-        if out is None or out.shape[0] != item.num_tokens:
-            return None
-        self._cache.move_to_end(item.content_hash)
-        self.num_cache_hits += 1
-        return out
+        with self._lock:
+            out = self._cache.get(item.content_hash)
+            if out is None or out.shape[0] != item.num_tokens:
+                return None
+            self._cache.move_to_end(item.content_hash)
+            self.num_cache_hits += 1
+            return out
+
+    def peek(self, content_hash: bytes) -> torch.Tensor | None:
+        """The cached output for a digest, if any (not counted as a hit, not made the newest)."""
+        with self._lock:
+            return self._cache.get(content_hash)
+
+    def remember(self, content_hash: bytes, output: torch.Tensor) -> None:
+        """Cache an output encoded elsewhere ([num_tokens, hidden], moved to the towers' device and dtype)."""
+        self._remember(content_hash, output.to(self.encoders.device, self.encoders.dtype))
 
     def prepare(self, item: MediaItem) -> torch.Tensor | PreparedMedia:
         """The item's soft tokens if the cache holds them, else the item decoded and cut for its tower. Raises
@@ -109,7 +127,10 @@ class MediaEncoder:
         return ready if isinstance(ready, torch.Tensor) else self.encode_batch([ready], request_id)[0]
 
     def _remember(self, key: bytes, out: torch.Tensor) -> None:
-        if self.cache_items > 0:
+        if self.cache_items <= 0:
+            return
+        with self._lock:
             self._cache[key] = out
+            self._cache.move_to_end(key)
             while len(self._cache) > self.cache_items:
                 self._cache.popitem(last=False)

@@ -86,7 +86,7 @@ class Gemma4Encoders:
             self.audio = AudioTower(aspec, weights, device, dtype)
             self.embed_audio = Embedder(TowerWeights(weights, "model.embed_audio.", device, dtype),
                                         aspec.output_size, text_hidden, config.audio_config.rms_norm_eps)
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
 
     @torch.inference_mode()
     def encode_image(

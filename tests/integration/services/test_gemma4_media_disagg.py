@@ -4,7 +4,8 @@ written by `baton make-tiny gemma4 --vision --audio --bidirectional-vision`).
 The encoder runs in the prefill service; the KV handoff and decode are the text path's. Greedy tokens equal
 a colocated engine's and transformers'. kv_transfer's prefix pool keys blocks by the image too: the same
 text with another image, prefilled on a second instance, imports only the block before the image, and the
-first image sent again there imports nearly the whole prompt and answers the same.
+first image sent again there imports nearly the whole prompt and answers the same. kv_transfer also keeps
+the encoder outputs the prefills offer: an image another prefill encoded is not encoded again.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                   bidirectional_vision=True)
 
 
-def _prompt(checkpoint: Path, media: list[tuple[str, bytes]], text: list[int]) -> tuple[list[int], list[MediaItem]]:
+def _prompt(checkpoint: Path, media: list[tuple[str, bytes]], text: list[int],
+            head: tuple[int, ...] = (2, 1000, 2000, 3000, 4000, 5000)) -> tuple[list[int], list[MediaItem]]:
     from transformers import AutoConfig
 
     mm = multimodal_config(AutoConfig.from_pretrained(checkpoint))
     proc = Gemma4MediaProcessor.from_dir(checkpoint)
-    ids, items = [2, 1000, 2000, 3000, 4000, 5000], []
+    ids, items = list(head), []
     for kind, data in media:
         if kind == "image":
             with Image.open(io.BytesIO(data)) as img:
@@ -132,3 +134,42 @@ def test_media_disaggregated_equals_colocated_and_transformers(checkpoint: Path)
     block = 16  # EngineConfig's default block size: the image starts in the first block
     assert got[1][1] == 0  # another image: nothing before the image fills a whole block
     assert got[2][1] >= len(cases[0][0]) - 2 * block  # the first image again: read from kv_transfer's pool
+
+
+def test_an_image_encoded_by_one_prefill_is_not_encoded_again_by_another(checkpoint: Path) -> None:
+    """Prefill A encodes the image and offers its output to kv_transfer; prefill B, sent the same image in
+    another prompt (no block of it in the pool), takes the output from kv_transfer and encodes nothing; a
+    prefill with sharing off encodes it itself. All three answer as a colocated engine does."""
+    image = image_bytes(40, 28, seed=7)
+    text = [7100 + i for i in range(12)]
+    cases = [_prompt(checkpoint, [("image", image)], text, head=(2, first, 2000)) for first in (1100, 1200, 1300)]
+    colocated = LLMEngine(EngineConfig(model=str(checkpoint), max_model_len=512, kv_cache_bytes=16 << 20,
+                                       max_num_batched_tokens=32))
+    expected = [r.token_ids for r in colocated.generate([c[0] for c in cases], PARAMS, media=[c[1] for c in cases])]
+    colocated.close()
+
+    async def body() -> list[tuple[list[int], int]]:
+        kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, max_claim_wait_s=1.0))
+        sharing = [await start_prefill(PrefillSettings(**engine_settings(checkpoint))) for _ in range(2)]
+        alone = await start_prefill(PrefillSettings(**engine_settings(checkpoint), share_encoder_outputs=False))
+        decode = await start_decode(DecodeSettings(**engine_settings(checkpoint)))
+        encoders = [s.host.aengine.engine.loaded.media_encoder for s in (*sharing, alone)]
+        try:
+            got = [await _generate(sharing[0], decode, kv, *cases[0])]
+            for _ in range(100):  # the offer is sent after the reply
+                if len(kv.encoder_cache):
+                    break
+                await asyncio.sleep(0.05)
+            assert len(kv.encoder_cache) == 1 and kv.encoder_cache.nbytes > 0
+            got.append(await _generate(sharing[1], decode, kv, *cases[1]))
+            got.append(await _generate(alone, decode, kv, *cases[2]))
+            assert [e.num_encoded for e in encoders] == [1, 0, 1]
+            assert kv.encoder_cache.num_hits == 1
+            return got
+        finally:
+            for s in (decode, alone, *sharing, kv):
+                await s.stop()
+
+    got = asyncio.run(body())
+    assert [g[0] for g in got] == expected
+    assert all(g[1] == 0 for g in got)  # no block came from the pool: the encoder output did
