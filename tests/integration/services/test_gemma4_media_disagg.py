@@ -16,13 +16,25 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 import soundfile
 from PIL import Image
 
-from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from proto.baton.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from services.decode.main import start as start_decode
 from services.decode.settings import DecodeSettings
+from services.encoder.main import start as start_encoder
+from services.encoder.settings import EncoderSettings
 from services.kv_transfer.main import start as start_kv
 from services.kv_transfer.settings import KVTransferSettings
 from services.prefill.main import start as start_prefill
@@ -173,3 +185,49 @@ def test_an_image_encoded_by_one_prefill_is_not_encoded_again_by_another(checkpo
     got = asyncio.run(body())
     assert [g[0] for g in got] == expected
     assert all(g[1] == 0 for g in got)  # no block came from the pool: the encoder output did
+
+
+def test_an_encoder_service_encodes_for_the_prefill(checkpoint: Path) -> None:
+    """encode -> prefill -> decode: the encoder service puts the image's and the clip's outputs in
+    kv_transfer (two concurrent calls batched into at most two tower passes), the prefill finds them and
+    encodes nothing, and the answer is the colocated one. Bad media is INVALID_ARGUMENT; GetLoad answers."""
+    wave = random_wave(0.4, seed=8)
+    case = _prompt(checkpoint, [("image", image_bytes(40, 28, seed=9)), ("audio", wav_bytes(wave))],
+                   [7200 + i for i in range(6)])
+    other = _prompt(checkpoint, [("image", image_bytes(20, 52, seed=10))], [7300])
+    colocated = LLMEngine(EngineConfig(model=str(checkpoint), max_model_len=512, kv_cache_bytes=16 << 20,
+                                       max_num_batched_tokens=32))
+    expected = colocated.generate([case[0]], PARAMS, media=[case[1]])[0].token_ids
+    colocated.close()
+
+    async def body() -> list[int]:
+        kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, max_claim_wait_s=1.0))
+        encoder = await start_encoder(EncoderSettings(**engine_settings(checkpoint)))
+        prefill = await start_prefill(PrefillSettings(**engine_settings(checkpoint)))
+        decode = await start_decode(DecodeSettings(**engine_settings(checkpoint)))
+        try:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel(encoder.address))
+            replies = await asyncio.gather(*(stub.Encode(encoder_pb2.EncodeRequest(
+                request_id=f"enc-{i}", media=media_to_proto(items), kv_transfer_address=kv.address))
+                for i, (_, items) in enumerate((case, other))))
+            assert [(r.num_encoded, r.num_found, r.num_stored) for r in replies] == [(2, 0, 2), (1, 0, 1)]
+            passes = encoder.metrics.registry.get_sample_value("baton_encoder_batch_items_count")
+            assert encoder.metrics.registry.get_sample_value("baton_encoder_batch_items_sum") == 3
+            assert passes is not None and 1 <= passes <= 2  # the three items in one or two tower passes
+            again = await stub.Encode(encoder_pb2.EncodeRequest(request_id="enc-again", media=media_to_proto(
+                case[1]), kv_transfer_address=kv.address))
+            assert (again.num_encoded, again.num_found) == (0, 2)
+            tokens, _ = await _generate(prefill, decode, kv, *case)
+            assert prefill.host.aengine.engine.loaded.media_encoder.num_encoded == 0
+            bad = MediaItem("image", 7, 4, content_hash(b"not an image"), b"not an image")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Encode(encoder_pb2.EncodeRequest(request_id="bad", media=media_to_proto([bad]),
+                                                            kv_transfer_address=kv.address))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (await stub.GetLoad(encoder_pb2.EncoderLoadRequest())).num_running == 0
+            return tokens
+        finally:
+            for s in (decode, prefill, encoder, kv):
+                await s.stop()
+
+    assert asyncio.run(body()) == expected
