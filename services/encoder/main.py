@@ -91,6 +91,7 @@ async def start(settings: EncoderSettings) -> RunningEncoder:
     metrics.registry.register(AuthCollector())
     batcher = EncodeBatcher(encoder.encode_batch, settings.max_batch_items, metrics.on_batch)
     batcher.start()
+    metrics.watch(batcher)
     kv = KVTransferClient(settings.max_message_bytes)
     server = make_server(settings.address, settings.max_message_bytes)
     encoder_pb2_grpc.add_EncoderServiceServicer_to_server(

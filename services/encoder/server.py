@@ -16,7 +16,7 @@ import logging
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proto.baton.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.encoder.batcher import EncodeBatcher
@@ -43,6 +43,11 @@ class EncoderMetrics:
         self.batch_seconds = Histogram("baton_encoder_batch_seconds", "Time of one tower pass",
                                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                                        registry=registry)
+
+    def watch(self, batcher: EncodeBatcher) -> None:
+        """The queue gauge (the encoder HPA's signal), read at scrape time."""
+        Gauge("baton_encoder_items_queued", "Media items waiting for a tower pass or in one",
+              registry=self.registry).set_function(lambda: batcher.num_queued)
 
     def on_batch(self, num_items: int, seconds: float) -> None:
         self.batch_items.observe(num_items)
