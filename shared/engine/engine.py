@@ -216,11 +216,7 @@ class LLMEngine:
             return inputs
         if encode:
             for m in inputs:
-                ready = encoder.prepare(m.item)
-                if isinstance(ready, torch.Tensor):
-                    m.embeds = ready
-                else:
-                    m.prepared = ready
+                encoder.prepare_input(m)
         return inputs
 
     def _check_new_id(self, request_id: str) -> None:

@@ -342,18 +342,12 @@ class ModelRunner:
             return
         encoder = self.media_encoder
         assert encoder is not None, "the engine admits media only for a multimodal model"
-        prepared = []
         for _, m in pending:
             if m.prepared is None:
-                ready = encoder.prepare(m.item)
-                if isinstance(ready, torch.Tensor):
-                    m.embeds = ready
-                    continue
-                m.prepared = ready
-            prepared.append(m)
-        ids = sorted({request_id for request_id, _ in pending})
-        for m, embeds in zip(prepared, encoder.encode_batch([m.prepared for m in prepared if m.prepared],
-                                                             ",".join(ids)), strict=True):
+                encoder.prepare_input(m)
+        todo = [(m, m.prepared) for _, m in pending if m.prepared is not None and m.embeds is None]
+        ids = ",".join(sorted({request_id for request_id, _ in pending}))
+        for (m, _), embeds in zip(todo, encoder.encode_batch([p for _, p in todo], ids), strict=True):
             m.embeds, m.prepared = embeds, None
 
     def _media_rows(self, chunk: ScheduledChunk, index: int, lo: int, rows: list[int], values: list[torch.Tensor],

@@ -27,7 +27,7 @@ import torch
 
 from shared.errors import InvalidRequestError
 from shared.models.gemma4.multimodal import Gemma4Encoders
-from shared.multimodal.items import AUDIO, IMAGE, MediaItem, PreparedMedia
+from shared.multimodal.items import AUDIO, IMAGE, MediaInput, MediaItem, PreparedMedia
 from shared.multimodal.media import MediaLimits, decode_audio, decode_image
 from shared.multimodal.processor import Gemma4MediaProcessor, ProcessedAudio, ProcessedImage
 
@@ -93,6 +93,14 @@ class MediaEncoder:
             raise InvalidRequestError(f"{item.kind} yields {features.num_soft_tokens} soft tokens, the prompt holds "
                                       f"{item.num_tokens} placeholders for it", param="messages")
         return PreparedMedia(item, features)
+
+    def prepare_input(self, media: MediaInput) -> None:
+        """Give a request's item its soft tokens from the cache, or else what its tower pass needs."""
+        ready = self.prepare(media.item)
+        if isinstance(ready, torch.Tensor):
+            media.embeds = ready
+        else:
+            media.prepared = ready
 
     def encode_batch(self, prepared: Sequence[PreparedMedia], request_id: str = "") -> list[torch.Tensor]:
         """Soft tokens of each item, in order: images in one tower pass, each distinct content encoded once."""
