@@ -9,8 +9,13 @@ Each round sends, one after another, in an order that rotates each round (so dri
     image_seen  different random text *before* one image sent every round (the prefix cache misses, the
                 encoder-output cache hits)
 
-TTFT is wall time from `add_request` (media decoded, preprocessed and encoded there) to the first token.
-Reported: p50 / p99 of each, ratios to text's p50, and the encoder's ms per image; JSON in bench/results/.
+TTFT is wall time from `add_request` (media decoded and preprocessed there, encoded at the first step) to
+the first token. Reported: p50 / p99 of each, ratios to text's p50, and the encoder's ms per image; JSON in
+bench/results/.
+
+Tower batching (the engine and the encoder service encode every item a step or a pass holds together):
+for batches of k images of the bench's size, one `encode_images` pass over all k against k passes of one,
+alternating which goes first, the vision tower alone (no caches): ms per image each way and the ratio.
 
     .venv/bin/python -m bench.multimodal [--rounds 30] [--image-size 64 48] [--text-tokens 64]
 """
@@ -121,6 +126,36 @@ def encoder_ms(engine: LLMEngine, size: tuple[int, int], repeats: int = 10) -> f
     return round(statistics.median(samples) * 1e3, 3)
 
 
+def tower_batching(engine: LLMEngine, size: tuple[int, int], batch_sizes: tuple[int, ...] = (1, 4, 8),
+                   repeats: int = 20) -> dict[str, Any]:
+    from PIL import Image
+
+    encoder = engine.loaded.media_encoder
+    rows: dict[str, Any] = {}
+    for k in batch_sizes:
+        images = []
+        for i in range(k):
+            with Image.open(io.BytesIO(png(*size, seed=10**8 + 100 * k + i))) as img:
+                cut = encoder.processor.image(img.convert("RGB"))
+            images.append((cut.patches, cut.positions))
+        one_pass, separate = [], []
+        for r in range(repeats):
+            for batched in ((True, False) if r % 2 == 0 else (False, True)):
+                t0 = time.perf_counter()
+                if batched:
+                    encoder.encoders.encode_images(images)
+                else:
+                    for image in images:
+                        encoder.encoders.encode_images([image])
+                (one_pass if batched else separate).append(time.perf_counter() - t0)
+        together, apart = statistics.median(one_pass[1:]), statistics.median(separate[1:])
+        rows[str(k)] = {"one_pass_ms_per_image": round(together / k * 1e3, 3),
+                        "separate_ms_per_image": round(apart / k * 1e3, 3),
+                        "separate_over_one_pass": round(apart / together, 3)}
+        log(f"tower batching, {k} images: {rows[str(k)]}")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
@@ -135,7 +170,8 @@ def main() -> int:
     result: dict[str, Any] = {"bench": "multimodal", "model": "tiny gemma4 (vision+audio, random)",
                               "machine": machine(), "image_size": list(size), "rounds": args.rounds,
                               **run(engine, args.rounds, size, args.text_tokens),
-                              "encoder_ms_per_image": encoder_ms(engine, size)}
+                              "encoder_ms_per_image": encoder_ms(engine, size),
+                              "tower_batching": tower_batching(engine, size)}
     engine.close()
     for c, row in result["configs"].items():
         log(f"{c}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, p99 {row['ttft_p99_ms']:.2f} ms, x{row['p50_vs_text']:.3f}")

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 TLS_TARGET_NAME = "baton-internal"  # in every service certificate's SAN; what every client checks
-CERT_SERVICES = ("router", "prefill", "decode", "kv_transfer")  # decode serves the colocated role too
+CERT_SERVICES = ("router", "prefill", "decode", "kv_transfer", "encoder")  # decode serves the colocated role too
 
 
 def _name(common_name: str) -> x509.Name:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from proto.baton.v1 import kv_transfer_pb2_grpc
+from services.kv_transfer.encoder_cache import EncoderOutputCache
 from services.kv_transfer.server import (
     SERVICE_NAME,
     KVTransferMetrics,
@@ -54,6 +55,7 @@ class RunningKVTransfer:
     sweeper: asyncio.Task[None]
     metrics_http: MetricsHTTP | None
     transport: Transport
+    encoder_cache: EncoderOutputCache
     heartbeater: Heartbeater | None = None
     registry: Registry | None = None
 
@@ -104,7 +106,9 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
         address = AgentAddress(address.kind, address.metadata, store.space)
     metrics.watch(store)
     server = make_server(settings.address, settings.max_message_bytes)
-    servicer = KVTransferServicer(store, metrics, address, settings.capacity_bytes, settings.max_claim_wait_s)
+    encoder_cache = EncoderOutputCache(settings.encoder_cache_bytes)
+    servicer = KVTransferServicer(store, metrics, address, settings.capacity_bytes, settings.max_claim_wait_s,
+                                  encoder_cache)
     kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, server.server)
     try:
         await server.start(SERVICE_NAME)
@@ -116,7 +120,7 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
         transport.close()
         raise
     sweeper = every(settings.sweep_interval_s, store.sweep, "kv_transfer-sweeper")
-    running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http, transport)
+    running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http, transport, encoder_cache)
     if registry is not None:
         running.registry = registry
         running.heartbeater = await _register(settings, running, registry)

@@ -7,9 +7,11 @@
     Claim    ─► store.claim    (waits for the commit; decode READs the slots after)
     Release  ─► store.release  (pulled / aborted / failed; idempotent)
     Stats    ─► occupancy
+    PutEncoderOutputs / GetEncoderOutputs ─► the encoder-output cache (encoder_cache.py)
 
 No KV byte passes through here: the data moves between the peers' transport
-agents and the slab this service registered. Errors are raised as
+agents and the slab this service registered (encoder outputs, a row of the
+hidden size per soft token, are the one payload that does). Errors are raised as
 `BatonError`s; the interceptor maps them to gRPC status (full store ->
 RESOURCE_EXHAUSTED, unknown handoff -> NOT_FOUND, bad request -> INVALID_ARGUMENT).
 """
@@ -28,12 +30,14 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from services.kv_transfer.encoder_cache import EncoderOutputCache, EncoderOutputEntry
 from services.kv_transfer.store import HandoffStore, LeaseState
 from shared.errors import CapacityError, HandoffNotFoundError, InvalidRequestError
 from shared.kv.remote import AgentAddress, HandoffSpec, SlotSpace, slot_nbytes_for, usable_pool_prefix
 from shared.registry.kv_summary import MAX_SUMMARY_BLOCKS, KVSummary, summarize
 from shared.telemetry import HANDOFF_ID, KV_NUM_BLOCKS, REQUEST_ID, server_span, tracer
 from shared.wire import kv_summary_to_proto
+from shared.wire_encoder import check_encoder_output
 from shared.wire_kv import (
     agent_to_proto,
     claimed_to_proto,
@@ -67,6 +71,9 @@ class KVTransferMetrics:
                                   registry=registry)
         self.reserved_tokens = Counter("baton_prefix_pool_query_tokens", "Prompt tokens of reserved handoffs",
                                        registry=registry)
+        self.encoder_lookups = Counter("baton_encoder_cache_lookups", "Encoder outputs asked for, by result "
+                                       "(hit, miss)", ["result"], registry=registry)
+        self.encoder_bytes = Gauge("baton_encoder_cache_bytes", "Bytes of encoder outputs held", registry=registry)
 
     def watch(self, store: HandoffStore) -> None:
         """Read the gauges from `store` at scrape time."""
@@ -86,10 +93,12 @@ class KVTransferMetrics:
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     def __init__(
         self, store: HandoffStore, metrics: KVTransferMetrics, address: AgentAddress, capacity_bytes: int,
-        max_claim_wait_s: float,
+        max_claim_wait_s: float, encoder_cache: EncoderOutputCache | None = None,
     ) -> None:
         """`address`: the slab's agent; its slot size is 0 until the first Reserve cuts the slab."""
         self._store = store
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderOutputCache(0)
+        metrics.encoder_bytes.set_function(lambda: self.encoder_cache.nbytes)
         self._metrics = metrics
         self._address = address
         self._capacity_bytes = capacity_bytes
@@ -181,6 +190,28 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             slots_cached=s.slots_cached, slot_nbytes=s.slot_nbytes, capacity_bytes=s.capacity_bytes,
             kv=kv_summary_to_proto(pool_summary(self._store)),
         )
+
+
+    async def PutEncoderOutputs(  # noqa: N802
+        self, request: kv_transfer_pb2.PutEncoderOutputsRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.PutEncoderOutputsResponse:
+        if not request.model:
+            raise InvalidRequestError("PutEncoderOutputs needs the model", param="model")
+        for msg in request.outputs:
+            check_encoder_output(msg)
+        entries = [EncoderOutputEntry(bytes(m.content_hash), m.dtype, tuple(m.shape), bytes(m.data))
+                   for m in request.outputs]
+        return kv_transfer_pb2.PutEncoderOutputsResponse(num_stored=self.encoder_cache.put(request.model, entries))
+
+    async def GetEncoderOutputs(  # noqa: N802
+        self, request: kv_transfer_pb2.GetEncoderOutputsRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.GetEncoderOutputsResponse:
+        found = self.encoder_cache.get(request.model, [bytes(h) for h in request.content_hashes])
+        self._metrics.encoder_lookups.labels(result="hit").inc(len(found))
+        self._metrics.encoder_lookups.labels(result="miss").inc(len(request.content_hashes) - len(found))
+        return kv_transfer_pb2.GetEncoderOutputsResponse(outputs=[
+            kv_transfer_pb2.EncoderOutput(content_hash=e.content_hash, dtype=e.dtype, shape=list(e.shape),
+                                          data=e.data) for e in found])
 
 
 class _RefusalsCollector(Collector):

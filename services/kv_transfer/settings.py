@@ -29,6 +29,11 @@ class KVTransferSettings(BaseSettings):
         ge=0,
         description="host memory of the slot slab; a Reserve that does not fit is refused (backpressure)",
     )
+    encoder_cache_bytes: int = Field(
+        default=256 << 20, ge=0,
+        description="memory for encoder outputs (images' and audio's soft tokens) shared by the prefill "
+                    "instances, least recently used out first; 0 = keep none",
+    )
     slot_nbytes: int = Field(
         default=0, ge=0, description="bytes per slot (one KV block of every layer); 0 = sized by the first Reserve"
     )

@@ -22,7 +22,7 @@ async def start(settings: PrefillSettings) -> RunningKVService:
     kv = KVTransferClient(settings.max_message_bytes)
 
     def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
-        servicer = PrefillServicer(aengine, kv, settings.kv_hidden_states)
+        servicer = PrefillServicer(aengine, kv, settings.kv_hidden_states, settings.share_encoder_outputs)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
 
     host = await start_engine_service(settings, "prefill", "prefill", add, SERVICE_NAME, settings.kv_push_mode)

@@ -1,10 +1,12 @@
 """The prefill servicer: protobuf at the edge, the engine (prefill role) inside.
 
 Prefill(request, handoff_id, kv_transfer_address)
+  media the engine has not encoded: their encoder outputs from kv_transfer's shared cache, if it holds them
   Reserve slots in kv_transfer (full prompt blocks named by prefix hash: pool hits come back present)
   engine: the pool's prefix imported, the rest computed (batched with other prefills); each layer's
           finished blocks written into the slots as the layer completes; first token sampled; hidden
           states written
+  outputs the engine encoded that kv_transfer lacked: offered to its cache (in the background)
   ├ first token ends the request (max_tokens=1, eos): release the slots, reply with finish_reason
   └ else: Commit (the handoff becomes claimable), then reply
 With n > 1 choices the prompt is computed and shipped once, every choice samples its first token
@@ -25,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from proto.baton.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.prefill.shared_encoder_outputs import SharedEncoderOutputs
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.block_pool import hash_prefix_blocks
 from shared.engine.kv_push import PushOutcome
@@ -61,10 +64,12 @@ _tracer = tracer(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, aengine: AsyncEngine, kv: KVTransferClient, send_hidden_states: bool = True) -> None:
+    def __init__(self, aengine: AsyncEngine, kv: KVTransferClient, send_hidden_states: bool = True,
+                 share_encoder_outputs: bool = True) -> None:
         self.aengine = aengine
         self.kv = kv
         self.send_hidden_states = send_hidden_states
+        self.encoder_outputs = SharedEncoderOutputs(aengine, kv) if share_encoder_outputs else None
 
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -99,6 +104,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if req.output_token_ids:  # a migrated request resumes on a decode instance, which computes its output
             raise InvalidRequestError("prefill takes no output_token_ids", param="output_token_ids")
         address = request.kv_transfer_address
+        media = media_from_proto(req.media)
+        to_offer = await self.encoder_outputs.fetch(address, media, req.request_id) \
+            if self.encoder_outputs is not None and media else []
         slots, agent = await self.kv.reserve(address, self._spec(request))
         capability = request.handoff_capability
         renewer = asyncio.create_task(self._renew(address, request.handoff_id, capability, slots.lease_timeout_s))
@@ -107,10 +115,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             finals: dict[int, RequestOutput] = {}  # by choice
             stream = await self.aengine.generate_pushed(req.request_id, list(req.prompt_token_ids), params, agent,
-                                                        slots, media_from_proto(req.media))
+                                                        slots, media)
             async for out in stream:
                 if out.finished:
                     finals[out.index] = out
+            if to_offer and self.encoder_outputs is not None:
+                self.encoder_outputs.offer(address, to_offer)
             assert len(finals) == params.n, (req.request_id, sorted(finals))
             final = finals[0]
             reply = prefill_pb2.PrefillResponse(

@@ -20,3 +20,6 @@ class PrefillSettings(EngineServiceSettings):
         description="layerwise: each layer's KV is sent as soon as it is computed; after_prefill: all at the end",
     )
     kv_hidden_states: bool = Field(default=True, description="send the prompt's hidden states (a draft head's input)")
+    share_encoder_outputs: bool = Field(
+        default=True, description="take images' and audio's encoder outputs from kv_transfer's shared cache "
+                                  "when it holds them, and offer it the ones this instance encodes")

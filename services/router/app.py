@@ -129,9 +129,9 @@ class RouterService:
     async def health(self) -> Response:
         if self.backend.healthy():
             body: dict[str, object] = {"status": "ok", "instance_id": self.settings.instance_id}
-            counts = getattr(self.backend, "instance_counts", None)  # a registry-backed backend's view
-            if counts is not None:
-                body["instances"] = counts()
+            counts = self.backend.instance_counts()
+            if counts:
+                body["instances"] = counts
             return Response(json.dumps(body), media_type="application/json")
         return error_response(UnavailableError("no healthy backend"))
 

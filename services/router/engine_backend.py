@@ -62,6 +62,9 @@ class EngineBackend:
         # AsyncEngine has no public liveness flag; its thread dies only on an engine bug outside step()
         return self._started and not self._closed and self.async_engine.running
 
+    def instance_counts(self) -> dict[str, int]:
+        return {}  # the engine is in this process
+
     @property
     def num_active_requests(self) -> int:
         return len(self._active)

@@ -5,7 +5,10 @@ Disaggregated request lifecycle (the picks are routing.py's, under the configure
     local prefill on? pick decode; what its prefix cache lacks <= threshold ──► decode.Generate(request)
         │ (no handoff: the decode instance computes the prompt, the colocated path)
         ▼ otherwise
-    pick kv_transfer (prompt-prefix affinity, for its prefix pool), then prefill (cost model / queue)
+    pick kv_transfer (prompt-prefix affinity, for its prefix pool)
+    images or audio, and encoder instances live? Encode(items, kv_transfer) on the least loaded one: their
+        outputs wait in kv_transfer for the prefill (an encoder that fails is skipped: prefill encodes)
+    pick prefill (cost model / queue)
     Prefill(request, handoff_id, capability) ──fails before the first token──► retry on another prefill
         │                                     (all failed, or no kv_transfer: a decode computes the prompt)
         │ first token (streams to the client now: TTFT is prefill's time)
@@ -44,6 +47,7 @@ from proto.baton.v1 import (
     prefill_pb2_grpc,
 )
 from services.router.backend import BackendChunk, BackendRequest
+from services.router.encode_step import encode_media
 from services.router.instance_cache import InstanceCache
 from services.router.migration import (
     MIGRATABLE_CODES,
@@ -195,6 +199,9 @@ class GrpcBackend:
         try:
             kv_transfer = pick_kv_transfer(self.cache.get("kv_transfer"), req.prompt_token_ids)
             state.kv_transfer = kv_transfer.address
+            if req.media and self.cache.get("encoder"):
+                await encode_media(self.router, self.cache.get("encoder"), self._channel, req, state.kv_transfer,
+                                   state.metadata)
             return await self._prefill(req, state, prompt, kv_transfer.kv)
         except (UnavailableError, _PrefillFailedError) as e:
             error = e.error if isinstance(e, _PrefillFailedError) else e

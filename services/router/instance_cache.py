@@ -20,7 +20,7 @@ class InstanceCache:
 
     registry: Registry
     interval_s: float = 0.5
-    services: tuple[str, ...] = ("prefill", "decode", "kv_transfer", "colocated")
+    services: tuple[str, ...] = ("prefill", "decode", "kv_transfer", "colocated", "encoder")
     instances: dict[str, list[InstanceInfo]] = field(default_factory=dict)
     # a registry that answers "none" for a service that had instances a moment ago has most likely restarted
     # empty (the instances re-register within a heartbeat): the last list is kept this long meanwhile

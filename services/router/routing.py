@@ -25,7 +25,7 @@ from shared.registry.base import InstanceInfo
 from shared.registry.cost_model import CostModel
 from shared.registry.kv_picker import PromptBlocks, local_prefill_tokens, score_decode, score_prefill
 from shared.registry.kv_summary import KVSummary
-from shared.registry.picker import candidates, pick_decode, pick_prefill
+from shared.registry.picker import candidates, pick_decode, pick_encoder, pick_prefill
 
 ROUTING_POLICIES: tuple[str, ...] = ("kv", "least_loaded", "round_robin")
 LOCAL_PREFILL_AUTO = -1  # local_prefill_max_tokens: take the threshold from the cost model
@@ -67,7 +67,7 @@ class Router:
         self.policy = policy
         self.cost_model = cost_model or CostModel()
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.inflight = {"prefill": InflightCounts(), "decode": InflightCounts()}
+        self.inflight = {"prefill": InflightCounts(), "decode": InflightCounts(), "encoder": InflightCounts()}
         self.assignments: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, instance_id)
         self.num_local_prefills = 0  # requests whose decode instance computed the prompt (no handoff)
         self.num_migrations = 0  # requests moved on from a failed instance (grpc_backend.py, migration.py)
@@ -76,7 +76,8 @@ class Router:
 
     @contextlib.contextmanager
     def hold(self, role: str, instance_id: str) -> Iterator[None]:
-        """Count a call to a "prefill" or "decode" (colocated included) instance while the block runs."""
+        """Count a call to a "prefill", "decode" (colocated included) or "encoder" instance while the block
+        runs."""
         self.assignments[(role, instance_id)] += 1
         with self.inflight[role].hold(instance_id):
             yield
@@ -103,6 +104,11 @@ class Router:
         if self.policy == "least_loaded":
             return pick_decode(instances, exclude, self.inflight["decode"].counts)
         return self._next_in_turn("decode", instances, exclude)
+
+    def pick_encoder(self, instances: Sequence[InstanceInfo], exclude: AbstractSet[str] = frozenset()
+                     ) -> InstanceInfo:
+        """Least loaded under every policy: an encoder holds no prefix state to route by."""
+        return pick_encoder(instances, exclude, self.inflight["encoder"].counts)
 
     def local_prefill_threshold_tokens(self, block_size: int) -> int:
         if self.local_prefill_max_tokens == LOCAL_PREFILL_AUTO:

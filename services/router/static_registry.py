@@ -18,6 +18,8 @@ import grpc
 from proto.baton.v1 import (
     decode_pb2,
     decode_pb2_grpc,
+    encoder_pb2,
+    encoder_pb2_grpc,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
     prefill_pb2,
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StaticTarget:
-    service: str  # prefill | decode | colocated | kv_transfer
+    service: str  # prefill | decode | colocated | kv_transfer | encoder
     address: str
 
 
@@ -94,7 +96,10 @@ class StaticRegistryPoller:
                                                                                      timeout=1.0)
             return Load(num_running=stats.active_leases), kv_summary_from_proto(stats.kv)
         async with channel(target.address) as ch:
-            if target.service == "prefill":
+            if target.service == "encoder":
+                report = await encoder_pb2_grpc.EncoderServiceStub(ch).GetLoad(encoder_pb2.EncoderLoadRequest(),
+                                                                                timeout=1.0)
+            elif target.service == "prefill":
                 report = await prefill_pb2_grpc.PrefillServiceStub(ch).GetLoad(prefill_pb2.LoadRequest(), timeout=1.0)
             else:
                 report = await decode_pb2_grpc.DecodeServiceStub(ch).GetLoad(decode_pb2.DecodeLoadRequest(),

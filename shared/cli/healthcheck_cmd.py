@@ -7,7 +7,7 @@ needs through a probe's own settings classes, which share the services' prefixes
 
     SERVICE (default: the one PID 1 runs, from /proc/1/cmdline: `baton decode` -> decode)
       router                   GET http://<host>:<port>/health        200 = healthy
-      prefill|decode|kv-transfer   grpc.health.v1 Check on <host>:<port>   SERVING = healthy
+      prefill|decode|kv-transfer|encoder   grpc.health.v1 Check on <host>:<port>   SERVING = healthy
     port: the service's own setting (its environment, as the service read it); when that is 0 (an
     OS-picked port, as with host networking and several replicas) the port the service wrote to its
     `port_file`. Exit 0 healthy, 1 not (the reason on stderr), as Docker's and podman's checks expect.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-SERVICES = ("router", "prefill", "decode", "kv-transfer")
+SERVICES = ("router", "prefill", "decode", "kv-transfer", "encoder")
 TIMEOUT_S = 3.0
 
 
@@ -57,8 +57,13 @@ class KVTransferProbe(ProbeSettings):
     port: int = 50053
 
 
+class EncoderProbe(ProbeSettings):
+    model_config = SettingsConfigDict(env_prefix="BATON_ENCODER_")
+    port: int = 50054
+
+
 PROBES: dict[str, type[ProbeSettings]] = {"router": RouterProbe, "prefill": PrefillProbe, "decode": DecodeProbe,
-                                          "kv-transfer": KVTransferProbe}
+                                          "kv-transfer": KVTransferProbe, "encoder": EncoderProbe}
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

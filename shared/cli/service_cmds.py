@@ -1,4 +1,4 @@
-"""`baton router|prefill|decode|kv-transfer`: run one service (what deploy files call).
+"""`baton router|prefill|decode|kv-transfer|encoder`: run one service (what deploy files call).
 
 Each is configured only by its environment (`BATON_<SERVICE>_*`), parsed once
 in the service's own `main`.
@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         ("prefill", "services.prefill.main", "a prefill engine service (BATON_PREFILL_*)"),
         ("decode", "services.decode.main", "a decode engine service (BATON_DECODE_*)"),
         ("kv-transfer", "services.kv_transfer.main", "the KV handoff store (BATON_KV_TRANSFER_*)"),
+        ("encoder", "services.encoder.main", "a multimodal model's media towers (BATON_ENCODER_*)"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(func=lambda args, m=module: _run(m))

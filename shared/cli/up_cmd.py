@@ -2,6 +2,7 @@
 
     baton up ─┬─ kv_transfer          (disagg)
               ├─ prefill × N          (disagg)
+              ├─ encoder × E          (disagg, --encoder E: media towers apart from prefill)
               ├─ decode × M           (role decode; role colocated in --mode colocated)
               └─ router :PORT         (OpenAI HTTP)
     waits for every health check ─► "baton ready: http://127.0.0.1:PORT/v1"
@@ -48,7 +49,7 @@ HOST = "127.0.0.1"
 @dataclass
 class Child:
     name: str
-    service: str  # kv_transfer | prefill | decode | colocated | router
+    service: str  # kv_transfer | prefill | decode | colocated | encoder | router
     address: str
     metrics_url: str
     env: dict[str, str]
@@ -77,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (disagg)")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--encoder", type=int, default=0,
+                   help="encoder instances (disagg, a model that reads images or audio): media encoded apart "
+                        "from the prefills, outputs through kv_transfer")
     p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     p.add_argument("--spec", choices=["none", "ngram", "draft", "eagle", "gemma4_assistant"], default="none",
                    help="speculative decoding in decode (eagle needs --spec-eagle-head, gemma4_assistant "
@@ -148,9 +152,11 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         raise ConfigError("--spec eagle needs --spec-eagle-head (a head saved by `baton train-draft`)")
     if args.spec == "gemma4_assistant" and args.spec_draft_model is None:
         raise ConfigError("--spec gemma4_assistant needs --spec-draft-model (the assistant's HF directory)")
-    if args.prefill < 1 or args.decode < 1:
-        raise ConfigError("--prefill and --decode must be >= 1")
-    engines = args.decode + (args.prefill if args.mode == "disagg" else 0)
+    if args.prefill < 1 or args.decode < 1 or args.encoder < 0:
+        raise ConfigError("--prefill and --decode must be >= 1, --encoder >= 0")
+    if args.encoder and args.mode != "disagg":
+        raise ConfigError("--encoder runs beside prefill instances: it needs --mode disagg")
+    engines = args.decode + (args.prefill + args.encoder if args.mode == "disagg" else 0)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
     # one random token per stack: its services answer only each other (shared/grpc_auth.py)
     token = secrets.token_urlsafe(24)
@@ -179,6 +185,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
             add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
+        for i in range(args.encoder):
+            add(f"encoder-{i}", "encoder", "ENCODER", {**engine_common, "INSTANCE_ID": f"encoder-{i}"})
     role = "decode" if args.mode == "disagg" else "colocated"
     spec = {"SPEC": args.spec, "NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens)}
     if args.async_scheduling is not None:

@@ -201,9 +201,11 @@ class LLMEngine:
 
     def _media_inputs(self, request_id: str, prompt: list[int], media: Sequence[MediaItem],
                       encode: bool) -> list[MediaInput]:
-        """A prompt's media, checked against its placeholders and, when this engine computes the prompt, encoded
-        now, so that undecodable media is the caller's 400, never a failed step. A handoff's media stay unencoded
-        (their digests key the prefix cache; a preempted request encodes them when it recomputes)."""
+        """A prompt's media, checked against its placeholders and, when this engine computes the prompt, decoded
+        and cut now (or found in the encoder cache), so that undecodable media is the caller's 400, never a
+        failed step; the towers run at the step that reads them, batched with other requests' media. A
+        handoff's media stay unprepared (their digests key the prefix cache; a preempted request encodes them
+        when it recomputes)."""
         encoder, mm = self.loaded.media_encoder, self.loaded.multimodal
         if encoder is None or mm is None:
             raise InvalidRequestError("this model reads text only: images and audio cannot be given to it",
@@ -216,7 +218,7 @@ class LLMEngine:
             return inputs
         if encode:
             for m in inputs:
-                m.embeds = encoder.encode(m.item, request_id)
+                encoder.prepare_input(m)
         return inputs
 
     def _check_new_id(self, request_id: str) -> None:

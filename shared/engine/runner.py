@@ -262,6 +262,7 @@ class ModelRunner:
         bidirectional: dict[int, list[tuple[int, int]]] = {}
         max_blocks = max((len(c.block_ids) for c in plan.chunks), default=1)
         tables = torch.zeros((len(plan.chunks), max_blocks), dtype=torch.int32)
+        self._encode_media(plan)
         for i, chunk in enumerate(plan.chunks):
             lo = len(ids)
             ids.extend(chunk.token_ids)
@@ -334,16 +335,29 @@ class ModelRunner:
             self.finish(inputs, None)
         return inputs
 
+    def _encode_media(self, plan: SchedulerPlan) -> None:
+        """Soft tokens for every item the step's chunks read that has none yet, in one batch across requests
+        (an item nothing prepared, a decode engine recomputing a preempted prompt, is prepared here)."""
+        pending = [(chunk.request_id, m) for chunk in plan.chunks for m in chunk.media if m.embeds is None]
+        if not pending:
+            return
+        encoder = self.media_encoder
+        assert encoder is not None, "the engine admits media only for a multimodal model"
+        for _, m in pending:
+            if m.prepared is None:
+                encoder.prepare_input(m)
+        todo = [(m, m.prepared) for _, m in pending if m.prepared is not None and m.embeds is None]
+        ids = ",".join(sorted({request_id for request_id, _ in pending}))
+        for (m, _), embeds in zip(todo, encoder.encode_batch([p for _, p in todo], ids), strict=True):
+            m.embeds, m.prepared = embeds, None
+
     def _media_rows(self, chunk: ScheduledChunk, index: int, lo: int, rows: list[int], values: list[torch.Tensor],
                     bidirectional: dict[int, list[tuple[int, int]]]) -> None:
-        """The soft tokens a prompt chunk covers (encoded now if no engine did yet: a decode engine recomputing
-        a preempted prompt), and its images seen both ways."""
+        """The soft tokens a prompt chunk covers (encoded by `_encode_media`), and its images seen both ways."""
         start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
         for media in chunk.media:
             item = media.item
-            if media.embeds is None:
-                assert self.media_encoder is not None, "the engine admits media only for a multimodal model"
-                media.embeds = self.media_encoder.encode(item, chunk.request_id)
+            assert media.embeds is not None, (chunk.request_id, item.kind)
             first, last = max(start, item.offset), min(end, item.end)
             rows.extend(range(lo + first - start, lo + last - start))
             values.append(media.embeds[first - item.offset : last - item.offset])

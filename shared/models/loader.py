@@ -87,11 +87,15 @@ class LoadedModel:
 
     @property
     def identity(self) -> str:
-        """What a handoff's KV must come from: same architecture and shapes (weights are trusted)."""
-        s = self.spec
-        kv = KVLayout.of(s.kv_layers, 1, 1, torch.float32)
-        geometry = f"{kv.num_kv_heads}KV:{kv.head_dim}D" if kv.is_uniform else kv.describe()
-        return f"{s.model_type}:{s.num_layers}L:{s.hidden_size}H:{geometry}:{s.vocab_size}V"
+        return model_identity(self.spec)
+
+
+def model_identity(spec: Any) -> str:
+    """What a handoff's KV (or an encoder output) must come from: same architecture and shapes (weights are
+    trusted)."""
+    kv = KVLayout.of(spec.kv_layers, 1, 1, torch.float32)
+    geometry = f"{kv.num_kv_heads}KV:{kv.head_dim}D" if kv.is_uniform else kv.describe()
+    return f"{spec.model_type}:{spec.num_layers}L:{spec.hidden_size}H:{geometry}:{spec.vocab_size}V"
 
 
 def _gguf_file(spec: str) -> Path:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.multimodal.processor import ProcessedAudio, ProcessedImage
+
 IMAGE = "image"
 AUDIO = "audio"
 
@@ -36,11 +38,21 @@ class MediaItem:
 
 
 @dataclass
+class PreparedMedia:
+    """An item decoded and cut for its tower, waiting for the step that encodes it."""
+
+    item: MediaItem
+    features: ProcessedImage | ProcessedAudio
+
+
+@dataclass
 class MediaInput:
-    """An item and, once encoded, its soft tokens (shared by the chunks that read them)."""
+    """An item and, once encoded, its soft tokens (shared by the chunks that read them); until then, what its
+    intake prepared (None: nothing yet, e.g. a handoff's media, prepared if this engine must compute them)."""
 
     item: MediaItem
     embeds: torch.Tensor | None = None  # [num_tokens, hidden]
+    prepared: PreparedMedia | None = None
 
 
 def block_media_key(media: Sequence[MediaInput] | Sequence[MediaItem], block_index: int, block_size: int) -> bytes:

@@ -39,7 +39,7 @@ class ProcessedImage:
 class ProcessedAudio:
     # [num_frames, num_mel_bins] log-mel frames (Gemma 4), or [num_frames, samples_per_token] raw waveform frames
     # (gemma4_unified), float32
-    features: torch.Tensor
+    frames: torch.Tensor
     frame_mask: torch.Tensor  # [num_frames] bool
     num_soft_tokens: int
 

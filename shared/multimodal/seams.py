@@ -5,6 +5,7 @@ placeholder expansion read only these."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -41,16 +42,25 @@ class MediaTowers(Protocol):
         """Whatever encodes audio (None: the model reads none)."""
         ...
 
-    def encode_image(
+    @property
+    def dtype(self) -> torch.dtype:
+        """Of the soft tokens (and the cached ones: `MediaEncoder.remember`)."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        ...
+
+    def encode_images(
         self,
-        patches: torch.Tensor,  # [num_patches, patch features]
-        positions: torch.Tensor,  # [num_patches, 2] (column, row)
-    ) -> torch.Tensor:  # [num_soft_tokens, text hidden]
+        images: Sequence[tuple[torch.Tensor, torch.Tensor]],  # (patches [n_i, patch features], positions [n_i, 2])
+    ) -> list[torch.Tensor]:  # per image [num_soft_tokens_i, text hidden]
+        """Several images in one pass."""
         ...
 
     def encode_audio(
         self,
-        features: torch.Tensor,  # [num_frames, frame features]
+        frames: torch.Tensor,  # [num_frames, frame features]
         frame_mask: torch.Tensor,  # [num_frames] bool
     ) -> torch.Tensor:  # [num_soft_tokens, text hidden]
         ...

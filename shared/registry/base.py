@@ -28,8 +28,8 @@ from typing import Any, Literal, Protocol
 from shared.errors import ConfigError
 from shared.registry.kv_summary import KVSummary
 
-ServiceName = Literal["prefill", "decode", "kv_transfer", "router", "colocated"]
-SERVICE_NAMES: frozenset[str] = frozenset({"prefill", "decode", "kv_transfer", "router", "colocated"})
+ServiceName = Literal["prefill", "decode", "kv_transfer", "router", "colocated", "encoder"]
+SERVICE_NAMES: frozenset[str] = frozenset({"prefill", "decode", "kv_transfer", "router", "colocated", "encoder"})
 
 
 def check_ttl(ttl_s: float) -> None:

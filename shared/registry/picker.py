@@ -65,6 +65,12 @@ def pick_prefill(instances: Sequence[InstanceInfo], exclude: AbstractSet[str] = 
     return min(candidates(instances, exclude, "prefill"), key=lambda i: (num_requests(i, inflight), i.instance_id))
 
 
+def pick_encoder(instances: Sequence[InstanceInfo], exclude: AbstractSet[str] = frozenset(),
+                 inflight: Mapping[str, int] = NO_INFLIGHT) -> InstanceInfo:
+    """The encoder instance with the fewest items queued (reported) plus this router's calls in flight."""
+    return min(candidates(instances, exclude, "encoder"), key=lambda i: (num_requests(i, inflight), i.instance_id))
+
+
 # Prompts that share their first tokens (later turns of one chat, one template's requests) go to the
 # same kv_transfer, whose prefix pool then holds their common prefix; unless it is this much busier.
 _AFFINITY_TOKENS = 32

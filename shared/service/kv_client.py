@@ -1,4 +1,5 @@
-"""Client side of kv_transfer's control path for the engine services: reserve, commit, claim, release.
+"""Client side of kv_transfer's control path for the engine services: reserve, commit, claim, release; the
+shared encoder-output cache.
 
 Channels are kept per address for the life of the service (one HTTP/2
 connection each, reused by every request). Every call carries the current trace
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 import grpc
+import torch
 
 from proto.baton.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from shared.errors import BatonError, KVTransferError, UnavailableError
@@ -20,11 +23,14 @@ from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffResult, HandoffSlots, HandoffSpec
 from shared.telemetry import inject_metadata
+from shared.wire_encoder import encoder_output_from_proto, encoder_output_to_proto
 from shared.wire_kv import claimed_from_proto, commit_to_proto, reserve_to_proto, slots_from_proto
 
 logger = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 10.0
+
+T = TypeVar("T")
 
 
 class KVTransferClient:
@@ -116,6 +122,40 @@ class KVTransferClient:
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
         await asyncio.shield(task)
+
+    async def get_encoder_outputs(self, address: str, model: str,
+                                  content_hashes: Sequence[bytes]) -> dict[bytes, torch.Tensor]:
+        """The encoder outputs kv_transfer holds for these media digests ([num_soft_tokens, hidden] each, on
+        the CPU). A failed call finds nothing (the caller encodes): a cache must never fail a request."""
+        try:
+            reply = await self._stub(address).GetEncoderOutputs(
+                kv_transfer_pb2.GetEncoderOutputsRequest(model=model, content_hashes=list(content_hashes)),
+                timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
+            return dict(encoder_output_from_proto(msg) for msg in reply.outputs)
+        except (grpc.RpcError, BatonError) as e:
+            logger.warning("asking kv_transfer at %s for encoder outputs failed: %s", address,
+                           error_from_rpc(e) if isinstance(e, grpc.RpcError) else e)
+            return {}
+
+    async def put_encoder_outputs(self, address: str, model: str, outputs: Mapping[bytes, torch.Tensor]) -> int:
+        """Offer encoder outputs to kv_transfer's cache; returns how many it kept (0 when the call failed)."""
+        try:
+            reply = await self._stub(address).PutEncoderOutputs(
+                kv_transfer_pb2.PutEncoderOutputsRequest(
+                    model=model, outputs=[encoder_output_to_proto(h, t) for h, t in outputs.items()]),
+                timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
+            return int(reply.num_stored)
+        except (grpc.RpcError, BatonError) as e:
+            logger.warning("offering encoder outputs to kv_transfer at %s failed: %s", address,
+                           error_from_rpc(e) if isinstance(e, grpc.RpcError) else e)
+            return 0
+
+    def in_background(self, call: Awaitable[T]) -> asyncio.Future[T]:
+        """Run a call of this client without waiting for it; `close` waits for it."""
+        task = asyncio.ensure_future(call)
+        self._cleanups.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._cleanups.discard)  # type: ignore[arg-type]
+        return task
 
     async def close(self) -> None:
         if self._cleanups:  # releases in flight: let them reach kv_transfer (leases would expire anyway)

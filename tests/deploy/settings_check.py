@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pydantic_settings import BaseSettings
 
 from services.decode.settings import DecodeSettings
+from services.encoder.settings import EncoderSettings
 from services.kv_transfer.settings import KVTransferSettings
 from services.prefill.settings import PrefillSettings
 from services.router.settings import RouterSettings
@@ -20,6 +21,7 @@ SETTINGS_BY_PREFIX: dict[str, type[BaseSettings]] = {
     "BATON_PREFILL_": PrefillSettings,
     "BATON_DECODE_": DecodeSettings,
     "BATON_KV_TRANSFER_": KVTransferSettings,
+    "BATON_ENCODER_": EncoderSettings,
 }
 # the compose file's interpolation knobs are not service settings
 KNOWN_NON_SETTINGS = {"BATON_IMAGE"}

@@ -171,3 +171,41 @@ def test_the_mtls_overlay_mounts_the_certificates_into_every_service(tmp_path: A
         assert env == {f"{prefix}TLS_DIR": "/etc/baton/tls"}
         assert not unknown_baton_variables(env), name
         assert services[name]["volumes"] == [f"{tmp_path}:/etc/baton/tls:ro"]
+
+
+EPD_FILE = REPO_ROOT / "deploy" / "compose" / "epd.yml"
+EPD_MTLS_FILE = REPO_ROOT / "deploy" / "compose" / "epd-mtls.yml"
+
+
+@pytest.mark.parametrize("variables", list(VARIABLE_SETS), ids=list(VARIABLE_SETS))
+def test_the_epd_overlay_adds_a_scalable_encoder_like_the_other_services(variables: str) -> None:
+    """epd.yml: an encoder service valid under the Compose schema, scaled like prefill (no host port, its own
+    hostname advertised), checked by the image's health check, its variables real settings, serving the
+    stack's model and image, draining within its stop grace period; epd-mtls.yml gives it its certificate."""
+    jsonschema = require_module("jsonschema", "jsonschema")
+    schema = _compose_schema()
+    overlay = load_compose(VARIABLE_SETS[variables], EPD_FILE)
+    validator_cls = jsonschema.validators.validator_for(schema)
+    assert not [e.message for e in validator_cls(schema).iter_errors(overlay)]
+    main = load_compose(VARIABLE_SETS[variables])["services"]
+    svc = overlay["services"]["encoder"]
+    assert "ports" not in svc and "container_name" not in svc and "hostname" not in svc
+    script = " ".join([*svc["entrypoint"], *svc["command"]])
+    assert re.search(r"\bBATON_ENCODER_ADVERTISE_HOST=\$\{BATON_ENCODER_ADVERTISE_HOST:-\$\(hostname\)\}", script)
+    assert script.rstrip().endswith("exec baton encoder")
+    assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "shared.cli.healthcheck_cmd", "encoder"]
+    assert svc["image"] == main["prefill"]["image"] and svc["build"] == main["prefill"]["build"]
+    env = service_environment(svc)
+    assert not unknown_baton_variables(env) and all(k.startswith(("BATON_ENCODER_", "OTEL_")) for k in env)
+    settings: Any = parse_for_service("BATON_ENCODER_", env)
+    assert settings.host == "0.0.0.0" and env["BATON_ENCODER_REDIS_URL"] == "redis://redis:6379/0"
+    prefill_env = service_environment(main["prefill"])
+    for field in ("MODEL", "DEVICE", "DTYPE"):  # its outputs are keyed by the model and the towers' dtype
+        assert env[f"BATON_ENCODER_{field}"] == prefill_env[f"BATON_PREFILL_{field}"], field
+    assert {v for k, v in env.items() if k.endswith("_PORT")} <= set(svc["expose"])
+    assert float(svc["stop_grace_period"].removesuffix("s")) >= float(env["BATON_ENCODER_SHUTDOWN_GRACE_S"]) + 5
+    with pytest.raises(InterpolationError, match="BATON_INTERNAL_TOKEN"):
+        load_compose({}, EPD_FILE)
+    tls = load_compose({"BATON_TLS_DIR": "/certs"}, EPD_MTLS_FILE)["services"]["encoder"]
+    assert service_environment(tls) == {"BATON_ENCODER_TLS_DIR": "/etc/baton/tls"}
+    assert tls["volumes"] == ["/certs:/etc/baton/tls:ro"]

@@ -19,7 +19,8 @@ from tests.deploy.settings_check import SETTINGS_BY_PREFIX, parse_for_service, u
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S = REPO_ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+KUSTOMIZATIONS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu",
+                  "cpu-epd": K8S / "overlays" / "cpu-epd"}
 OLDEST_SUPPORTED = "1.27.0"
 # Deployment -> (settings prefix, probe kind, port name)
 SERVICES = {
@@ -27,17 +28,27 @@ SERVICES = {
     "baton-prefill": ("BATON_PREFILL_", "grpc", "grpc"),
     "baton-decode": ("BATON_DECODE_", "grpc", "grpc"),
     "baton-kv-transfer": ("BATON_KV_TRANSFER_", "grpc", "grpc"),
+    "baton-encoder": ("BATON_ENCODER_", "grpc", "grpc"),  # components/encoder only
 }
 HPA_SIGNALS = {
     "baton-router": ("Resource", "cpu"),
     "baton-kv-transfer": ("Resource", "cpu"),
     "baton-prefill": ("Pods", "baton_num_requests_waiting"),
     "baton-decode": ("Pods", "baton_num_requests_running"),
+    "baton-encoder": ("Pods", "baton_encoder_items_queued"),
 }
+# where the metrics an HPA scales on are defined
+METRIC_SOURCES = ("shared/service/engine_metrics.py", "services/encoder/server.py")
 
 
 def _by_kind(resources: list[Resource], kind: str) -> dict[str, Resource]:
     return {r["metadata"]["name"]: r for r in resources if r["kind"] == kind}
+
+
+def _services(resources: list[Resource]) -> dict[str, tuple[str, str, str]]:
+    """SERVICES of the Deployments this rendering has (the encoder only where its component is added)."""
+    deployments = _by_kind(resources, "Deployment")
+    return {name: v for name, v in SERVICES.items() if name in deployments}
 
 
 def _container(deployment: Resource) -> dict[str, Any]:
@@ -54,7 +65,8 @@ def rendered(request: pytest.FixtureRequest) -> tuple[str, list[Resource]]:
 def test_every_manifest_is_valid_for_the_kubernetes_api(rendered: tuple[str, list[Resource]]) -> None:
     kv = require_module("kubernetes_validate", "kubernetes-validate")
     _, resources = rendered
-    assert len(resources) == 28  # 22 workload resources (2 secrets) and 6 network policies
+    # 22 workload resources (2 secrets) and 6 network policies; the encoder component adds 4 and 3
+    assert len(resources) == 28 + (7 if "baton-encoder" in _services(resources) else 0)
     for version in (kv.latest_version(), OLDEST_SUPPORTED):
         for r in resources:
             kv.validate(r, version, strict=True)  # raises ValidationError with the path and reason
@@ -72,8 +84,8 @@ def test_deployments_probe_real_health_endpoints_and_drain(rendered: tuple[str, 
     _, resources = rendered
     deployments = _by_kind(resources, "Deployment")
     config = _by_kind(resources, "ConfigMap")["baton-config"]["data"]
-    assert set(deployments) == {*SERVICES, "baton-redis"}
-    for name, (prefix, probe, port_name) in SERVICES.items():
+    assert set(deployments) == {*_services(resources), "baton-redis"}
+    for name, (prefix, probe, port_name) in _services(resources).items():
         pod = deployments[name]["spec"]["template"]["spec"]
         c = _container(deployments[name])
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == port_name)
@@ -96,7 +108,7 @@ def test_engines_register_their_own_pod_address_and_settings_parse(rendered: tup
     config = _by_kind(resources, "ConfigMap")["baton-config"]["data"]
     assert not unknown_baton_variables(config)
     redis = _by_kind(resources, "Service")["baton-redis"]
-    for name, (prefix, _, _) in SERVICES.items():
+    for name, (prefix, _, _) in _services(resources).items():
         c = _container(deployments[name])
         env = {e["name"]: e for e in c["env"]}
         assert not unknown_baton_variables(env), name
@@ -126,7 +138,7 @@ def test_every_service_reads_the_internal_token_from_one_secret(rendered: tuple[
     _, resources = rendered
     deployments, secrets = _by_kind(resources, "Deployment"), _by_kind(resources, "Secret")
     refs = []
-    for name, (prefix, _, _) in SERVICES.items():
+    for name, (prefix, _, _) in _services(resources).items():
         env = {e["name"]: e for e in _container(deployments[name])["env"]}
         refs.append(env[f"{prefix}INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"])
     assert all(ref == refs[0] for ref in refs), refs
@@ -139,7 +151,7 @@ def test_the_mtls_overlay_mounts_the_certificates_and_probes_through_them() -> N
     kv = require_module("kubernetes_validate", "kubernetes-validate")
     resources = kubectl_render(K8S / "overlays" / "cpu-mtls")
     deployments = _by_kind(resources, "Deployment")
-    for name, (prefix, probe, _) in SERVICES.items():
+    for name, (prefix, probe, _) in _services(resources).items():
         kv.validate(deployments[name], OLDEST_SUPPORTED, strict=True)
         pod = deployments[name]["spec"]["template"]["spec"]
         c = _container(deployments[name])
@@ -159,8 +171,10 @@ def test_each_service_has_an_hpa_on_its_own_signal(rendered: tuple[str, list[Res
     _, resources = rendered
     hpas = _by_kind(resources, "HorizontalPodAutoscaler")
     deployments = _by_kind(resources, "Deployment")
-    exported = (REPO_ROOT / "shared" / "service" / "engine_metrics.py").read_text()
+    exported = "".join((REPO_ROOT / path).read_text() for path in METRIC_SOURCES)
     for name, (metric_type, metric) in HPA_SIGNALS.items():
+        if name not in deployments:
+            continue
         hpa = hpas[name]
         assert hpa["apiVersion"] == "autoscaling/v2"
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
@@ -179,8 +193,8 @@ def test_selectors_of_services_and_pdbs_match_their_pods(rendered: tuple[str, li
     deployments = _by_kind(resources, "Deployment")
     pdbs = _by_kind(resources, "PodDisruptionBudget")
     services = _by_kind(resources, "Service")
-    assert set(pdbs) == set(SERVICES)
-    assert set(services) == {*SERVICES, "baton-redis"}
+    assert set(pdbs) == set(_services(resources))
+    assert set(services) == {*_services(resources), "baton-redis"}
     for name, deployment in deployments.items():
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -190,7 +204,7 @@ def test_selectors_of_services_and_pdbs_match_their_pods(rendered: tuple[str, li
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
         if name in pdbs:
             assert pdbs[name]["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    for name in ("baton-prefill", "baton-decode", "baton-kv-transfer"):
+    for name in set(_services(resources)) - {"baton-router"}:
         assert services[name]["spec"]["clusterIP"] == "None"  # addressed per pod through Redis
     assert "clusterIP" not in services["baton-router"]["spec"]
 
@@ -199,7 +213,7 @@ def test_pods_run_as_the_images_non_root_user(rendered: tuple[str, list[Resource
     _, resources = rendered
     dockerfile = (REPO_ROOT / "deploy" / "docker" / "Dockerfile").read_text()
     uid = int(re.search(r"^USER (\d+)", dockerfile, re.M).group(1))  # type: ignore[union-attr]
-    for name in SERVICES:
+    for name in _services(resources):
         pod = _by_kind(resources, "Deployment")[name]["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == uid
@@ -211,7 +225,7 @@ def test_overlays_pick_image_device_and_resources(rendered: tuple[str, list[Reso
     deployments = _by_kind(resources, "Deployment")
     config = _by_kind(resources, "ConfigMap")["baton-config"]["data"]
     tag = "0.1.0-cuda" if overlay == "gpu" else "0.1.0-cpu"
-    for name in SERVICES:
+    for name in _services(resources):
         assert _container(deployments[name])["image"] == f"baton:{tag}"
     for name, prefix in (("baton-prefill", "BATON_PREFILL_"), ("baton-decode", "BATON_DECODE_")):
         resources_ = _container(deployments[name])["resources"]
@@ -224,8 +238,11 @@ def test_overlays_pick_image_device_and_resources(rendered: tuple[str, list[Reso
             assert config[f"{prefix}DEVICE"] == "cpu"
     for name in ("baton-router", "baton-kv-transfer"):
         assert "nvidia.com/gpu" not in _container(deployments[name])["resources"].get("limits", {})
-    if overlay == "cpu":
+    if overlay in ("cpu", "cpu-epd"):
         assert _container(deployments["baton-prefill"])["resources"]["requests"]["cpu"] == "4"
+    if overlay == "cpu-epd":  # every service serves the same checkpoint: the encoder's outputs key on it
+        assert {config[f"{p}MODEL"] for p in ("BATON_ROUTER_", "BATON_PREFILL_", "BATON_DECODE_",
+                                               "BATON_ENCODER_")} == {"/models/gemma-4"}
 
 
 # (from component, to component, port) the design uses; None = any port (the transports pick theirs)
@@ -235,8 +252,10 @@ DESIGN_PATHS = {
     ("kv-transfer", "prefill", None), ("kv-transfer", "decode", None),
     *((c, "redis", 6379) for c in ("router", "prefill", "decode", "kv-transfer")),
 }
-COMPONENTS = ["router", "prefill", "decode", "kv-transfer", "redis"]
+ENCODER_PATHS = {("router", "encoder", 50054), ("encoder", "kv-transfer", 50053), ("encoder", "redis", 6379)}
+COMPONENTS = ["router", "prefill", "decode", "kv-transfer", "redis", "encoder"]
 PUBLIC = {("router", 8000), ("prefill", 9401), ("decode", 9402), ("kv-transfer", 9403)}  # API and metrics
+ENCODER_PUBLIC = {("encoder", 9404)}
 
 
 def _allows(policies: list[Resource], source: str | None, target: str, port: int) -> bool:
@@ -267,10 +286,13 @@ def test_network_policies_admit_exactly_the_designs_paths(rendered: tuple[str, l
     policies = [r for r in rendered[1] if r["kind"] == "NetworkPolicy"]
     deny = [p for p in policies if p["spec"]["podSelector"] == {} and "ingress" not in p["spec"]]
     assert len(deny) == 1 and deny[0]["spec"]["policyTypes"] == ["Ingress"], "no default deny"
-    probe_ports = [50051, 50052, 50053, 6379, 8000, 9401, 9402, 9403, 33333]  # 33333: a transport's pick
+    with_encoder = "baton-encoder" in _services(rendered[1])
+    paths = DESIGN_PATHS | (ENCODER_PATHS if with_encoder else set())
+    public = PUBLIC | (ENCODER_PUBLIC if with_encoder else set())
+    probe_ports = [50051, 50052, 50053, 50054, 6379, 8000, 9401, 9402, 9403, 9404, 33333]  # 33333: a transport
     for target in COMPONENTS:
         for port in probe_ports:
             for source in [None, *COMPONENTS]:
-                designed = (target, port) in PUBLIC or (source is not None and any(
-                    (source, target, p) in DESIGN_PATHS for p in (port, None)))
+                designed = (target, port) in public or (source is not None and any(
+                    (source, target, p) in paths for p in (port, None)))
                 assert _allows(policies, source, target, port) == designed, (source, target, port)

@@ -1,6 +1,6 @@
 """Images and audio through `baton up` on a tiny Gemma 4 checkpoint with both towers, through the official
-`openai` client: the disaggregated stack (prefill encodes, kv_transfer carries the KV, decode generates)
-answers exactly as the colocated one, the media are counted in usage, and a bad image is a 400 that leaves
+`openai` client: the disaggregated stack (an encoder instance encodes, its outputs and the KV go through
+kv_transfer, decode generates) answers exactly as the colocated one, the media are counted in usage, and a bad image is a 400 that leaves
 every engine's blocks and kv_transfer's leases at their totals. (Fidelity against transformers on the same
 inputs is the engine's and the router's integration tests' job; this is the served path as users run it.)"""
 
@@ -31,7 +31,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stacks(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BatonStack]]:
-    with disagg_and_colocated(tmp_path_factory, "--model", str(checkpoint), *ARGS) as started:
+    with disagg_and_colocated(tmp_path_factory, "--model", str(checkpoint), *ARGS,
+                              disagg_args=("--encoder", "1")) as started:
         yield started
 
 
@@ -67,6 +68,9 @@ def test_image_and_audio_disaggregated_equal_colocated(checkpoint: Path, stacks:
             # each item: its soft tokens plus begin/end markers (and the template's spacing) beyond the text
             assert o.usage.prompt_tokens >= text_only + media_tokens
         assert out["disagg"].usage.prompt_tokens == out["colocated"].usage.prompt_tokens
+    # the four items went through the encoder, and the prefill found each output in kv_transfer
+    assert stacks["disagg"].metric("encoder-0", "baton_encoder_items_total") == 4
+    assert stacks["disagg"].metric("kv_transfer", "baton_encoder_cache_lookups_total", 'result="hit"') >= 4
     for stack in stacks.values():
         wait_idle(stack)
 

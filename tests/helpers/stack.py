@@ -37,11 +37,13 @@ class BatonStack:
     def service(self, name: str) -> dict[str, Any]:
         return next(s for s in self.services() if s["name"] == name)
 
-    def metric(self, name: str, metric: str) -> float:
-        """Sum of a metric's samples on one service's /metrics endpoint."""
+    def metric(self, name: str, metric: str, labels: str = "") -> float:
+        """Sum of a metric's samples on one service's /metrics endpoint (`labels`: only the sample with
+        exactly these, e.g. 'result="hit"')."""
         with urllib.request.urlopen(self.service(name)["metrics_url"], timeout=5) as r:
             text = r.read().decode()
-        values = [float(m.group(1)) for m in re.finditer(rf"^{metric}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        which = re.escape(f"{{{labels}}}") if labels else r"(?:\{[^}]*\})?"
+        values = [float(m.group(1)) for m in re.finditer(rf"^{metric}{which} (\S+)$", text, re.M)]
         if not values:
             raise KeyError(f"{metric} not on {name}'s /metrics")
         return sum(values)
@@ -93,11 +95,14 @@ def start_stack(state_dir: Path, *args: str, timeout_s: float = 300.0, env: dict
 
 
 @contextmanager
-def disagg_and_colocated(tmp_path_factory: Any, *args: str) -> Iterator[dict[str, BatonStack]]:
-    """Two stacks of the same `baton up` arguments: "disagg" (one prefill, one decode) and "colocated"."""
+def disagg_and_colocated(tmp_path_factory: Any, *args: str,
+                         disagg_args: tuple[str, ...] = ()) -> Iterator[dict[str, BatonStack]]:
+    """Two stacks of the same `baton up` arguments: "disagg" (one prefill, one decode, and `disagg_args`)
+    and "colocated"."""
     started: dict[str, BatonStack] = {}
     try:
-        for mode, extra in (("disagg", ("--prefill", "1", "--decode", "1")), ("colocated", ("--mode", "colocated"))):
+        for mode, extra in (("disagg", ("--prefill", "1", "--decode", "1", *disagg_args)),
+                            ("colocated", ("--mode", "colocated"))):
             started[mode] = start_stack(tmp_path_factory.mktemp(mode), *args, *extra)
         yield started
     finally:

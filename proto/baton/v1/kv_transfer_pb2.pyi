@@ -210,3 +210,43 @@ class StatsResponse(_message.Message):
     capacity_bytes: int
     kv: _common_pb2.KVSummary
     def __init__(self, active_leases: _Optional[int] = ..., num_slots: _Optional[int] = ..., slots_pinned: _Optional[int] = ..., slots_cached: _Optional[int] = ..., slot_nbytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., kv: _Optional[_Union[_common_pb2.KVSummary, _Mapping]] = ...) -> None: ...
+
+class EncoderOutput(_message.Message):
+    __slots__ = ("content_hash", "dtype", "shape", "data")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    content_hash: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, content_hash: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutEncoderOutputsRequest(_message.Message):
+    __slots__ = ("model", "outputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    outputs: _containers.RepeatedCompositeFieldContainer[EncoderOutput]
+    def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[EncoderOutput, _Mapping]]] = ...) -> None: ...
+
+class PutEncoderOutputsResponse(_message.Message):
+    __slots__ = ("num_stored",)
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    num_stored: int
+    def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
+
+class GetEncoderOutputsRequest(_message.Message):
+    __slots__ = ("model", "content_hashes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    content_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model: _Optional[str] = ..., content_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetEncoderOutputsResponse(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[EncoderOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EncoderOutput, _Mapping]]] = ...) -> None: ...

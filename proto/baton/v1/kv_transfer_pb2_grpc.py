@@ -69,6 +69,16 @@ class KVTransferServiceStub:
                 request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.PutEncoderOutputs = channel.unary_unary(
+                '/baton.v1.KVTransferService/PutEncoderOutputs',
+                request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutEncoderOutputsRequest.SerializeToString,
+                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutEncoderOutputsResponse.FromString,
+                _registered_method=True)
+        self.GetEncoderOutputs = channel.unary_unary(
+                '/baton.v1.KVTransferService/GetEncoderOutputs',
+                request_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetEncoderOutputsRequest.SerializeToString,
+                response_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetEncoderOutputsResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServiceServicer:
@@ -123,6 +133,23 @@ class KVTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutEncoderOutputs(self, request, context):
+        """Encoder outputs (an image's or an audio clip's soft tokens) by the media's content digest, so that the
+        same media sent again, to this prefill or another, is not encoded again. They are the one payload on the
+        control path: a soft token is one row of the hidden size, a small fraction of the KV it leads to (one
+        row of K and V per layer), and an item's rows come and go whole, with no layer-by-layer streaming.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEncoderOutputs(self, request, context):
+        """The outputs held for these digests (those not held are left out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +187,16 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.StatsResponse.SerializeToString,
+            ),
+            'PutEncoderOutputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutEncoderOutputs,
+                    request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutEncoderOutputsRequest.FromString,
+                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutEncoderOutputsResponse.SerializeToString,
+            ),
+            'GetEncoderOutputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEncoderOutputs,
+                    request_deserializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetEncoderOutputsRequest.FromString,
+                    response_serializer=proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetEncoderOutputsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +388,60 @@ class KVTransferService:
             '/baton.v1.KVTransferService/Stats',
             proto_dot_baton_dot_v1_dot_kv__transfer__pb2.StatsRequest.SerializeToString,
             proto_dot_baton_dot_v1_dot_kv__transfer__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutEncoderOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVTransferService/PutEncoderOutputs',
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutEncoderOutputsRequest.SerializeToString,
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.PutEncoderOutputsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEncoderOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVTransferService/GetEncoderOutputs',
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetEncoderOutputsRequest.SerializeToString,
+            proto_dot_baton_dot_v1_dot_kv__transfer__pb2.GetEncoderOutputsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ soft tokens see each other on sliding layers (`MultimodalConfig.bidirectional_vi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +91,7 @@ class Gemma4Encoders:
             self.audio = AudioTower(aspec, weights, device, dtype)
             self.embed_audio = Embedder(TowerWeights(weights, "model.embed_audio.", device, dtype),
                                         aspec.output_size, text_hidden, config.audio_config.rms_norm_eps)
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
 
     @torch.inference_mode()
     def encode_image(
@@ -99,8 +99,18 @@ class Gemma4Encoders:
         patches: torch.Tensor,  # [num_patches, 3 * patch_size**2]
         positions: torch.Tensor,  # [num_patches, 2]
     ) -> torch.Tensor:  # [num_soft_tokens, text hidden]
+        return self.encode_images([(patches, positions)])[0]
+
+    @torch.inference_mode()
+    def encode_images(
+        self,
+        images: Sequence[tuple[torch.Tensor, torch.Tensor]],  # (patches [n_i, 3 * p * p], positions [n_i, 2])
+    ) -> list[torch.Tensor]:  # per image [num_soft_tokens_i, text hidden]
+        """Several images in one tower pass (its projections over all their patches at once)."""
         assert self.vision is not None, "checked by the caller: the model reads images"
-        return self.embed_vision(self.vision.forward(patches, positions).to(self.dtype))
+        pooled = self.vision.forward_many(images)
+        soft = self.embed_vision(torch.cat(pooled).to(self.dtype))
+        return list(soft.split([p.shape[0] for p in pooled]))
 
     @torch.inference_mode()
     def encode_audio(

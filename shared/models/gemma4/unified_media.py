@@ -23,7 +23,7 @@ sliding window), not Gemma 4's sliding-only one (`MultimodalConfig.bidirectional
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -97,7 +97,7 @@ class Gemma4UnifiedEncoders:
             audio = config.audio_config
             self.audio = Embedder(TowerWeights(weights, "model.embed_audio.", device, dtype), audio.audio_embed_dim,
                                   text_hidden, audio.rms_norm_eps)
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
 
     @torch.inference_mode()
     def encode_image(
@@ -107,6 +107,15 @@ class Gemma4UnifiedEncoders:
     ) -> torch.Tensor:  # [num_soft_tokens, text hidden]
         assert self.vision is not None, "checked by the caller: the model reads images"
         return self.vision(patches, positions)
+
+    @torch.inference_mode()
+    def encode_images(
+        self,
+        images: Sequence[tuple[torch.Tensor, torch.Tensor]],  # (patches [n_i, patch_dim], positions [n_i, 2])
+    ) -> list[torch.Tensor]:  # per image [n_i, text hidden]
+        """Several images in one pass: every step acts on one patch alone, so their patches go through together."""
+        soft = self.encode_image(torch.cat([p for p, _ in images]), torch.cat([pos for _, pos in images]))
+        return list(soft.split([p.shape[0] for p, _ in images]))
 
     @torch.inference_mode()
     def encode_audio(

@@ -1,7 +1,9 @@
 """Gemma 4's vision tower: image patches to soft tokens (transformers' Gemma4VisionModel).
 
-One image at a time, its patches as the image processor cut them (no padding,
-so no padding mask; transformers pads a batch to its longest image and masks)::
+Images as the image processor cut them (no padding, so no padding mask;
+transformers pads a batch to its longest image and masks). A batch of images is
+one run of rows: every projection and MLP over all of them at once, attention
+and pooling over each image's own rows::
 
     patches [n, 3 * p * p] in [0, 1]
       x = input_proj(2 * patches - 1) + pos_x[col] + pos_y[row]          learned 2-D position table
@@ -19,7 +21,7 @@ second half by its row, each half a rotate-half RoPE over head_dim / 2 channels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +88,7 @@ class _VisionLayer:
 
 
 class VisionTower:
-    """The tower's weights (read from `model.vision_tower.*`) and its forward over one image."""
+    """The tower's weights (read from `model.vision_tower.*`) and its forward over one image or a batch."""
 
     def __init__(self, spec: VisionSpec, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
@@ -123,31 +125,43 @@ class VisionTower:
             norm_ffn_out=w.get(p + "post_feedforward_layernorm.weight", (h,)),
         )
 
-    @torch.inference_mode()
     def forward(
         self,
         patches: torch.Tensor,  # [num_patches, 3 * patch_size**2], pixel values in [0, 1]
         positions: torch.Tensor,  # [num_patches, 2] int64: (column, row) of each patch
     ) -> torch.Tensor:  # [num_patches / pooling_kernel_size**2, hidden] fp32: the image's soft tokens
+        return self.forward_many([(patches, positions)])[0]
+
+    @torch.inference_mode()
+    def forward_many(
+        self,
+        images: Sequence[tuple[torch.Tensor, torch.Tensor]],  # (patches [n_i, 3 * p * p], positions [n_i, 2])
+    ) -> list[torch.Tensor]:  # per image [n_i / pooling_kernel_size**2, hidden] fp32
         s = self.spec
         k = s.pooling_kernel_size
-        if patches.shape[0] % (k * k):
-            raise ConfigError(f"{patches.shape[0]} patches do not pool into {k}x{k} cells")
-        patches, positions = patches.to(self.device, self.dtype), positions.to(self.device)
+        for patches, _ in images:
+            if patches.shape[0] % (k * k):
+                raise ConfigError(f"{patches.shape[0]} patches do not pool into {k}x{k} cells")
+        sizes = [p.shape[0] for p, _ in images]
+        patches = torch.cat([p for p, _ in images]).to(self.device, self.dtype)
+        positions = torch.cat([q for _, q in images]).to(self.device)
         x = F.linear(2 * (patches - 0.5), self.input_proj)
         x = x + self.position_table[0][positions[:, 0]] + self.position_table[1][positions[:, 1]]
         cos_sin = self._rope(positions)
         for layer in self.layers:
-            x = x + rms(self._attention(layer, rms(x, layer.norm_in, s.rms_eps), cos_sin), layer.norm_attn_out,
-                        s.rms_eps)
+            x = x + rms(self._attention(layer, rms(x, layer.norm_in, s.rms_eps), cos_sin, sizes),
+                        layer.norm_attn_out, s.rms_eps)
             h = rms(x, layer.norm_ffn_in, s.rms_eps)
             m = layer.down(F.gelu(layer.gate(h), approximate="tanh") * layer.up(h))
             x = x + rms(m, layer.norm_ffn_out, s.rms_eps)
-        pooled = _pool(x, positions, k) if k > 1 else x
-        out = pooled.float() * s.hidden_size**0.5
-        if self.std is not None:
-            out = (out - self.std[0]) * self.std[1]
-        return out
+        outs = []
+        for xi, pi in zip(x.split(sizes), positions.split(sizes), strict=True):
+            pooled = _pool(xi, pi, k) if k > 1 else xi
+            out = pooled.float() * s.hidden_size**0.5
+            if self.std is not None:
+                out = (out - self.std[0]) * self.std[1]
+            outs.append(out)
+        return outs
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # each [n, 1, head_dim]
         """cos and sin per channel: [col, col, row, row] frequency blocks, as transformers lays them out."""
@@ -156,8 +170,8 @@ class VisionTower:
         angles = torch.cat([fx, fx, fy, fy], dim=-1)
         return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
 
-    def _attention(self, layer: _VisionLayer, h: torch.Tensor,
-                   cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [n, hidden]
+    def _attention(self, layer: _VisionLayer, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   sizes: list[int]) -> torch.Tensor:  # [n, hidden]; each image's rows see only each other
         s = self.spec
         n = h.shape[0]
         q = _rope2d(rms(layer.q(h).view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps), cos_sin)
@@ -165,8 +179,11 @@ class VisionTower:
         v = rms(layer.v(h).view(n, s.num_kv_heads, s.head_dim), None, s.rms_eps)
         group = s.num_heads // s.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=1.0)
-        return layer.o(a.transpose(0, 1).reshape(n, s.num_heads * s.head_dim))
+        a = torch.cat([
+            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
+                                           scale=1.0).transpose(0, 1)
+            for qi, ki, vi in zip(q.split(sizes), k.split(sizes), v.split(sizes), strict=True)])
+        return layer.o(a.reshape(n, s.num_heads * s.head_dim))
 
 
 def _rope2d(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [n, heads, dim]

@@ -58,6 +58,25 @@ def test_image_soft_tokens_match_transformers(hf: Any, ours: tuple[Any, Gemma4En
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_images_encoded_together_match_transformers_and_one_at_a_time(
+        hf: Any, ours: tuple[Any, Gemma4Encoders]) -> None:
+    """One tower pass over images of different sizes (the engine's batch across requests): each image's soft
+    tokens are its own, as transformers' padded, masked batch gives them and as one image alone gives them."""
+    proc = media_processor()
+    sizes = [(37, 53), (64, 16), (200, 90), (37, 53)]
+    pictures = [random_image(*size, seed=i) for i, size in enumerate(sizes)]
+    images = [proc.image(p) for p in pictures]
+    together = ours[1].encode_images([(im.patches, im.positions) for im in images])
+    out = proc.images(images=pictures, return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf.model.get_image_features(out["pixel_values"], out["image_position_ids"]).pooler_output
+    assert len(together) == len(theirs) == len(images)
+    for mine, their, im in zip(together, theirs, images, strict=True):
+        assert mine.shape == (im.num_soft_tokens, hf.config.text_config.hidden_size)
+        torch.testing.assert_close(mine, their, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine, ours[1].encode_image(im.patches, im.positions), atol=1e-5, rtol=1e-5)
+
+
 def test_audio_soft_tokens_match_transformers(hf: Any, ours: tuple[Any, Gemma4Encoders]) -> None:
     proc = media_processor()
     for seconds in (0.37, 1.0):
@@ -66,7 +85,7 @@ def test_audio_soft_tokens_match_transformers(hf: Any, ours: tuple[Any, Gemma4En
         with torch.no_grad():
             res = hf.model.get_audio_features(out["input_features"], out["input_features_mask"])
         theirs = res.pooler_output[res.attention_mask]
-        mine = ours[1].encode_audio(clip.features, clip.frame_mask)
+        mine = ours[1].encode_audio(clip.frames, clip.frame_mask)
         assert mine.shape == theirs.shape and mine.shape[0] == clip.num_soft_tokens
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
@@ -111,7 +130,7 @@ def test_image_and_audio_prompt_logits_and_greedy_match_transformers(bidirection
     img, wave = random_image(40, 28, seed=3), random_wave(0.5, seed=2)
     image, clip = proc.image(img), proc.audio(wave)
     soft = torch.cat([encoders.encode_image(image.patches, image.positions),
-                      encoders.encode_audio(clip.features, clip.frame_mask)])
+                      encoders.encode_audio(clip.frames, clip.frame_mask)])
     ids = _prompt(image.num_soft_tokens, clip.num_soft_tokens)
     pix = proc.images(images=[img], return_tensors="pt")
     feats = proc.audio_features([wave], return_tensors="pt")

@@ -1,6 +1,8 @@
 """Images and audio through the engine: greedy tokens equal transformers' `generate` for the same inputs.
 
-The engine encodes each prompt's media at intake, merges the soft tokens at the
+The engine decodes and cuts each prompt's media at intake (bad media is the
+caller's error there), encodes them at the step that reads them (the media of
+requests in one step in one tower pass), merges the soft tokens at the
 placeholders chunk by chunk (a small token budget splits prompts, never an image
 whose tokens see each other), and keys prefix-cache blocks by the media's digest:
 the same text with another image misses the cache, the same image hits it.
@@ -53,6 +55,28 @@ def test_image_and_audio_prompts_match_transformers(engines, models, budget: int
     assert results[0].token_ids == hf_mm_greedy(hf, img_ids, [img], [], 8)
     assert results[1].token_ids == hf_mm_greedy(hf, aud_ids, [], [wave], 8)
     assert results[2].token_ids == hf_mm_greedy(hf, text_only, [], [], 8)
+
+
+def test_media_of_requests_arriving_together_encode_in_one_pass(engines, models) -> None:
+    """Images are decoded at intake and encoded at the step that reads them: requests admitted together go
+    through the tower in one batch, an image two of them send is encoded once, and each greedy output still
+    equals transformers'."""
+    loaded, hf = models
+    engine = tiny_engine(loaded, max_num_batched_tokens=512)
+    engines.append(engine)
+    encoder = loaded.media_encoder
+    proc = media_processor()
+    prompts = []  # no two share a first block: the scheduler would hold one back to reuse the other's
+    for first, (size, seed) in enumerate((((40, 28), 11), ((64, 16), 12), ((40, 28), 11), ((28, 40), 13))):
+        ids, items = mm_prompt([2, 20 + first, 99], [("image", image_bytes(*size, seed=seed),
+                                                     proc.image_tokens(*size))], [61, 7, 33])
+        prompts.append((ids, items, random_image(*size, seed=seed)))
+    batches, encoded = encoder.num_batches, encoder.num_encoded
+    results = engine.generate([ids for ids, _, _ in prompts], GREEDY, media=[items for _, items, _ in prompts])
+    assert encoder.num_batches - batches == 1
+    assert encoder.num_encoded - encoded == 3  # the repeated image once
+    for (ids, _, img), result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_mm_greedy(hf, ids, [img], [], 8)
 
 
 def test_prefix_cache_keys_blocks_by_the_image(engines, models) -> None:

@@ -82,7 +82,7 @@ def test_audio_soft_tokens_match_transformers(hf: Any, ours: tuple[Any, Gemma4Un
     for i, wave in enumerate(waves):
         clip = proc.audio(wave)
         theirs = res.pooler_output[i][res.attention_mask[i]]
-        mine = ours[1].encode_audio(clip.features, clip.frame_mask)
+        mine = ours[1].encode_audio(clip.frames, clip.frame_mask)
         assert mine.shape == theirs.shape and mine.shape[0] == clip.num_soft_tokens
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
@@ -126,7 +126,7 @@ def test_image_and_audio_prompt_logits_and_greedy_match_transformers(
     image, clip = proc.image(img), proc.audio(wave)
     assert image.num_soft_tokens > hf.config.text_config.sliding_window  # the span reaches past the window
     soft = torch.cat([encoders.encode_image(image.patches, image.positions),
-                      encoders.encode_audio(clip.features, clip.frame_mask)])
+                      encoders.encode_audio(clip.frames, clip.frame_mask)])
     ids = _prompt(image.num_soft_tokens, clip.num_soft_tokens)
     kwargs = hf_inputs(hf, ids, [img], [wave])
     with torch.no_grad():

@@ -292,6 +292,33 @@ def test_health_and_metrics() -> None:
     run_with_server(scenario, metrics_port=0, transport="tcp")
 
 
+def test_encoder_outputs_are_kept_by_model_and_digest_and_bad_ones_refused() -> None:
+    """What a prefill offers another gets back bit-identical, under its model only; outputs past the cache's
+    bytes push the oldest out; a malformed output is INVALID_ARGUMENT; lookups are counted."""
+    async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
+        client = KVTransferClient(4 << 20)
+        image, clip = torch.randn(12, 32), torch.randn(5, 32).bfloat16()
+        assert await client.put_encoder_outputs(running.address, "m", {b"i" * 32: image, b"a" * 32: clip}) == 2
+        got = await client.get_encoder_outputs(running.address, "m", [b"a" * 32, b"x" * 32, b"i" * 32])
+        assert list(got) == [b"a" * 32, b"i" * 32]
+        assert torch.equal(got[b"i" * 32], image) and torch.equal(got[b"a" * 32], clip)
+        assert await client.get_encoder_outputs(running.address, "another model", [b"i" * 32]) == {}
+        await client.put_encoder_outputs(running.address, "m", {b"n" * 32: torch.zeros(8, 32)})  # 1 KiB: past it
+        assert list(await client.get_encoder_outputs(running.address, "m", [b"i" * 32, b"n" * 32])) == [b"n" * 32]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.PutEncoderOutputs(pb.PutEncoderOutputsRequest(model="m", outputs=[pb.EncoderOutput(
+                content_hash=b"z" * 32, dtype="float32", shape=[4, 4], data=b"short")]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        url = f"http://127.0.0.1:{running.metrics_port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        assert 'baton_encoder_cache_lookups_total{result="hit"} 3.0' in body
+        assert 'baton_encoder_cache_lookups_total{result="miss"} 3.0' in body
+        assert f"baton_encoder_cache_bytes {float(running.encoder_cache.nbytes)}" in body
+        await client.close()
+
+    run_with_server(scenario, metrics_port=0, transport="tcp", encoder_cache_bytes=2048)
+
+
 def test_two_instances_in_one_process_have_separate_metrics() -> None:
     async def main() -> None:
         settings = KVTransferSettings(port=0, metrics_port=0, shutdown_grace_s=0.0, capacity_bytes=1 << 20)

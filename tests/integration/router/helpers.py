@@ -85,6 +85,9 @@ class SpyBackend:
     def healthy(self) -> bool:
         return self.inner.healthy()
 
+    def instance_counts(self) -> dict[str, int]:
+        return self.inner.instance_counts()
+
 
 @dataclass
 class ScriptedBackend:
@@ -114,6 +117,9 @@ class ScriptedBackend:
 
     def healthy(self) -> bool:
         return self.is_healthy
+
+    def instance_counts(self) -> dict[str, int]:
+        return {}
 
 
 def raising(error: BatonError | Exception) -> ScriptedBackend:

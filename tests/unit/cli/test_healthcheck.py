@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.decode.settings import DecodeSettings
+from services.encoder.settings import EncoderSettings
 from services.kv_transfer.settings import KVTransferSettings
 from services.prefill.settings import PrefillSettings
 from services.router.settings import RouterSettings
@@ -29,7 +30,8 @@ def test_the_service_is_read_from_pid_1s_command_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("service", "settings_cls"), [("router", RouterSettings), ("prefill", PrefillSettings),
-                                                      ("decode", DecodeSettings), ("kv-transfer", KVTransferSettings)])
+                                                      ("decode", DecodeSettings), ("kv-transfer", KVTransferSettings),
+                                                      ("encoder", EncoderSettings)])
 def test_the_probes_read_what_the_services_read(service: str, settings_cls: type, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     probe_cls = PROBES[service]

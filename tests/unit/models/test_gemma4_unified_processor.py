@@ -108,7 +108,7 @@ def test_audio_frames_are_the_feature_extractors(num_samples: int) -> None:
     assert len(wave) == num_samples
     theirs = feature_extractor()([wave], return_tensors="pt")
     clip = proc.audio(wave)
-    assert torch.equal(clip.features, theirs["input_features"][0])
+    assert torch.equal(clip.frames, theirs["input_features"][0])
     assert torch.equal(clip.frame_mask, theirs["input_features_mask"][0])
     fake = SimpleNamespace(feature_extractor=feature_extractor(), boa_token="<a>", eoa_token="</a>", audio_token="x")
     counted = Gemma4UnifiedProcessor._compute_audio_num_tokens(fake, np.zeros(num_samples), 16_000)
