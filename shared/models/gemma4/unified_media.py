@@ -73,8 +73,8 @@ class UnifiedVisionEmbedder:
     ) -> torch.Tensor:  # [n, text hidden]
         assert patches.shape[-1] == self.patch_dim and int(positions.max()) < self.num_positions, \
             "checked by the processor: patch size and positions fit the checkpoint"
-        x = self.patch_ln2(F.linear(self.patch_ln1(patches.to(self.dense_weight.dtype)), self.dense_weight,
-                                    self.dense_bias))
+        w = self.dense_weight
+        x = self.patch_ln2(F.linear(self.patch_ln1(patches.to(w.device, w.dtype)), w, self.dense_bias))
         positions = positions.to(self.pos_embedding.device)
         pos = self.pos_embedding[positions[:, 0], 0] + self.pos_embedding[positions[:, 1], 1]
         return self.embedder(self.pos_norm(x + pos))
@@ -124,4 +124,4 @@ class Gemma4UnifiedEncoders:
         frame_mask: torch.Tensor,  # [num_frames] bool
     ) -> torch.Tensor:  # [num_soft_tokens, text hidden]
         assert self.audio is not None, "checked by the caller: the model reads audio"
-        return self.audio(frames[frame_mask.to(frames.device)])
+        return self.audio(frames.to(self.device)[frame_mask.to(self.device)])
