@@ -1,7 +1,7 @@
 """The encoder servicer: a request's media to encoder outputs in kv_transfer's cache.
 
 Encode(items, kv_transfer_address)
-  kv_transfer holds an item's output (GetEncoderOutputs) ─► found, nothing to do
+  kv_transfer holds an item's output (GetEncoderOutputs, digests only) ─► found, nothing to do
   this process's cache holds it                            ─► found, stored in kv_transfer again
   else: decoded and cut (a thread; bad media: INVALID_ARGUMENT), then encoded in the batcher's next pass
   outputs not held there ──PutEncoderOutputs──► kv_transfer; reply with the counts
@@ -71,8 +71,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             if not request.kv_transfer_address:
                 raise InvalidRequestError("Encode needs a kv_transfer_address", param="kv_transfer_address")
             items = list({m.content_hash: m for m in media_from_proto(request.media)}.values())
-            held = await self.kv.get_encoder_outputs(request.kv_transfer_address, self.model_key,
-                                                     [m.content_hash for m in items])
+            held = await self.kv.held_encoder_outputs(request.kv_transfer_address, self.model_key,
+                                                      [m.content_hash for m in items])
             todo = [m for m in items if m.content_hash not in held]
             outputs, num_encoded = await self._outputs(todo)
             stored = await self.kv.put_encoder_outputs(request.kv_transfer_address, self.model_key, outputs) \

@@ -209,6 +209,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         found = self.encoder_cache.get(request.model, [bytes(h) for h in request.content_hashes])
         self._metrics.encoder_lookups.labels(result="hit").inc(len(found))
         self._metrics.encoder_lookups.labels(result="miss").inc(len(request.content_hashes) - len(found))
+        if request.digests_only:
+            return kv_transfer_pb2.GetEncoderOutputsResponse(outputs=[
+                kv_transfer_pb2.EncoderOutput(content_hash=e.content_hash) for e in found])
         return kv_transfer_pb2.GetEncoderOutputsResponse(outputs=[
             kv_transfer_pb2.EncoderOutput(content_hash=e.content_hash, dtype=e.dtype, shape=list(e.shape),
                                           data=e.data) for e in found])

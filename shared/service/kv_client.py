@@ -137,6 +137,18 @@ class KVTransferClient:
                            error_from_rpc(e) if isinstance(e, grpc.RpcError) else e)
             return {}
 
+    async def held_encoder_outputs(self, address: str, model: str, content_hashes: Sequence[bytes]) -> set[bytes]:
+        """Which of these digests kv_transfer holds outputs for (none when the call failed)."""
+        try:
+            reply = await self._stub(address).GetEncoderOutputs(
+                kv_transfer_pb2.GetEncoderOutputsRequest(model=model, content_hashes=list(content_hashes),
+                                                         digests_only=True),
+                timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
+            return {bytes(msg.content_hash) for msg in reply.outputs}
+        except grpc.RpcError as e:
+            logger.warning("asking kv_transfer at %s for encoder outputs failed: %s", address, error_from_rpc(e))
+            return set()
+
     async def put_encoder_outputs(self, address: str, model: str, outputs: Mapping[bytes, torch.Tensor]) -> int:
         """Offer encoder outputs to kv_transfer's cache; returns how many it kept (0 when the call failed)."""
         try:

@@ -238,12 +238,14 @@ class PutEncoderOutputsResponse(_message.Message):
     def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
 
 class GetEncoderOutputsRequest(_message.Message):
-    __slots__ = ("model", "content_hashes")
+    __slots__ = ("model", "content_hashes", "digests_only")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: str
     content_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, model: _Optional[str] = ..., content_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    digests_only: bool
+    def __init__(self, model: _Optional[str] = ..., content_hashes: _Optional[_Iterable[bytes]] = ..., digests_only: _Optional[bool] = ...) -> None: ...
 
 class GetEncoderOutputsResponse(_message.Message):
     __slots__ = ("outputs",)

@@ -303,6 +303,7 @@ def test_encoder_outputs_are_kept_by_model_and_digest_and_bad_ones_refused() -> 
         assert list(got) == [b"a" * 32, b"i" * 32]
         assert torch.equal(got[b"i" * 32], image) and torch.equal(got[b"a" * 32], clip)
         assert await client.get_encoder_outputs(running.address, "another model", [b"i" * 32]) == {}
+        assert await client.held_encoder_outputs(running.address, "m", [b"i" * 32, b"x" * 32]) == {b"i" * 32}
         await client.put_encoder_outputs(running.address, "m", {b"n" * 32: torch.zeros(8, 32)})  # 1 KiB: past it
         assert list(await client.get_encoder_outputs(running.address, "m", [b"i" * 32, b"n" * 32])) == [b"n" * 32]
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -311,8 +312,8 @@ def test_encoder_outputs_are_kept_by_model_and_digest_and_bad_ones_refused() -> 
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         url = f"http://127.0.0.1:{running.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-        assert 'baton_encoder_cache_lookups_total{result="hit"} 3.0' in body
-        assert 'baton_encoder_cache_lookups_total{result="miss"} 3.0' in body
+        assert 'baton_encoder_cache_lookups_total{result="hit"} 4.0' in body
+        assert 'baton_encoder_cache_lookups_total{result="miss"} 4.0' in body
         assert f"baton_encoder_cache_bytes {float(running.encoder_cache.nbytes)}" in body
         await client.close()
 
