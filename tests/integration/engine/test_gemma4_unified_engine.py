@@ -87,3 +87,25 @@ def test_make_tiny_unified_checkpoint_serves_media(engines, tmp_path) -> None:
     ids += [3000, 4000]
     result = engine.generate([ids], GREEDY, media=[items])[0]
     _check(result, hf_unified_greedy(hf, ids, [random_image(20, 52, seed=5)], [wave], 8))
+
+
+def test_in_process_handoff_carries_the_media(engines, models) -> None:
+    """Prefill encodes and computes the prompt (the image seen both ways on every layer); decode continues from
+    the handed-off KV without encoding anything."""
+    loaded, hf = models
+    prefill = tiny_engine(loaded, role="prefill")
+    decode = tiny_engine(loaded, role="decode")
+    engines.extend([prefill, decode])
+    proc = unified_processor()
+    wave = random_wave(0.2, seed=7)
+    ids, items = mm_prompt([2, 17], [("image", image_bytes(30, 30, seed=4), proc.image_tokens(30, 30)),
+                                     ("audio", wav_bytes(wave), proc.audio_tokens(len(wave)))], [61, 7])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    handoff = prefill.generate([ids], params, media=[items])[0].handoff
+    assert handoff is not None and handoff.media == tuple(items)
+    encoded = loaded.media_encoder.num_encoded
+    assert decode.add_handoff("d", params, handoff) is None
+    results = decode.run_to_completion()
+    assert loaded.media_encoder.num_encoded == encoded  # decode read the KV, not the media
+    tokens, _ = hf_unified_greedy(hf, ids, [random_image(30, 30, seed=4)], [wave], 8)
+    assert [handoff.first_token_id, *results["d"].token_ids] == tokens
