@@ -102,7 +102,7 @@ def test_deregister_removes_and_heartbeat_needs_register() -> None:
 
 def test_validation_of_service_and_ttl() -> None:
     with pytest.raises(ConfigError, match="unknown service"):
-        make_instance("x", service="encoder")
+        make_instance("x", service="tokenizer")
 
     async def scenario() -> None:
         reg = MemoryRegistry()
