@@ -77,6 +77,10 @@ class LoadedModel:
     media_encoder: Any = None  # shared.multimodal.encoder.MediaEncoder of a checkpoint that reads media
     multimodal: Any = None  # its shared.models.gemma4.multimodal.MultimodalConfig
 
+    def __post_init__(self) -> None:
+        if self.multimodal is not None:  # its text model embeds the placeholder ids as the pad token
+            self.model.set_placeholder_ids(self.multimodal.placeholder_token_ids)
+
     @property
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)

@@ -42,6 +42,14 @@ class MultimodalConfig:
     # gemma4_unified: Gemma 3's mask instead, an image's soft tokens see each other on every layer, full and
     # sliding, past the sliding window (unified_media.py)
     bidirectional_every_layer: bool = False
+    video_token_id: int | None = None
+
+    @property
+    def placeholder_token_ids(self) -> tuple[int, ...]:
+        """Ids the multimodal model embeds as the pad token wherever they stand (soft tokens then replace those
+        with media behind them): transformers' Gemma4Model does so for prompts and generated tokens alike."""
+        ids = (self.image_token_id, self.audio_token_id, self.video_token_id)
+        return tuple(i for i in ids if i is not None)
 
 
 def multimodal_config(config: Any) -> MultimodalConfig | None:
@@ -58,6 +66,7 @@ def multimodal_config(config: Any) -> MultimodalConfig | None:
         pad_token_id=int(text.pad_token_id or 0), has_vision=vision is not None, has_audio=audio is not None,
         bidirectional_vision=getattr(text, "use_bidirectional_attention", None) == "vision",
         bidirectional_every_layer=getattr(config, "model_type", None) == "gemma4_unified",
+        video_token_id=None if getattr(config, "video_token_id", None) is None else int(config.video_token_id),
     )
 
 

@@ -82,12 +82,21 @@ class Gemma4TextLM:
             layer_type: rotary_embedding(rope, spec.max_positions, self.device) for layer_type, rope in spec.ropes
         }
         self._write_kv = write_kv_cpu if self.device.type == "cpu" and cpu_kernels_available() else write_kv
+        # a multimodal checkpoint's placeholder ids (set_placeholder_ids): embedded as the pad token
+        self._placeholders: torch.Tensor | None = None
         # the KV layer group each layer attends in (its block tables: meta's, or meta.group_tables[group - 1])
         self._layer_group = [group_of_layer(self.kv_layers, i) for i in range(spec.num_layers)]
         # layers that some KV-shared layer reads: their K/V of a step is kept for it
         self._sources = {layer.reads_layer for layer in spec.layers if layer.reads_layer is not None}
         self._derive_keys = {i: self._keys_from_values(i) for i, layer in enumerate(spec.layers)
                              if layer.k_eq_v and layer.reads_layer is None}
+
+    def set_placeholder_ids(self, token_ids: Sequence[int]) -> None:
+        """A multimodal checkpoint's image/audio/video placeholder ids: embedded (and their per-layer inputs
+        taken) as the pad token's wherever they stand, as transformers' Gemma4Model does, a generated one
+        included; rows with media behind them get the soft tokens on top."""
+        self._placeholders = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device) \
+            if token_ids else None
 
     @torch.inference_mode()
     def forward(
@@ -103,6 +112,8 @@ class Gemma4TextLM:
         """The final (normed) hidden states; `captured`'s keys name layers whose outputs are stored into it;
         `soft_tokens` replaces the embeddings of multimodal placeholder rows (multimodal.py)."""
         s, w = self.spec, self.w
+        if self._placeholders is not None:
+            input_ids = torch.where(torch.isin(input_ids, self._placeholders), s.pad_token_id, input_ids)
         x = F.embedding(input_ids, w.embed) * torch.tensor(s.hidden_size**0.5, dtype=self.dtype)
         if soft_tokens is not None:
             rows, values = soft_tokens

@@ -79,6 +79,20 @@ def test_media_of_requests_arriving_together_encode_in_one_pass(engines, models)
         assert result.token_ids == hf_mm_greedy(hf, ids, [img], [], 8)
 
 
+def test_a_generated_placeholder_id_is_embedded_as_the_pad_token(engines, models) -> None:
+    """The tiny model generates the video placeholder (249) after this prompt; transformers embeds every
+    placeholder id as the pad token, generated ones too, and so does baton's multimodal text model."""
+    loaded, hf = models
+    engine = tiny_engine(loaded)
+    engines.append(engine)
+    proc = media_processor()
+    ids, items = mm_prompt([2, 20, 99], [("image", image_bytes(40, 28, seed=11), proc.image_tokens(40, 28))],
+                           [61, 7])
+    got = engine.generate([ids], GREEDY, media=[items])[0].token_ids
+    assert hf.config.video_token_id in got[:-1]  # the case is exercised: a placeholder id was fed back
+    assert got == hf_mm_greedy(hf, ids, [random_image(40, 28, seed=11)], [], 8)
+
+
 def test_prefix_cache_keys_blocks_by_the_image(engines, models) -> None:
     loaded, hf = models
     engine = tiny_engine(loaded)
