@@ -18,6 +18,7 @@ for batches of k images of the bench's size, one `encode_images` pass over all k
 alternating which goes first, the vision tower alone (no caches): ms per image each way and the ratio.
 
     .venv/bin/python -m bench.multimodal [--rounds 30] [--image-size 64 48] [--text-tokens 64]
+    .venv/bin/python -m bench.multimodal --readme-from bench/results/multimodal-<stamp>.json
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 
 from bench.engine import log, machine
 from bench.results_file import write_results
+from bench.serve_report import write_block
 from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -156,14 +158,48 @@ def tower_batching(engine: LLMEngine, size: tuple[int, int], batch_sizes: tuple[
     return rows
 
 
+def readme_table(result: dict[str, Any], name: str) -> str:
+    """bench/README.md's multimodal block, from one results file."""
+    rows = result["configs"]
+    lines = [f"Images through a colocated engine (`bench/multimodal.py`, run `{name}`, commit "
+             f"`{result['machine'].get('commit', '?')}`; tiny random Gemma 4 with both towers, {result['rounds']} "
+             f"rounds in rotating order): a {result['image_size'][0]}x{result['image_size'][1]} image "
+             f"({result['image_soft_tokens']} soft tokens) in a {result['prompt_tokens']}-token prompt against "
+             "text-only prompts of the same length; the vision tower "
+             f"{result['encoder_ms_per_image']} ms per image.", "",
+             "| prompt | TTFT p50 (ms) | p99 (ms) | p50 / text |", "|---|---|---|---|"]
+    labels = {"text": "text only", "image": "image + text (encoder and prefix caches miss)",
+              "image_seen": "image seen before + other text (encoder cache hit)"}
+    for config in CONFIGS:
+        r = rows[config]
+        lines.append(f"| {labels[config]} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | "
+                     f"{r['p50_vs_text']:.3f}x |")
+    batching = result.get("tower_batching")
+    if batching:
+        lines += ["", "Tower batching (the images of a step's requests, or of an encoder pass, in one vision-tower "
+                  "pass; k = 1 is the control):", "",
+                  "| images | one pass, ms per image | one pass each, ms per image | speedup |", "|---|---|---|---|"]
+        for k, r in batching.items():
+            lines.append(f"| {k} | {r['one_pass_ms_per_image']:.2f} | {r['separate_ms_per_image']:.2f} | "
+                         f"{r['separate_over_one_pass']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--readme-from", type=Path, default=None,
+                        help="only rewrite bench/README.md's block from this results file")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--image-size", type=int, nargs=2, default=[64, 48], metavar=("W", "H"))
     parser.add_argument("--text-tokens", type=int, default=64, help="text tokens after the image")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    readme = Path(__file__).parent / "README.md"
+    if args.readme_from is not None:
+        write_block(readme, "multimodal", readme_table(json.loads(args.readme_from.read_text()),
+                                                       args.readme_from.name))
+        return 0
     path = checkpoint(args.cache_dir)
     engine = LLMEngine(EngineConfig(model=str(path), max_model_len=1024, kv_cache_bytes=64 << 20))
     size = (args.image_size[0], args.image_size[1])
@@ -176,7 +212,8 @@ def main() -> int:
     for c, row in result["configs"].items():
         log(f"{c}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, p99 {row['ttft_p99_ms']:.2f} ms, x{row['p50_vs_text']:.3f}")
     out = write_results(result, args.out, "multimodal")
-    log(f"wrote {out}")
+    write_block(readme, "multimodal", readme_table(result, out.name))
+    log(f"wrote {out} and bench/README.md's multimodal block")
     print(json.dumps(result))
     return 0
 
