@@ -257,7 +257,7 @@ def test_the_backend_counts_the_instances_it_can_send_work_to() -> None:
         await backend.close()
         return counts
 
-    assert asyncio.run(main()) == {"prefill": 1, "decode": 2, "kv_transfer": 0, "colocated": 0}
+    assert asyncio.run(main()) == {"prefill": 1, "decode": 2, "kv_transfer": 0, "colocated": 0, "encoder": 0}
 
 
 def test_a_dead_kv_transfer_sends_the_prompt_to_a_decode_instance_or_fails_without_migration() -> None:
