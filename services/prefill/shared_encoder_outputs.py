@@ -12,7 +12,6 @@ soft-token count, the model's hidden size) before the engine sees them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -28,8 +27,6 @@ class SharedEncoderOutputs:
     def __init__(self, aengine: AsyncEngine, kv: KVTransferClient) -> None:
         self.aengine = aengine
         self.kv = kv
-        self.num_fetched = 0  # outputs taken from kv_transfer instead of encoded here
-        self.num_offered = 0  # outputs kv_transfer kept from this instance
 
     @property
     def model(self) -> str:
@@ -57,7 +54,6 @@ class SharedEncoderOutputs:
                                item.num_tokens if item else "?", hidden)
                 continue
             encoder.remember(digest, output)
-            self.num_fetched += 1
         if found:
             logger.debug("request %s: %d of %d encoder outputs from kv_transfer", request_id, len(found), len(items))
         return [d for d in items if d not in found]
@@ -70,9 +66,4 @@ class SharedEncoderOutputs:
         outputs = {d: out for d in digests if (out := encoder.peek(d)) is not None}
         if not outputs:
             return
-        self.kv.in_background(self.kv.put_encoder_outputs(address, self.model, outputs)).add_done_callback(
-            self._offered)
-
-    def _offered(self, task: asyncio.Future[int]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self.num_offered += task.result()
+        self.kv.in_background(self.kv.put_encoder_outputs(address, self.model, outputs))
