@@ -43,10 +43,9 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
 from shared.grpc_common import channel
-from shared.models.gemma4.multimodal import multimodal_config
 from shared.multimodal.items import MediaItem
+from shared.multimodal.loading import read_multimodal
 from shared.multimodal.media import content_hash
-from shared.multimodal.processor import Gemma4MediaProcessor
 from shared.wire import media_to_proto, sampling_params_to_proto
 from tests.helpers.gemma4 import hf_from_checkpoint, tiny_gemma4_checkpoint
 from tests.helpers.gemma4_mm import hf_mm_greedy, image_bytes, random_image, random_wave, wav_bytes
@@ -64,12 +63,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                   bidirectional_vision=True)
 
 
+@pytest.fixture(scope="module")
+def unified_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_gemma4_checkpoint(tmp_path_factory.mktemp("gemma4-unified") / "tiny", unified=True, vision=True,
+                                  audio=True, moe=False, ple_size=0, num_layers=4)
+
+
 def _prompt(checkpoint: Path, media: list[tuple[str, bytes]], text: list[int],
             head: tuple[int, ...] = (2, 1000, 2000, 3000, 4000, 5000)) -> tuple[list[int], list[MediaItem]]:
-    from transformers import AutoConfig
+    from shared.models.checkpoint import architecture_of
 
-    mm = multimodal_config(AutoConfig.from_pretrained(checkpoint))
-    proc = Gemma4MediaProcessor.from_dir(checkpoint)
+    found = read_multimodal(checkpoint, architecture_of(checkpoint)[0])
+    assert found is not None
+    mm, proc, _ = found
     ids, items = list(head), []
     for kind, data in media:
         if kind == "image":
@@ -187,10 +193,13 @@ def test_an_image_encoded_by_one_prefill_is_not_encoded_again_by_another(checkpo
     assert all(g[1] == 0 for g in got)  # no block came from the pool: the encoder output did
 
 
-def test_an_encoder_service_encodes_for_the_prefill(checkpoint: Path) -> None:
-    """encode -> prefill -> decode: the encoder service puts the image's and the clip's outputs in
-    kv_transfer (two concurrent calls batched into at most two tower passes), the prefill finds them and
-    encodes nothing, and the answer is the colocated one. Bad media is INVALID_ARGUMENT; GetLoad answers."""
+@pytest.mark.parametrize("layout", ["gemma4", "gemma4_unified"])
+def test_an_encoder_service_encodes_for_the_prefill(layout: str, request: pytest.FixtureRequest) -> None:
+    """encode -> prefill -> decode, for Gemma 4's towers and gemma4_unified's embedders: the encoder service
+    puts the image's and the clip's outputs in kv_transfer (two concurrent calls batched into at most two
+    tower passes), the prefill finds them and encodes nothing, and the answer is the colocated one. Bad media
+    is INVALID_ARGUMENT; GetLoad answers."""
+    checkpoint: Path = request.getfixturevalue("checkpoint" if layout == "gemma4" else "unified_checkpoint")
     wave = random_wave(0.4, seed=8)
     case = _prompt(checkpoint, [("image", image_bytes(40, 28, seed=9)), ("audio", wav_bytes(wave))],
                    [7200 + i for i in range(6)])
