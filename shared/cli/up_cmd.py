@@ -24,7 +24,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from shared.errors import ConfigError, UnavailableError
 from shared.grpc_tls import set_tls
 from shared.models.loader import check_checkpoint
 from shared.models.weight_format import QUANTIZATIONS
+from shared.service.ports import unused_port
 from shared.tls_certs import CERT_SERVICES, make_dev_certs
 
 HOST = "127.0.0.1"
@@ -136,9 +136,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port for a child: free now and outside the ephemeral range (shared/service/ports.py)."""
+    return unused_port(HOST)
 
 
 def tls_dir(args: argparse.Namespace) -> Path:

@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 import time
 
+from shared.service.ports import unused_port
+
 REDIS_SERVER = "redis-server"
 INSTALL_HINT = "install it with `apt-get install -y redis-server` (`make test` does this: system-deps)"
 
@@ -24,9 +26,8 @@ def redis_server_path() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port for a server a test starts (below the ephemeral range: shared/service/ports.py)."""
+    return unused_port("127.0.0.1")
 
 
 def _answers_ping(port: int) -> bool:
