@@ -121,18 +121,21 @@ def aggregate(runs: list[dict[str, Any]], baseline: str = "round_robin") -> dict
 def readme_table(result: dict[str, Any]) -> str:
     """The README block: per policy and rate, the medians over rounds (generated, never typed)."""
     p = result["plan"]
+    failed = [f"{r['policy']} round {r['round'] + 1} ({r['error'][:80]})" for r in result["runs"] if "error" in r]
     lines = [f"Routing policies on a multi-turn workload with shared prefixes (`bench/serve_kvroute.py`, "
              f"`{result['file']}`: {p['workload']['num_conversations']} conversations x "
-             f"{p['workload']['num_turns']} turns, {p['prefill']} prefill + {p['decode']} decode, medians of "
-             f"{p['rounds']} alternating rounds; SLO TTFT {result['slo']['ttft_ms']:.0f} ms, TPOT "
-             f"{result['slo']['tpot_ms']:.0f} ms):", "",
-             "| policy | rate (conv/s) | prefix hit rate | p50 TTFT ms | p99 TTFT ms | p99 TTFT / round_robin "
-             "| SLO attainment | good req/s | goodput (req/s) |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{p['workload']['num_turns']} turns, {p['prefill']} prefill + {p['decode']} decode, medians over "
+             f"the rounds that ran of {p['rounds']} alternating ones; SLO TTFT {result['slo']['ttft_ms']:.0f} ms, "
+             f"TPOT {result['slo']['tpot_ms']:.0f} ms)" + (f"; failed to run: {'; '.join(failed)}" if failed else "")
+             + ":", "",
+             "| policy | rounds | rate (conv/s) | prefix hit rate | p50 TTFT ms | p99 TTFT ms | p99 TTFT / round_robin "
+             "| SLO attainment | good req/s | goodput (req/s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for policy, s in result["summary"].items():
+        rounds = sum(1 for r in result["runs"] if r["policy"] == policy and "rates" in r)
         for rate, e in s["rates"].items():
             ratio = e.get("p99_ttft_ratio_to_baseline")
             ratio_text = f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-"
-            lines.append(f"| {policy} | {rate} | {e['prefix_hit_rate']:.1%} | {e['p50_ttft_ms']:.0f} | "
+            lines.append(f"| {policy} | {rounds} | {rate} | {e['prefix_hit_rate']:.1%} | {e['p50_ttft_ms']:.0f} | "
                          f"{e['p99_ttft_ms']:.0f} | {ratio_text} | {e['slo_attainment']:.2f} | "
                          f"{e['good_req_s']:.2f} | {s['goodput_req_s']:.2f} |")
     return "\n".join(lines)
