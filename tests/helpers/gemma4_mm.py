@@ -136,3 +136,38 @@ def hf_mm_greedy(hf: Any, ids: list[int], images: list[Any], waves: list[Any], n
     out = hf.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
                       output_hidden_states=True, return_dict_in_generate=True, **kwargs)
     return out.sequences[0, len(ids):].tolist()  # type: ignore[no-any-return]
+
+
+def whole_mm_prompt(num_image: int, num_audio: int) -> list[int]:
+    """Text, an image's and a clip's placeholder runs (either may be 0 long), text: the model-level tests' prompt."""
+    ids = [2, 17, 99, 5]
+    if num_image:
+        ids += [BOI] + [IMAGE_ID] * num_image + [EOI] + [44, 45]
+    if num_audio:
+        ids += [BOA] + [AUDIO_ID] * num_audio + [EOA]
+    return ids + [61, 7, 33]
+
+
+def whole_prompt_logits(model: Any, ids: list[int], soft: torch.Tensor, image_mask: str) -> torch.Tensor:
+    """One forward over the whole prompt on a fresh paged cache, soft tokens at the placeholder rows.
+    `image_mask`: how the image's tokens see each other: "causal" (not both ways), "sliding" (both ways on
+    sliding layers within the window: Gemma 4) or "every_layer" (on every layer: gemma4_unified)."""
+    from shared.kv.layout import KVLayout
+    from shared.ops.attention import AttentionMetadata
+
+    assert image_mask in ("causal", "sliding", "every_layer"), image_mask
+    n, bs = len(ids), 4
+    blocks = -(-n // bs)
+    layout = KVLayout.of(model.spec.kv_layers, blocks + 2, bs, model.dtype)
+    kv = layout.model_cache(layout.allocate(model.device))
+    pos = torch.arange(n)
+    table = torch.randperm(blocks + 2)[:blocks]
+    rows = torch.tensor([i for i, t in enumerate(ids) if t in (IMAGE_ID, AUDIO_ID)])
+    image = [i for i, t in enumerate(ids) if t == IMAGE_ID]
+    meta = AttentionMetadata(table[pos // bs] * bs + pos % bs, torch.tensor([0, n], dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32), table[None].int(), [n], [n])
+    if image_mask != "causal" and image:
+        meta.bidirectional_spans = {0: [(image[0], image[-1] + 1)]}
+        meta.bidirectional_every_layer = image_mask == "every_layer"
+    hidden = model.forward(torch.tensor(ids), pos, kv, meta, soft_tokens=(rows, soft))
+    return model.compute_logits(hidden)

@@ -17,20 +17,15 @@ import torch
 from shared.engine.engine import pick_attention
 from shared.models.families import build_model, spec_from_config
 from shared.models.gemma4.multimodal import Gemma4Encoders, multimodal_config
-from shared.ops.attention import AttentionMetadata
 from tests.helpers.gemma4_mm import (
-    AUDIO_ID,
-    BOA,
-    BOI,
-    EOA,
-    EOI,
-    IMAGE_ID,
     media_processor,
     mm_token_type_ids,
     random_image,
     random_wave,
     text_weights,
     tiny_mm_hf,
+    whole_mm_prompt,
+    whole_prompt_logits,
 )
 
 
@@ -90,35 +85,6 @@ def test_audio_soft_tokens_match_transformers(hf: Any, ours: tuple[Any, Gemma4En
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
-def _prompt(num_image: int, num_audio: int) -> list[int]:
-    ids = [2, 17, 99, 5]
-    if num_image:
-        ids += [BOI] + [IMAGE_ID] * num_image + [EOI] + [44, 45]
-    if num_audio:
-        ids += [BOA] + [AUDIO_ID] * num_audio + [EOA]
-    return ids + [61, 7, 33]
-
-
-def _our_logits(model: Any, ids: list[int], soft: torch.Tensor, bidirectional: bool) -> torch.Tensor:
-    """One forward over the whole prompt on a fresh paged cache, soft tokens at the placeholder rows."""
-    from shared.kv.layout import KVLayout
-
-    n, bs = len(ids), 4
-    blocks = -(-n // bs)
-    layout = KVLayout.of(model.spec.kv_layers, blocks + 2, bs, model.dtype)
-    kv = layout.model_cache(layout.allocate(model.device))
-    pos = torch.arange(n)
-    table = torch.randperm(blocks + 2)[:blocks]
-    rows = torch.tensor([i for i, t in enumerate(ids) if t in (IMAGE_ID, AUDIO_ID)])
-    image = [i for i, t in enumerate(ids) if t == IMAGE_ID]
-    meta = AttentionMetadata(table[pos // bs] * bs + pos % bs, torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([n], dtype=torch.int32), table[None].int(), [n], [n])
-    if bidirectional and image:
-        meta.bidirectional_spans = {0: [(image[0], image[-1] + 1)]}
-    hidden = model.forward(torch.tensor(ids), pos, kv, meta, soft_tokens=(rows, soft))
-    return model.compute_logits(hidden)
-
-
 @pytest.mark.parametrize("bidirectional", [True, False], ids=["bidirectional", "causal"])
 def test_image_and_audio_prompt_logits_and_greedy_match_transformers(bidirectional: bool) -> None:
     hf = tiny_mm_hf("all", bidirectional=bidirectional)
@@ -131,7 +97,8 @@ def test_image_and_audio_prompt_logits_and_greedy_match_transformers(bidirection
     image, clip = proc.image(img), proc.audio(wave)
     soft = torch.cat([encoders.encode_image(image.patches, image.positions),
                       encoders.encode_audio(clip.frames, clip.frame_mask)])
-    ids = _prompt(image.num_soft_tokens, clip.num_soft_tokens)
+    ids = whole_mm_prompt(image.num_soft_tokens, clip.num_soft_tokens)
+    image_mask = "sliding" if bidirectional else "causal"
     pix = proc.images(images=[img], return_tensors="pt")
     feats = proc.audio_features([wave], return_tensors="pt")
     kwargs = dict(pixel_values=pix["pixel_values"], image_position_ids=pix["image_position_ids"],
@@ -139,15 +106,15 @@ def test_image_and_audio_prompt_logits_and_greedy_match_transformers(bidirection
                   mm_token_type_ids=mm_token_type_ids(ids))
     with torch.no_grad():
         theirs = hf(torch.tensor([ids]), output_hidden_states=True, **kwargs).logits[0]
-    mine = _our_logits(model, ids, soft, bidirectional)
+    mine = whole_prompt_logits(model, ids, soft, image_mask)
     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
     if bidirectional:  # the image's tokens seeing each other changes what follows them
-        assert not torch.allclose(_our_logits(model, ids, soft, False)[-1], theirs[-1], atol=1e-3)
+        assert not torch.allclose(whole_prompt_logits(model, ids, soft, "causal")[-1], theirs[-1], atol=1e-3)
     # greedy: 8 tokens, each step one full forward (the engine's paged decode path is tested through it)
     out = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                       output_hidden_states=True, return_dict_in_generate=True, **kwargs)
     expected = out.sequences[0, len(ids):].tolist()
     seq = list(ids)
     for _ in range(8):
-        seq.append(int(_our_logits(model, seq, soft, bidirectional)[-1].argmax()))
+        seq.append(int(whole_prompt_logits(model, seq, soft, image_mask)[-1].argmax()))
     assert seq[len(ids):] == expected

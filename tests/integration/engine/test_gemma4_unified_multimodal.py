@@ -19,17 +19,15 @@ from shared.engine.engine import pick_attention
 from shared.models.families import build_model, spec_from_config
 from shared.models.gemma4.multimodal import multimodal_config
 from shared.models.gemma4.unified_media import Gemma4UnifiedEncoders
-from shared.ops.attention import AttentionMetadata
 from tests.helpers.gemma4_mm import (
     AUDIO_ID,
-    BOA,
-    BOI,
     EOA,
-    EOI,
     IMAGE_ID,
     random_image,
     random_wave,
     text_weights,
+    whole_mm_prompt,
+    whole_prompt_logits,
 )
 from tests.helpers.gemma4_unified_mm import (
     feature_extractor,
@@ -87,37 +85,6 @@ def test_audio_soft_tokens_match_transformers(hf: Any, ours: tuple[Any, Gemma4Un
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
-def _prompt(num_image: int, num_audio: int) -> list[int]:
-    ids = [2, 17, 99, 5]
-    if num_image:
-        ids += [BOI] + [IMAGE_ID] * num_image + [EOI] + [44, 45]
-    if num_audio:
-        ids += [BOA] + [AUDIO_ID] * num_audio + [EOA]
-    return ids + [61, 7, 33]
-
-
-def _our_logits(model: Any, ids: list[int], soft: torch.Tensor, every_layer: bool | None) -> torch.Tensor:
-    """One forward over the whole prompt on a fresh paged cache, soft tokens at the placeholder rows; the image
-    seen both ways on every layer (True), on sliding layers within the window (False), or causally (None)."""
-    from shared.kv.layout import KVLayout
-
-    n, bs = len(ids), 4
-    blocks = -(-n // bs)
-    layout = KVLayout.of(model.spec.kv_layers, blocks + 2, bs, model.dtype)
-    kv = layout.model_cache(layout.allocate(model.device))
-    pos = torch.arange(n)
-    table = torch.randperm(blocks + 2)[:blocks]
-    rows = torch.tensor([i for i, t in enumerate(ids) if t in (IMAGE_ID, AUDIO_ID)])
-    image = [i for i, t in enumerate(ids) if t == IMAGE_ID]
-    meta = AttentionMetadata(table[pos // bs] * bs + pos % bs, torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([n], dtype=torch.int32), table[None].int(), [n], [n])
-    if every_layer is not None and image:
-        meta.bidirectional_spans = {0: [(image[0], image[-1] + 1)]}
-        meta.bidirectional_every_layer = every_layer
-    hidden = model.forward(torch.tensor(ids), pos, kv, meta, soft_tokens=(rows, soft))
-    return model.compute_logits(hidden)
-
-
 def test_image_and_audio_prompt_logits_and_greedy_match_transformers(
         hf: Any, ours: tuple[Any, Gemma4UnifiedEncoders]) -> None:
     model, encoders = ours
@@ -127,19 +94,19 @@ def test_image_and_audio_prompt_logits_and_greedy_match_transformers(
     assert image.num_soft_tokens > hf.config.text_config.sliding_window  # the span reaches past the window
     soft = torch.cat([encoders.encode_image(image.patches, image.positions),
                       encoders.encode_audio(clip.frames, clip.frame_mask)])
-    ids = _prompt(image.num_soft_tokens, clip.num_soft_tokens)
+    ids = whole_mm_prompt(image.num_soft_tokens, clip.num_soft_tokens)
     kwargs = hf_inputs(hf, ids, [img], [wave])
     with torch.no_grad():
         theirs = hf(torch.tensor([ids]), output_hidden_states=True, **kwargs).logits[0]
-    mine = _our_logits(model, ids, soft, every_layer=True)
+    mine = whole_prompt_logits(model, ids, soft, "every_layer")
     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
-    for other in (False, None):  # Gemma 4's sliding-only mask, or none, changes what follows the image
-        assert not torch.allclose(_our_logits(model, ids, soft, other)[-1], theirs[-1], atol=1e-3)
+    for other in ("sliding", "causal"):  # Gemma 4's sliding-only mask, or none, changes what follows the image
+        assert not torch.allclose(whole_prompt_logits(model, ids, soft, other)[-1], theirs[-1], atol=1e-3)
     # greedy: 8 tokens, each step one full forward (the engine's paged decode path is tested through it)
     out = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                       output_hidden_states=True, return_dict_in_generate=True, **kwargs)
     expected = out.sequences[0, len(ids):].tolist()
     seq = list(ids)
     for _ in range(8):
-        seq.append(int(_our_logits(model, seq, soft, every_layer=True)[-1].argmax()))
+        seq.append(int(whole_prompt_logits(model, seq, soft, "every_layer")[-1].argmax()))
     assert seq[len(ids):] == expected
