@@ -23,7 +23,6 @@ from shared.engine.precision import resolve_precision
 from shared.errors import ConfigError
 from shared.grpc_auth import AuthCollector
 from shared.grpc_common import GrpcServer, make_server
-from shared.grpc_tls import configure_internal_auth
 from shared.models.families import spec_from_config
 from shared.models.loader import model_identity, read_config, resolve_model
 from shared.multimodal.encoder import MediaEncoder
@@ -33,8 +32,7 @@ from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
 from shared.service.fresh_thread import run_on_fresh_thread
 from shared.service.kv_client import KVTransferClient
-from shared.service.lifecycle import MetricsHTTP, run_until_signal, write_port_file
-from shared.telemetry import setup_tracing
+from shared.service.lifecycle import MetricsHTTP, run_until_signal, set_up_process, write_port_file
 from shared.wire import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -117,9 +115,7 @@ async def start(settings: EncoderSettings) -> RunningEncoder:
 
 def main() -> None:
     settings = EncoderSettings()
-    configure_internal_auth(settings.internal_token, settings.tls_dir, "encoder")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("baton-encoder")
+    set_up_process("encoder", settings)
     asyncio.run(run_until_signal(lambda: start(settings)))
 
 

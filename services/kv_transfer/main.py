@@ -30,13 +30,18 @@ from services.kv_transfer.slots import make_policy
 from services.kv_transfer.store import HandoffStore
 from shared.grpc_auth import AuthCollector
 from shared.grpc_common import GrpcServer, make_server
-from shared.grpc_tls import configure_internal_auth
 from shared.kv.remote import AgentAddress, SlotSpace
 from shared.registry import connect_registry
 from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
-from shared.service.lifecycle import MetricsHTTP, cancel, every, run_until_signal, write_port_file
-from shared.telemetry import setup_tracing
+from shared.service.lifecycle import (
+    MetricsHTTP,
+    cancel,
+    every,
+    run_until_signal,
+    set_up_process,
+    write_port_file,
+)
 from shared.transport import Transport
 from shared.transport.factory import service_transport
 from shared.transport.memory import host_buffer
@@ -175,11 +180,7 @@ async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None)
 
 def main() -> None:
     settings = KVTransferSettings()
-    configure_internal_auth(settings.internal_token, settings.tls_dir, "kv_transfer")
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    setup_tracing("baton-kv-transfer")
+    set_up_process("kv_transfer", settings)
     asyncio.run(serve(settings))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc.aio
 
@@ -11,11 +10,9 @@ from proto.baton.v1 import prefill_pb2_grpc
 from services.prefill.server import SERVICE_NAME, PrefillServicer
 from services.prefill.settings import PrefillSettings
 from shared.engine.async_engine import AsyncEngine
-from shared.grpc_tls import configure_internal_auth
 from shared.service.engine_host import RunningKVService, start_engine_service
 from shared.service.kv_client import KVTransferClient
-from shared.service.lifecycle import run_until_signal
-from shared.telemetry import setup_tracing
+from shared.service.lifecycle import run_until_signal, set_up_process
 
 
 async def start(settings: PrefillSettings) -> RunningKVService:
@@ -31,9 +28,7 @@ async def start(settings: PrefillSettings) -> RunningKVService:
 
 def main() -> None:
     settings = PrefillSettings()
-    configure_internal_auth(settings.internal_token, settings.tls_dir, "prefill")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("baton-prefill")
+    set_up_process("prefill", settings)
     asyncio.run(run_until_signal(lambda: start(settings)))
 
 

@@ -25,12 +25,11 @@ from services.router.routing import Router
 from services.router.settings import RouterSettings
 from services.router.static_registry import StaticRegistryPoller, parse_targets
 from shared.errors import ConfigError
-from shared.grpc_tls import configure_internal_auth
 from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
 from shared.registry import connect_registry
 from shared.registry.base import Registry
-from shared.telemetry import setup_tracing
+from shared.service.lifecycle import set_up_process
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +96,7 @@ async def serve(settings: RouterSettings) -> None:
 
 def main() -> None:
     settings = RouterSettings()
-    configure_internal_auth(settings.internal_token, settings.tls_dir, "router")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("baton-router")
+    set_up_process("router", settings)
     asyncio.run(serve(settings))
 
 

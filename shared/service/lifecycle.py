@@ -15,7 +15,26 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from shared.grpc_tls import configure_internal_auth
+from shared.telemetry import setup_tracing
+
 logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class ProcessSettings(Protocol):
+    internal_token: str
+    tls_dir: Path | None
+    log_level: str
+
+
+def set_up_process(service: str, settings: ProcessSettings) -> None:
+    """What a service's `main` does before it serves: the internal token and mutual TLS (`service` names its
+    certificate), the log format, tracing (as baton-<service>)."""
+    configure_internal_auth(settings.internal_token, settings.tls_dir, service)
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    setup_tracing("baton-" + service.replace("_", "-"))
 
 
 class Stoppable(Protocol):
