@@ -44,8 +44,8 @@ class ProcessedAudio:
     num_soft_tokens: int
 
 
-def read_processor_config(hf_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint's processor settings (None: it ships none)."""
+def read_processor_config(hf_dir: Path) -> dict[str, Any]:
+    """The checkpoint's processor settings; ConfigError when it ships none or they cannot be read."""
     for name in ("processor_config.json", "preprocessor_config.json"):
         path = hf_dir / name
         if path.is_file():
@@ -53,7 +53,7 @@ def read_processor_config(hf_dir: Path) -> dict[str, Any] | None:
                 return json.loads(path.read_text())  # type: ignore[no-any-return]
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{path} is unreadable: {e}") from None
-    return None
+    raise ConfigError(f"{hf_dir} has no processor_config.json: its images and audio cannot be read")
 
 
 class Gemma4MediaProcessor:
@@ -72,10 +72,7 @@ class Gemma4MediaProcessor:
 
     @classmethod
     def from_dir(cls, hf_dir: Path) -> Gemma4MediaProcessor:
-        config = read_processor_config(hf_dir)
-        if config is None:
-            raise ConfigError(f"{hf_dir} has no processor_config.json: its images and audio cannot be read")
-        return cls(config)
+        return cls(read_processor_config(hf_dir))
 
     def image_tokens(self, width: int, height: int) -> int:
         """Soft tokens of a `width` x `height` image, without processing it (the processor's resize rule)."""

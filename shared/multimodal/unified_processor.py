@@ -56,10 +56,7 @@ class Gemma4UnifiedMediaProcessor:
 
     @classmethod
     def from_dir(cls, hf_dir: Path) -> Gemma4UnifiedMediaProcessor:
-        config = read_processor_config(hf_dir)
-        if config is None:
-            raise ConfigError(f"{hf_dir} has no processor_config.json: its images and audio cannot be read")
-        return cls(config)
+        return cls(read_processor_config(hf_dir))
 
     @property
     def model_patch_size(self) -> int:
