@@ -18,6 +18,12 @@ from shared.wire import DTYPES, dtype_from_name, dtype_name
 MAX_DIGEST_BYTES = 64
 
 
+def encoder_outputs_key(model_identity: str, dtype: torch.dtype) -> str:
+    """Whose outputs these are in kv_transfer's cache: the model (LoadedModel.identity) and the towers' dtype.
+    A prefill and an encoder service of the same model must name them alike, or the cache never hits."""
+    return f"{model_identity}:{dtype_name(dtype)}"
+
+
 def encoder_output_to_proto(content_hash: bytes, output: torch.Tensor) -> kv_transfer_pb2.EncoderOutput:
     """`output`: [num_soft_tokens, hidden], any device."""
     t = output.detach().to("cpu").contiguous()

@@ -33,7 +33,7 @@ from shared.registry.heartbeat import Heartbeater
 from shared.service.fresh_thread import run_on_fresh_thread
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import MetricsHTTP, run_until_signal, set_up_process, write_port_file
-from shared.wire import dtype_name
+from shared.wire_encoder import encoder_outputs_key
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def load_towers(settings: EncoderSettings) -> tuple[MediaEncoder, str]:
     found = load_media_encoder(hf_dir, arch_name, settings.device, dtype, settings.cache_items)
     if found is None:
         raise ConfigError(f"{settings.model} reads no images or audio: it has nothing for an encoder service")
-    return found[0], f"{model_identity(spec_from_config(config))}:{dtype_name(dtype)}"
+    return found[0], encoder_outputs_key(model_identity(spec_from_config(config)), dtype)
 
 
 async def start(settings: EncoderSettings) -> RunningEncoder:

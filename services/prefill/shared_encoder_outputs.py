@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from shared.engine.async_engine import AsyncEngine
 from shared.multimodal.items import MediaItem
 from shared.service.kv_client import KVTransferClient
-from shared.wire import dtype_name
+from shared.wire_encoder import encoder_outputs_key
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class SharedEncoderOutputs:
         """Whose outputs: the model's identity and the towers' dtype (outputs of another never match)."""
         loaded = self.aengine.engine.loaded
         assert loaded.media_encoder is not None
-        return f"{loaded.identity}:{dtype_name(loaded.media_encoder.dtype)}"
+        return encoder_outputs_key(loaded.identity, loaded.media_encoder.dtype)
 
     async def fetch(self, address: str, media: Sequence[MediaItem], request_id: str) -> list[bytes]:
         """Fill the engine's encoder cache from kv_transfer for the items it lacks; returns the digests
