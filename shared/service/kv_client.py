@@ -127,27 +127,29 @@ class KVTransferClient:
                                   content_hashes: Sequence[bytes]) -> dict[bytes, torch.Tensor]:
         """The encoder outputs kv_transfer holds for these media digests ([num_soft_tokens, hidden] each, on
         the CPU). A failed call finds nothing (the caller encodes): a cache must never fail a request."""
+        outputs = await self._ask_encoder_outputs(address, model, content_hashes, digests_only=False)
         try:
-            reply = await self._stub(address).GetEncoderOutputs(
-                kv_transfer_pb2.GetEncoderOutputsRequest(model=model, content_hashes=list(content_hashes)),
-                timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
-            return dict(encoder_output_from_proto(msg) for msg in reply.outputs)
-        except (grpc.RpcError, BatonError) as e:
-            logger.warning("asking kv_transfer at %s for encoder outputs failed: %s", address,
-                           error_from_rpc(e) if isinstance(e, grpc.RpcError) else e)
+            return dict(encoder_output_from_proto(msg) for msg in outputs)
+        except BatonError as e:
+            logger.warning("kv_transfer at %s sent a malformed encoder output: %s", address, e)
             return {}
 
     async def held_encoder_outputs(self, address: str, model: str, content_hashes: Sequence[bytes]) -> set[bytes]:
         """Which of these digests kv_transfer holds outputs for (none when the call failed)."""
+        outputs = await self._ask_encoder_outputs(address, model, content_hashes, digests_only=True)
+        return {bytes(msg.content_hash) for msg in outputs}
+
+    async def _ask_encoder_outputs(self, address: str, model: str, content_hashes: Sequence[bytes],
+                                   digests_only: bool) -> Sequence[kv_transfer_pb2.EncoderOutput]:
         try:
             reply = await self._stub(address).GetEncoderOutputs(
                 kv_transfer_pb2.GetEncoderOutputsRequest(model=model, content_hashes=list(content_hashes),
-                                                         digests_only=True),
+                                                         digests_only=digests_only),
                 timeout=_CONTROL_TIMEOUT_S, metadata=inject_metadata())
-            return {bytes(msg.content_hash) for msg in reply.outputs}
         except grpc.RpcError as e:
             logger.warning("asking kv_transfer at %s for encoder outputs failed: %s", address, error_from_rpc(e))
-            return set()
+            return []
+        return reply.outputs  # type: ignore[no-any-return]
 
     async def put_encoder_outputs(self, address: str, model: str, outputs: Mapping[bytes, torch.Tensor]) -> int:
         """Offer encoder outputs to kv_transfer's cache; returns how many it kept (0 when the call failed)."""
