@@ -14,7 +14,7 @@ second), and the router's calls per instance. Over the rates: goodput as DistSer
 highest rate with >= 90% attainment, bench/serve_stats.py). Ratios are against round_robin, round by
 round. `kv-local` is the KV policy with local prefill at the cost model's break-even length.
 
-    .venv/bin/python -m bench.serve_kvroute [--quick] [--policies round_robin,least_loaded,kv,kv-local]
+    .venv/bin/python -m bench.serve_kvroute [--quick | --heavy] [--policies round_robin,least_loaded,kv,kv-local]
 """
 
 from __future__ import annotations
@@ -52,8 +52,14 @@ POLICIES: dict[str, dict[str, str]] = {
 }
 
 
-def plan(quick: bool) -> dict[str, Any]:
-    """Workload, rates and rounds; --quick shrinks everything to a smoke test."""
+def plan(quick: bool, heavy: bool = False) -> dict[str, Any]:
+    """Workload, rates and rounds; --quick shrinks everything to a smoke test, --heavy loads the machine past
+    its knee (long shared templates, more of them than conversations per template, rates up to saturation)."""
+    if heavy:
+        workload = MultiTurnPlan(num_conversations=16, num_turns=4, num_templates=8, template_words=600,
+                                 user_words=24, output_tokens=32)
+        return {"workload": asdict(workload), "rates": [0.2, 0.4, 0.8], "rounds": 2, "timeout_s": 420.0,
+                "prefill": 2, "decode": 2}
     if quick:
         workload = MultiTurnPlan(num_conversations=4, num_turns=2, num_templates=2, template_words=40,
                                  user_words=8, output_tokens=8)
@@ -77,9 +83,10 @@ def router_assignments(base_url: str) -> dict[str, Any]:
 
 def bench_policy(server: Server, ids: list[int], p: dict[str, Any], slo: SLO, seed: int) -> dict[str, Any]:
     asyncio.run(warm_up(server.base_url, MODEL_NAME, ids))
-    convs = conversations(MultiTurnPlan(**p["workload"]), seed)
     out: dict[str, Any] = {"ready_after_s": round(server.ready_after_s, 1), "rates": []}
-    for rate in p["rates"]:
+    for i, rate in enumerate(p["rates"]):
+        # fresh templates and conversations at each rate: the rates before it must not have warmed its prefixes
+        convs = conversations(MultiTurnPlan(**p["workload"]), seed + 1000 * i)
         before = router_assignments(server.base_url)
         turns, duration_s = asyncio.run(run_conversations(
             server.base_url, MODEL_NAME, convs, p["workload"]["output_tokens"], rate=rate, seed=seed,
@@ -124,7 +131,8 @@ def readme_table(result: dict[str, Any]) -> str:
     failed = [f"{r['policy']} round {r['round'] + 1} ({r['error'][:80]})" for r in result["runs"] if "error" in r]
     lines = [f"Routing policies on a multi-turn workload with shared prefixes (`bench/serve_kvroute.py`, "
              f"`{result['file']}`: {p['workload']['num_conversations']} conversations x "
-             f"{p['workload']['num_turns']} turns, {p['prefill']} prefill + {p['decode']} decode, medians over "
+             f"{p['workload']['num_turns']} turns on {p['workload']['num_templates']} shared templates of "
+             f"{p['workload']['template_words']} words, {p['prefill']} prefill + {p['decode']} decode, medians over "
              f"the rounds that ran of {p['rounds']} alternating ones; SLO TTFT {result['slo']['ttft_ms']:.0f} ms, "
              f"TPOT {result['slo']['tpot_ms']:.0f} ms)" + (f"; failed to run: {'; '.join(failed)}" if failed else "")
              + ":", "",
@@ -145,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated of {list(POLICIES)}")
     parser.add_argument("--quick", action="store_true", help="tiny loads: a smoke test of the whole pipeline")
+    parser.add_argument("--heavy", action="store_true", help="long templates and rates past the machine's knee")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -166,9 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.serve import vocab_ids
 
     ids = vocab_ids(config.hf_dir)
-    p = plan(args.quick)
+    p = plan(args.quick, args.heavy)
     slo = SLO(ttft_s=args.ttft_slo_ms / 1e3, tpot_s=args.tpot_slo_ms / 1e3)
-    result: dict[str, Any] = {"bench": "serve_kvroute", "model": MODEL_NAME, "quick": args.quick, "plan": p,
+    result: dict[str, Any] = {"bench": "serve_kvroute", "model": MODEL_NAME, "quick": args.quick,
+                              "heavy": args.heavy, "plan": p,
                               "machine": machine_info(Path("/nonexistent")), "env": BATON_ENV, "policies": POLICIES,
                               "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms, "attainment": 0.9},
                               "runs": []}
@@ -190,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = write_results(result, args.out, "serve_kvroute", indent=None, record_name=True)
     logger.info("wrote %s", path)
     if not args.quick and not args.no_readme:
-        write_block(Path(__file__).parent / "README.md", "serve_kvroute", readme_table(result))
+        block = "serve_kvroute_heavy" if args.heavy else "serve_kvroute"
+        write_block(Path(__file__).parent / "README.md", block, readme_table(result))
     print(json.dumps({"bench": "serve_kvroute", "file": path.name, "commit": result["machine"]["commit"],
                       "summary": result["summary"]}))
     return 0
