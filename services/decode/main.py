@@ -11,6 +11,7 @@ from services.decode.server import SERVICE_NAME, DecodeServicer
 from services.decode.settings import DecodeSettings
 from shared.engine.async_engine import AsyncEngine
 from shared.service.engine_host import RunningKVService, start_engine_service
+from shared.service.kv_calls import EngineKVCalls
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run_until_signal, set_up_process
 
@@ -19,7 +20,11 @@ async def start(settings: DecodeSettings) -> RunningKVService:
     kv = KVTransferClient(settings.max_message_bytes)
 
     def add(aengine: AsyncEngine, server: grpc.aio.Server) -> None:
-        servicer = DecodeServicer(aengine, kv, settings.kv_claim_wait_s)
+        calls = None
+        if settings.kv_spill and settings.role == "decode":  # a colocated instance's KV never came through one
+            calls = EngineKVCalls(kv, asyncio.get_running_loop(), settings.kv_spill_call_timeout_s)
+            aengine.engine.enable_kv_spill(calls)  # before any request: the engine thread reads it
+        servicer = DecodeServicer(aengine, kv, settings.kv_claim_wait_s, calls)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
 
     service = "colocated" if settings.role == "colocated" else "decode"

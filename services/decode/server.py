@@ -26,6 +26,7 @@ from shared.engine.request import RequestOutput
 from shared.errors import InvalidRequestError
 from shared.kv.remote import AgentAddress, ClaimedHandoff
 from shared.service.engine_host import engine_kv_summary
+from shared.service.kv_calls import EngineKVCalls
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
     HANDOFF_ID,
@@ -51,10 +52,12 @@ _tracer = tracer(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, aengine: AsyncEngine, kv: KVTransferClient, claim_wait_s: float) -> None:
+    def __init__(self, aengine: AsyncEngine, kv: KVTransferClient, claim_wait_s: float,
+                 spill_calls: EngineKVCalls | None = None) -> None:
         self.aengine = aengine
         self.kv = kv
         self.claim_wait_s = claim_wait_s
+        self.spill_calls = spill_calls  # preempted contexts parked in kv_transfer: it learns where each agent is
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -109,6 +112,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             request.kv_transfer_address, request.handoff_id, wait_s=self.claim_wait_s,
             timeout_s=self.claim_wait_s + _CLAIM_RPC_SLACK_S, capability=request.handoff_capability,
         )
+        if self.spill_calls is not None:
+            self.spill_calls.learn(agent, request.kv_transfer_address)
         spec = claimed.spec
         trace.get_current_span().set_attributes({KV_NUM_BLOCKS: spec.num_blocks})
         logger.info("request %s: claimed handoff %s (%d blocks of %d tokens, %d prompt tokens)",

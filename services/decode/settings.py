@@ -19,3 +19,8 @@ class DecodeSettings(EngineServiceSettings):
         default="decode", description="decode: continue handed-off requests; colocated: also prefill itself"
     )
     kv_claim_wait_s: float = Field(default=10.0, ge=0, description="how long a Claim waits for prefill's Commit")
+    kv_spill: bool = Field(default=False, description="decode role: park a preempted request's context in the "
+                           "kv_transfer pool its KV came through and read it back when it resumes, instead of "
+                           "computing it again (shared/engine/kv_spill.py)")
+    kv_spill_call_timeout_s: float = Field(default=5.0, gt=0, description="how long the engine waits for one of "
+                                           "kv_transfer's control calls while it parks or reads back a context")

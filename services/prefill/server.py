@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
@@ -29,11 +28,11 @@ from opentelemetry.util.types import AttributeValue
 from proto.baton.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.shared_encoder_outputs import SharedEncoderOutputs
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.block_pool import hash_prefix_blocks
+from shared.engine.handoff_spec import handoff_spec
 from shared.engine.kv_push import PushOutcome
 from shared.engine.request import RequestOutput
 from shared.errors import InvalidRequestError, KVTransferError
-from shared.kv.remote import HandoffSpec, unit_hashes
+from shared.kv.remote import HandoffSpec
 from shared.service.engine_host import engine_kv_summary
 from shared.service.kv_client import KVTransferClient
 from shared.telemetry import (
@@ -82,17 +81,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return await self._prefill(request)
 
     def _spec(self, request: prefill_pb2.PrefillRequest) -> HandoffSpec:
-        """What to reserve: a slot per prompt block (full ones named by their prefix hash), room for hidden states."""
+        """What to reserve: a slot per prompt unit (full ones named by their prefix hash), room for hidden states."""
         engine = self.aengine.engine
-        prompt = list(request.request.prompt_token_ids)
-        bs = engine.config.block_size
-        # one slot per unit (a block of one layer group; sliding groups only inside the window)
-        layout = replace(engine.layout, num_blocks=len(engine.layout.handoff_units(len(prompt))), group_blocks=())
-        hidden_nbytes = len(prompt) * engine.hidden_width * layout.itemsize if self.send_hidden_states else 0
-        media = media_from_proto(request.request.media)  # their digests join the blocks' prefix hashes
-        hashes = unit_hashes(layout, hash_prefix_blocks(prompt, bs, engine.kv.hash_salt, media), len(prompt))
-        return HandoffSpec(request.handoff_id, request.request.request_id, engine.loaded.identity, layout, prompt,
-                           hashes, hidden_nbytes, capability=request.handoff_capability)
+        prompt = request.request.prompt_token_ids
+        hidden_nbytes = len(prompt) * engine.hidden_width * engine.layout.itemsize if self.send_hidden_states else 0
+        # the media's digests join the blocks' prefix hashes
+        return handoff_spec(engine, request.handoff_id, request.request.request_id, prompt,
+                            media_from_proto(request.request.media), hidden_nbytes, request.handoff_capability)
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         req = request.request

@@ -111,6 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kv-offload-bytes", type=int, default=0,
                    help="per engine: host memory for evicted prefix blocks, restored instead of recomputed "
                         "(a preempted request's context swaps back in); 0 = off")
+    p.add_argument("--kv-spill", action="store_true",
+                   help="disagg: a decode parks a preempted request's context in kv_transfer's pool and reads it "
+                        "back when it resumes, instead of recomputing it")
     p.add_argument("--kv-transfer-capacity-bytes", type=int, default=2 << 30, help="handoff store size")
     p.add_argument("--torch-threads", type=int, default=0, help="per engine process; 0 = cores / engines")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
@@ -153,6 +156,9 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         raise ConfigError("--spec gemma4_assistant needs --spec-draft-model (the assistant's HF directory)")
     if args.prefill < 1 or args.decode < 1 or args.encoder < 0:
         raise ConfigError("--prefill and --decode must be >= 1, --encoder >= 0")
+    if args.kv_spill and args.mode != "disagg":
+        raise ConfigError("--kv-spill parks contexts in kv_transfer: it needs --mode disagg (colocated: "
+                          "--kv-offload-bytes keeps them in the engine's host memory)")
     if args.encoder and args.mode != "disagg":
         raise ConfigError("--encoder runs beside prefill instances: it needs --mode disagg")
     engines = args.decode + (args.prefill + args.encoder if args.mode == "disagg" else 0)
@@ -199,7 +205,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     if args.spec_tree is not None:
         spec["SPEC_TREE"] = args.spec_tree
     for i in range(args.decode):
-        add(f"decode-{i}", role, "DECODE", {**engine_common, **spec, "ROLE": role, "INSTANCE_ID": f"decode-{i}"})
+        add(f"decode-{i}", role, "DECODE", {**engine_common, **spec, "ROLE": role, "INSTANCE_ID": f"decode-{i}",
+                                             "KV_SPILL": str(args.kv_spill).lower()})
     static = ",".join(f"{c.service}={c.address}" for c in stack.children)
     router_id = f"router-{uuid.uuid4().hex[:12]}"
     router = add("router", "router", "ROUTER", {

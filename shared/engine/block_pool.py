@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.multimodal.items import MediaItem, block_media_key
+from shared.multimodal.items import MediaInput, MediaItem, block_media_key
 
 BlockHash = bytes
 
@@ -39,7 +39,7 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
 
 
 def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
-                       media: Sequence[MediaItem] = ()) -> list[BlockHash]:
+                       media: Sequence[MediaInput] | Sequence[MediaItem] = ()) -> list[BlockHash]:
     """Chained hashes of every full block of `token_ids` (with `media`: the prompt's images and audio)."""
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None

@@ -42,6 +42,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
 from shared.engine.kv_offload import group_tiers
 from shared.engine.kv_setup import build_kv_cache
+from shared.engine.kv_spill import KVSpill, KVTransferCalls
 from shared.engine.logits.grammars import GrammarCache
 from shared.engine.logits.request_state import RequestLogits
 from shared.engine.remote_kv import RemoteKV
@@ -146,6 +147,7 @@ class LLMEngine:
         self.choices = ChoiceGroups()  # requests with n > 1 (shared/engine/choices.py)
         self._pending_handoffs: deque[tuple[Request, KVHandoff]] = deque()
         self.remote: RemoteKV | None = None  # handoffs through kv_transfer, when a service enables them
+        self.spill: KVSpill | None = None  # preempted contexts parked in kv_transfer (enable_kv_spill)
         self._hidden: dict[str, list[torch.Tensor]] = {}
         self._arrivals = 0
         self.async_scheduling = self._use_async_scheduling()
@@ -293,6 +295,16 @@ class LLMEngine:
         self.remote = RemoteKV(self, push_mode, host, transfer_timeout_s)
         return self.remote
 
+    def enable_kv_spill(self, calls: KVTransferCalls) -> KVSpill:
+        """Decode role: park a preempted request's context in the kv_transfer its KV came through, and read it
+        back when it resumes (kv_spill.py), instead of computing it again. After enable_remote_kv."""
+        assert self.remote is not None, "enable_remote_kv first"
+        spill = KVSpill(self, self.remote.agents, calls, self.remote.stats, self.remote.transfer_timeout_s)
+        self.scheduler.on_preempt = spill.spill
+        self.scheduler.on_resume = spill.swap_in
+        self.spill = spill
+        return spill
+
     def add_pushed_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                            address: AgentAddress, slots: HandoffSlots, media: Sequence[MediaItem] = ()) -> None:
         """Prefill role: compute the prompt (encoding its media), writing its KV into `slots` layer by layer."""
@@ -356,6 +368,8 @@ class LLMEngine:
         if not going_on:
             return done
         holder, followers = going_on[0], going_on[1:]
+        for follower in followers:
+            follower.kv_home = address.space.agent_name  # the holder's is set as it pulls
         self.runner.add_request(holder.request_id, holder.params.seed, num_steps_done=1,
                                 logits=self._logits_state(holder))
         assert self.remote is not None

@@ -179,6 +179,16 @@ class HybridKVCacheManager(KVCacheManager):
                     w.pool.cache_block(table[i], hashes[i], tokens[i * self.block_size:(i + 1) * self.block_size])
             w.num_registered[rid] = max(start, min(len(hashes), len(table)))
 
+    def num_final_blocks(self, request_id: str) -> int:
+        """Group 0's final blocks, if every sliding group holds those inside the window that the query after
+        them sees (its NULL entries are a prefix of its table, before that window); else none."""
+        n = min([super().num_final_blocks(request_id), *(w.num_registered.get(request_id, 0) for w in self.windows)])
+        for w in self.windows:
+            table = w.tables.get(request_id, [])
+            if any(table[i] == w.null for i in range(w.group.first_kept_block(n * self.block_size, self.block_size), n)):
+                return 0
+        return n
+
     def free(self, request: Request) -> None:
         super().free(request)
         rid = request.request_id

@@ -136,6 +136,11 @@ class KVCacheManager:
         for i in range(first, len(hashes)):
             self.pool.cache_block(table[i], hashes[i], tokens[i * self.block_size : (i + 1) * self.block_size])
 
+    def num_final_blocks(self, request_id: str) -> int:
+        """Leading full blocks of the request whose KV is final (registered in the prefix cache) in every layer
+        group it keeps them in: what a preemption can park elsewhere (kv_spill.py)."""
+        return len(self._block_hashes.get(request_id, []))
+
     def planned_block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the full blocks that the request's planned steps fill and that are not registered
         yet: once those steps are read (`cache_full_blocks`), they are prefix-cache hits."""

@@ -25,10 +25,12 @@ class DirectionStats:
 
 
 class KVTransferStats:
-    """Per direction ("push": prefill's writes, "pull": decode's reads, "import": prefill's pool reads)."""
+    """Per direction ("push": prefill's writes, "pull": decode's reads, "import": prefill's pool reads, "spill" and
+    "swap_in": a decode's preempted contexts parked in the pool and read back, kv_spill.py)."""
 
     def __init__(self) -> None:
-        self.by_direction: dict[str, DirectionStats] = {d: DirectionStats() for d in ("push", "pull", "import")}
+        self.by_direction: dict[str, DirectionStats] = {
+            d: DirectionStats() for d in ("push", "pull", "import", "spill", "swap_in")}
         self.imported_tokens = 0
 
     def observe(self, direction: str, seconds: float, nbytes: int, failed: bool) -> None:

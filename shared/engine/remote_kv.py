@@ -81,6 +81,7 @@ class _Pull:
 class RemoteKV:
     def __init__(self, engine: HandoffEngine, push_mode: str, host: str, transfer_timeout_s: float) -> None:
         self._e = engine
+        self.transfer_timeout_s = transfer_timeout_s
         self.agents = KVAgents(engine.config.role, engine.runner.kv_cache, host=host,
                                transfer_timeout_s=transfer_timeout_s)
         self.pusher = KVPusher(self.agents, engine.layout, push_mode)
@@ -168,6 +169,7 @@ class RemoteKV:
                                       + "; ".join(problems))
 
     def add_pulled(self, request: Request, claimed: ClaimedHandoff, address: AgentAddress) -> None:
+        request.kv_home = address.space.agent_name  # where a preemption parks its context (kv_spill.py)
         self._queued.append(_Pull(request, claimed, address))
         self.admit_pulls()
 

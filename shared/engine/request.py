@@ -221,6 +221,12 @@ class Request:
     # model's images attend to themselves both ways (no chunk may split one)
     media: list[MediaInput] = field(default_factory=list)
     bidirectional_images: bool = False
+    # decode role: the name of the kv_transfer agent its KV came through, where a preemption parks its context
+    # (shared/engine/kv_spill.py); `num_spill_lookups`: preemptions whose parked context was looked up since,
+    # `num_spill_waits`: steps its admission has waited for blocks to read it back into
+    kv_home: str = ""
+    num_spill_lookups: int = 0
+    num_spill_waits: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

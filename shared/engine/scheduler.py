@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,10 @@ class Scheduler:
         self.handoff_pending: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.num_scheduled_tokens_total = 0  # tokens planned for computing (drafts included), over all steps
+        # a second tier for preempted contexts (kv_spill.py): told of a preempted request before its blocks are
+        # freed, and of a resuming one before its admission looks up the prefix cache (True: admit it later)
+        self.on_preempt: Callable[[Request], None] | None = None
+        self.on_resume: Callable[[Request], bool] | None = None
 
     # ---- intake -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -280,6 +285,8 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
+            if request.status == RequestStatus.PREEMPTED and self.on_resume is not None and self.on_resume(request):
+                break  # its parked context comes back once blocks are free to read it into: a step later
             cached, next_hash = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else ([], None)
             if next_hash is not None and self.config.share_planned_prefixes:
                 if planned is None:
@@ -306,6 +313,8 @@ class Scheduler:
         logger.info("preempting request %s (%d tokens) to free KV blocks", request.request_id,
                     request.num_tokens)
         self.running.remove(request)
+        if self.on_preempt is not None:
+            self.on_preempt(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []

@@ -60,27 +60,42 @@ class EngineCollector(Collector):
         yield from self._offload_metrics()
 
     def _offload_metrics(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
-        """The host tiers of evicted blocks (kv_offload.py, one per layer group): spills, restores (blocks of
-        every group), swap-in time per admission."""
-        tiers = self.aengine.engine.kv.tiers
-        if not tiers:
+        """The second tiers of evicted and preempted KV: the host tiers (kv_offload.py, one per layer group):
+        spills, restores (blocks of every group); kv_transfer's pool (kv_spill.py): preempted contexts parked
+        and read back. Swap-in time per admission of either."""
+        engine = self.aengine.engine
+        tiers, spill = engine.kv.tiers, engine.spill
+        if not tiers and spill is None:
             return
-        st = tiers[0].stats  # group 0's tier times each admission's restores, every group's together
-        for name, doc, value in (
-            ("baton_kv_offload_spilled_blocks", "Evicted prefix blocks copied to host memory (every layer group)",
-             sum(t.stats.spilled_blocks for t in tiers)),
-            ("baton_kv_offload_restored_blocks", "Blocks copied back from host memory instead of recomputed",
-             sum(t.stats.restored_blocks for t in tiers)),
-            ("baton_kv_offload_dropped_blocks", "Spilled blocks dropped from host memory unused (it was full)",
-             sum(t.stats.dropped_blocks for t in tiers)),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["role"])
-            c.add_metric([self.role], value)
-            yield c
         seconds = HistogramMetricFamily("baton_kv_swap_in_seconds", "Time restoring one admission's blocks from "
-                                        "host memory (a preempted request resuming, or an evicted prefix)",
-                                        labels=["role"])
-        seconds.add_metric([self.role], _buckets(st.swap_in.bucket_counts), st.swap_in.sum_s)
+                                        "a second tier (a preempted request resuming, or an evicted prefix)",
+                                        labels=["role", "tier"])
+        if tiers:
+            for name, doc, value in (
+                ("baton_kv_offload_spilled_blocks", "Evicted prefix blocks copied to host memory (every layer group)",
+                 sum(t.stats.spilled_blocks for t in tiers)),
+                ("baton_kv_offload_restored_blocks", "Blocks copied back from host memory instead of recomputed",
+                 sum(t.stats.restored_blocks for t in tiers)),
+                ("baton_kv_offload_dropped_blocks", "Spilled blocks dropped from host memory unused (it was full)",
+                 sum(t.stats.dropped_blocks for t in tiers)),
+            ):
+                c = CounterMetricFamily(name, doc, labels=["role"])
+                c.add_metric([self.role], value)
+                yield c
+            st = tiers[0].stats.swap_in  # group 0's tier times each admission's restores, every group's together
+            seconds.add_metric([self.role, "host"], _buckets(st.bucket_counts), st.sum_s)
+        if spill is not None and engine.remote is not None:
+            for name, doc, value in (
+                ("baton_kv_spill_parked_blocks", "Blocks of preempted requests written to kv_transfer's pool (every "
+                 "layer group; those it held already are not written)", spill.spilled_units),
+                ("baton_kv_spill_restored_blocks", "Blocks of resuming requests read back from kv_transfer's pool "
+                 "instead of recomputed", spill.swapped_in_blocks),
+            ):
+                c = CounterMetricFamily(name, doc, labels=["role"])
+                c.add_metric([self.role], value)
+                yield c
+            st = engine.remote.stats.by_direction["swap_in"]
+            seconds.add_metric([self.role, "kv_transfer"], _buckets(st.bucket_counts), st.sum_s)
         yield seconds
 
     def _kv_transfer_metrics(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:

@@ -40,6 +40,8 @@ class EngineServiceSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(default=6.0, gt=0, description="registry entry lifetime without a beat")
     block_size: int = Field(default=16, ge=1, le=256)
     kv_cache_bytes: int = Field(default=1 << 30, ge=1 << 20, description="KV cache budget in bytes")
+    num_kv_blocks: int = Field(default=0, ge=0, description="blocks of the full-attention pool, exactly (sliding "
+                               "pools as always); 0 = as many as kv_cache_bytes holds")
     kv_offload_bytes: int = Field(default=0, ge=0, description="host memory for evicted prefix blocks: a "
                                   "preempted request's context comes back from there instead of being "
                                   "recomputed (swap-in); 0 = off")
@@ -91,6 +93,7 @@ class EngineServiceSettings(BaseSettings):
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(
             model=self.model, role=role, block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+            num_kv_blocks=self.num_kv_blocks or None,
             kv_offload_bytes=self.kv_offload_bytes,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,

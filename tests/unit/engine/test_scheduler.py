@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shared.engine.request import RequestStatus
+from shared.engine.request import Request, RequestStatus
 from shared.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 from tests.unit.engine.factories import (
     EOS_TOKEN_ID,
@@ -531,3 +531,32 @@ def test_decode_role_continues_from_first_token(scheduler_factory: SchedulerFact
     assert run.token_ids == {"a": want[1:]}
     assert request.output_token_ids == want
     assert run.finish_reasons == {"a": "length"}
+
+
+def test_second_tier_hooks_see_a_preempted_request_before_its_blocks_go_and_before_it_resumes(
+        scheduler_factory: SchedulerFactory) -> None:
+    """kv_spill.py's hooks: `on_preempt` with the victim's blocks still held (it parks them), `on_resume` before
+    the resuming request's admission looks up the prefix cache (it reads them back), never for a new request."""
+    s = scheduler_factory(num_blocks=6, max_num_seqs=3, enable_prefix_caching=False)
+    events: list[tuple[str, str, int, int]] = []
+    s.on_preempt = lambda r: events.append(("preempt", r.request_id, len(s.kv.block_ids(r.request_id)),
+                                            r.num_preemptions))
+
+    def on_resume(r: Request) -> bool:  # the first call per preemption asks to wait a step (blocks not free yet)
+        events.append(("resume", r.request_id, len(s.kv.block_ids(r.request_id)), r.num_preemptions))
+        return sum(1 for e in events if e[0] == "resume" and e[1] == r.request_id and e[3] == r.num_preemptions) == 1
+
+    s.on_resume = on_resume
+    for rid, prompt_len, max_tokens in _preemption_requests():
+        s.add_request(make_request(rid, prompt_len, max_tokens=max_tokens))
+    requests = dict(s.requests)
+    run_until_done(s)
+    assert events and events[0] == ("preempt", "C", 2, 0)  # C held its two blocks, not yet counted preempted
+    preempted = [e for e in events if e[0] == "preempt"]
+    resumed = [e for e in events if e[0] == "resume"]
+    assert {e[1] for e in resumed} == {e[1] for e in preempted}
+    assert all(sum(1 for r in resumed if r[1:] == e[1:]) >= 2 for e in resumed)  # waited, then was admitted
+    assert all(blocks == 0 and n >= 1 for _, _, blocks, n in resumed)  # nothing held yet, after its preemption
+    assert "D" not in {e[1] for e in events} or requests["D"].num_preemptions > 0
+    assert {rid: r.output_token_ids for rid, r in requests.items()} == _run_preemption_workload(
+        scheduler_factory(enable_prefix_caching=False))
