@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from shared.models.gemma4.moe_cpu import PackedExperts, packed_experts_available
+from shared.models.gemma4.moe_cpu import PackedExperts, int8_experts_fit, packed_experts_available
 from shared.models.gemma4.spec import MoESpec
 
 
@@ -134,21 +134,23 @@ def _triton_runs_here() -> bool:
     return triton_available()
 
 
-def make_experts(gate_up: torch.Tensor, down: torch.Tensor) -> Experts:
+def make_experts(gate_up: torch.Tensor, down: torch.Tensor, int8: bool = False) -> Experts:
     """The fastest experts for where the weights live: on the CPU the GEMV kernels over per-expert packs
-    (fp32 or bf16, as the weights come), on CUDA the fused Triton kernels; torch's loop where neither serves.
+    (fp32 or bf16, as the weights come; int8 per channel when `int8` asks and the widths fit), on CUDA the fused
+    Triton kernels; torch's loop where neither serves.
     gate_up [num_experts, 2 * intermediate, hidden], down [num_experts, hidden, intermediate]."""
     if gate_up.device.type == "cpu" and packed_experts_available(gate_up.dtype):
-        return PackedExperts(gate_up, down)
+        return PackedExperts(gate_up, down, int8=int8 and int8_experts_fit(gate_up, down))
     if gate_up.device.type == "cuda" and _triton_runs_here():
         return TritonExperts(gate_up.contiguous(), down.contiguous())
     return TorchExperts(gate_up, down)
 
 
 def load_moe(get: Callable[[str], torch.Tensor], prefix: str, spec: MoESpec, eps: float,
-             get_experts: Callable[[str], torch.Tensor] | None = None) -> tuple[Router, Experts]:
+             get_experts: Callable[[str], torch.Tensor] | None = None, int8: bool = False) -> tuple[Router, Experts]:
     """The router and experts of one layer from checkpoint tensors under `prefix` (`model.layers.{i}.`);
-    `get_experts` reads the expert banks (in the dtype they are stored in), `get` the rest."""
+    `get_experts` reads the expert banks (in the dtype they are stored in), `get` the rest; `int8`: the experts
+    quantized to int8 per channel where the CPU kernels serve them (`--quantization int8`)."""
     get_experts = get_experts or get
     router = Router(
         scale=get(prefix + "router.scale"),
@@ -157,5 +159,6 @@ def load_moe(get: Callable[[str], torch.Tensor], prefix: str, spec: MoESpec, eps
         top_k=spec.top_k,
         eps=eps,
     )
-    experts = make_experts(get_experts(prefix + "experts.gate_up_proj"), get_experts(prefix + "experts.down_proj"))
+    experts = make_experts(get_experts(prefix + "experts.gate_up_proj"), get_experts(prefix + "experts.down_proj"),
+                           int8)
     return router, experts

@@ -2,7 +2,9 @@
 
     checkpoint   gate_up [E, 2I, H], down [E, H, I]   (fp32 or bf16, as the model's dtype)
     packed       gate_up [E, <GEMV pack of [2I, H]>], down [E, <GEMV pack of [H, I]>]
-                 fp32: csrc/gemv_cpu.cpp's layout; bf16: csrc/gemv_bf16_cpu.cpp's (half the bytes)
+                 fp32: csrc/gemv_cpu.cpp's layout; bf16: csrc/gemv_bf16_cpu.cpp's (half the bytes);
+                 int8 (`--quantization int8`, H and I whole blocks of 32): int8 per output channel in
+                 csrc/w8a8_cpu.cpp's panels, as the projections are stored (a quarter of fp32's bytes)
     a layer      torch.ops.baton_cpu.moe_experts (csrc/moe_cpu.cpp): pairs grouped by expert in C++, each expert
                  hit streamed once through the kernel, experts split across the threads
 
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from shared.ops import w8a8
 from shared.ops.cpu_kernels import cpu_kernels_available
+from shared.ops.quant import BLOCK, int8_per_channel
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -28,8 +32,22 @@ def packed_experts_available(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES and cpu_kernels_available()
 
 
-def _pack_each(weights: torch.Tensor) -> torch.Tensor:  # [E, N, K] -> [E, <pack of [N, K]>]
-    pack = torch.ops.baton_cpu.gemv_bf16_pack if weights.dtype == torch.bfloat16 else torch.ops.baton_cpu.gemv_pack
+def int8_experts_fit(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Both projections' input widths (hidden, intermediate) are whole blocks of the int8 rows' 32."""
+    return gate_up.shape[2] % BLOCK == 0 and down.shape[2] % BLOCK == 0
+
+
+def _pack_int8(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> W8A8 panels of int8 per channel
+    return w8a8.pack(int8_per_channel(weight))
+
+
+def _pack_each(weights: torch.Tensor, int8: bool = False) -> torch.Tensor:  # [E, N, K] -> [E, <pack of [N, K]>]
+    if int8:
+        pack = _pack_int8
+    elif weights.dtype == torch.bfloat16:
+        pack = torch.ops.baton_cpu.gemv_bf16_pack
+    else:
+        pack = torch.ops.baton_cpu.gemv_pack
     first = pack(weights[0].contiguous())
     packed = first.new_empty((weights.shape[0], *first.shape))  # filled in place: never two packed copies
     packed[0] = first
@@ -45,16 +63,23 @@ class PackedExperts:
         self,
         gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
         down: torch.Tensor,  # [num_experts, hidden, intermediate]
+        int8: bool = False,  # quantize to int8 per output channel (int8_experts_fit must hold)
     ) -> None:
         if not cpu_kernels_available():  # also what loads them, for a caller that did not ask first
             raise RuntimeError("packed experts need the C++ CPU kernels, which did not build (see the log)")
         if gate_up.dtype not in _DTYPES or down.dtype != gate_up.dtype:
             raise ValueError(f"packed experts take float32 or bfloat16 weights, got {gate_up.dtype}, {down.dtype}")
+        if int8 and not int8_experts_fit(gate_up, down):
+            raise ValueError(f"int8 experts need hidden and intermediate sizes in whole blocks of {BLOCK}, got "
+                             f"{gate_up.shape[2]} and {down.shape[2]}")
         self._num_experts, two_i, self.hidden_size = gate_up.shape
         self.intermediate_size = two_i // 2
-        self._expert_nbytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-        self.gate_up = _pack_each(gate_up)
-        self.down = _pack_each(down)
+        self.gate_up = _pack_each(gate_up, int8)
+        self.down = _pack_each(down, int8)
+        # what a pass over one expert reads: its weights in their dtype; int8's panels with their block offsets
+        # and channel scales
+        self._expert_nbytes = (self.gate_up[0].numel() + self.down[0].numel() if int8
+                               else (gate_up[0].numel() + down[0].numel()) * gate_up.element_size())
 
     @property
     def num_experts(self) -> int:

@@ -10,8 +10,8 @@
 //   out[t] = sum over t's pairs, ascending e, of weights[t, j] * y[p]
 //
 // The weights are packed per expert by the GEMV kernels' own pack ops (gemv_pack for fp32, gemv_bf16_pack
-// for bf16; shared/models/gemma4/moe_cpu.py), so a decode step streams each expert it hits once at DRAM
-// speed, in half the bytes for bf16. torch's F.linear (MKL) on these small row counts streamed one layer of
+// for bf16, w8a8_pack for int8 per channel; shared/models/gemma4/moe_cpu.py), so a decode step streams each
+// expert it hits once at DRAM speed, in half the bytes for bf16 and a quarter for int8. torch's F.linear (MKL) on these small row counts streamed one layer of
 // gemma-4-26B-A4B's experts at ~10 GB/s here (bench/engine.py's MoE config). Experts are split across the
 // threads (each reads its own weights), and the kernels' own panel loop runs inside each thread.
 #include <torch/extension.h>
@@ -52,6 +52,12 @@ ExpertGroups group_by_expert(const torch::Tensor& index, int64_t num_experts) {
 // rows [c, K] fp32 through expert e's packed weight -> [c, N]
 torch::Tensor project(const torch::Tensor& rows, const torch::Tensor& packed, int64_t N) {
   const KernelTable& k = active_kernels();
+  if (packed.scalar_type() == at::kChar) {  // W8A8 panels of int8 per channel [panels, panel bytes of K]
+    auto y = torch::empty({rows.size(0), N}, rows.options());
+    k.w8a8_rows(rows.data_ptr<float>(), rows.size(0), rows.size(1), packed.data_ptr<int8_t>(), packed.size(0), N,
+                y.data_ptr<float>());
+    return y;
+  }
   if (packed.scalar_type() == at::kBFloat16) return k.gemv_bf16(rows, packed, N);
   return k.gemv_f32(rows, packed, N, rows.size(1));  // one FMA chain per output over all of k
 }
@@ -74,7 +80,8 @@ void project_groups(const torch::Tensor& x, const torch::Tensor& packed, int64_t
 }  // namespace
 
 // h [n, H] fp32; weights [n, top_k] fp32; index [n, top_k] int64; gate_up [E, ...] and down [E, ...] packed per
-// expert (both fp32 or both bf16) for outputs 2 * intermediate and H -> [n, H] fp32
+// expert (both fp32, both bf16, or both int8 W8A8 panels with H and intermediate multiples of 32) for outputs
+// 2 * intermediate and H -> [n, H] fp32
 torch::Tensor moe_experts(torch::Tensor h, torch::Tensor weights, torch::Tensor index, torch::Tensor gate_up,
                           torch::Tensor down, int64_t intermediate) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "moe_experts: h [n, H] float32");
@@ -85,6 +92,8 @@ torch::Tensor moe_experts(torch::Tensor h, torch::Tensor weights, torch::Tensor 
   TORCH_CHECK(gate_up.size(0) == down.size(0) && gate_up.scalar_type() == down.scalar_type() &&
               gate_up.is_contiguous() && down.is_contiguous(), "moe_experts: gate_up, down packed alike per expert");
   const int64_t n = h.size(0), H = h.size(1), top_k = index.size(1), E = gate_up.size(0);
+  TORCH_CHECK(gate_up.scalar_type() != at::kChar || (H % 32 == 0 && intermediate % 32 == 0 && gate_up.dim() == 3 &&
+              down.dim() == 3), "moe_experts: int8 experts need [E, panels, bytes] packs and widths in blocks of 32");
   auto out = torch::zeros({n, H}, h.options());
   if (n == 0) return out;
   const ExpertGroups g = group_by_expert(index, E);

@@ -109,3 +109,55 @@ def test_torch_loop_takes_fp32_rows_over_bf16_weights() -> None:
     assert out.dtype == torch.float32
     expected = TorchExperts(gate_up.float(), down.float())(x.bfloat16().float(), weights, index)
     torch.testing.assert_close(out, expected, atol=0.1, rtol=0.05)
+
+
+def _int8_reference(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                    index: torch.Tensor) -> torch.Tensor:
+    """Each token's experts through the W8A8 kernel's own reference sums (shared/ops/w8a8.py), weighted and summed
+    in expert order."""
+    from shared.ops.quant import int8_per_channel
+    from shared.ops.w8a8 import w8a8_ref
+
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(index.shape[1]), key=lambda j: int(index[t, j])):
+            e = int(index[t, j])
+            gu = w8a8_ref(x[t:t + 1], int8_per_channel(gate_up[e]))
+            act = torch.nn.functional.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+            out[t] += weights[t, j] * w8a8_ref(act, int8_per_channel(down[e]))[0]
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_packed_experts_int8_match_the_w8a8_reference(n: int) -> None:
+    """--quantization int8: each expert int8 per output channel, rows quantized per block of 32 as the W8A8
+    projections do; the op sums what the reference sums (fp32 rounding of the block fold aside)."""
+    if not cpu_kernels_available():
+        pytest.fail("the C++ CPU kernels did not build (see the log)")
+    gen = torch.Generator().manual_seed(7)
+    num_experts, hidden, inter, top_k = 6, 64, 96, 2  # 96 outputs: three 32-lane panels, the last one full
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2
+    down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.2
+    x = torch.randn(n, hidden, generator=gen)
+    weights, index = _routing(n, num_experts, top_k, seed=8)
+    experts = PackedExperts(gate_up, down, int8=True)
+    assert experts.gate_up.dtype == torch.int8
+    # a byte a weight plus each block's offset and the channels' scales: under a third of fp32's bytes
+    assert experts.expert_nbytes < 0.3 * 4 * (gate_up[0].numel() + down[0].numel())
+    got = experts(x, weights, index)
+    torch.testing.assert_close(got, _int8_reference(gate_up, down, x, weights, index), atol=1e-4, rtol=1e-4)
+    # and int8's error against the fp32 experts is quantization-sized
+    fp32 = TorchExperts(gate_up, down)(x, weights, index)
+    assert (got - fp32).abs().max() < 0.05 * fp32.abs().max()
+
+
+def test_int8_experts_need_whole_blocks_and_make_experts_keeps_the_dtype_otherwise() -> None:
+    if not cpu_kernels_available():
+        pytest.fail("the C++ CPU kernels did not build (see the log)")
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        PackedExperts(torch.randn(4, 16, 40), torch.randn(4, 40, 8), int8=True)
+    odd = make_experts(torch.randn(4, 16, 40), torch.randn(4, 40, 8), int8=True)  # 40 inputs: not int8's
+    assert isinstance(odd, PackedExperts) and odd.gate_up.dtype == torch.float32
+    fit = make_experts(torch.randn(4, 64, 32), torch.randn(4, 32, 32), int8=True)
+    assert isinstance(fit, PackedExperts) and fit.gate_up.dtype == torch.int8
