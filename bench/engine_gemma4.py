@@ -79,7 +79,8 @@ def readme_table(results_dir: Path, name: str) -> str:
     for file, r in runs:
         for row in r["rows"]:
             pairs = " ".join(f"{x:.2f}" for x in row["speedup_runs"])
-            lines.append(f"| `{file}` | {r.get('gemma4_layers')}, {r.get('vocab_size')} | {r['dtype']} | "
+            weights = r["dtype"] if r.get("quantization", "none") == "none" else r.get("weights", r["quantization"])
+            lines.append(f"| `{file}` | {r.get('gemma4_layers')}, {r.get('vocab_size')} | {weights} | "
                          f"{r.get('hf_dtype', 'float32')} ({r.get('hf_experts_implementation')}) | {row['batch']} | "
                          f"{row['new_tokens']} x {row['repeats']} | {row['baton_tok_s']:.1f} | "
                          f"{row['transformers_tok_s']:.1f} | {row['speedup_median_of_pairs']:.2f}x ({pairs}) | "
