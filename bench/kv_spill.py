@@ -22,7 +22,6 @@ import logging
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ import torch
 
 from bench.results_file import write_results
 from bench.serve_report import write_block
-from proto.baton.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.decode.main import start as start_decode
 from services.decode.settings import DecodeSettings
 from services.kv_transfer.main import start as start_kv
@@ -39,8 +37,7 @@ from services.prefill.main import start as start_prefill
 from services.prefill.settings import PrefillSettings
 from shared.engine.request import SamplingParams
 from shared.planner.metrics import percentile
-from shared.wire import sampling_params_to_proto
-from tests.integration.services.test_disagg_grpc import CAPABILITY, Stack
+from tests.integration.services.test_disagg_grpc import Stack
 
 RESULTS = Path(__file__).parent / "results"
 logger = logging.getLogger("bench.kv_spill")
@@ -64,23 +61,13 @@ async def _wait_running(engine: Any, n: int, timeout_s: float = 60.0) -> None:
 
 async def _prefill(stack: Stack, prompt: list[int], params: SamplingParams) -> tuple[Any, str, int]:
     """Prefill only: the handoff waits in kv_transfer until a decode claims it."""
-    request_id = uuid.uuid4().hex
-    req = common_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                     params=sampling_params_to_proto(params))
-    handoff_id = f"h-{request_id}"
-    first = await stack.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-        request=req, handoff_id=handoff_id, kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY))
+    req, handoff_id, first = await stack.prefill_only(prompt, params)
     return req, handoff_id, first.first_token_id
 
 
 async def _decode(stack: Stack, req: Any, handoff_id: str, first_token_id: int) -> list[float]:
     """Decode a prefilled request; the arrival time of each streamed message."""
-    times = []
-    async for _ in stack.decode_stub.Generate(decode_pb2.DecodeRequest(
-            request=req, handoff_id=handoff_id, kv_transfer_address=stack.kv.address, handoff_capability=CAPABILITY,
-            first_token_id=first_token_id)):
-        times.append(time.perf_counter())
-    return times
+    return [time.perf_counter() async for _ in stack.decode_stream(req, handoff_id, first_token_id)]
 
 
 async def _wait_preempted(engine: Any, before: int, timeout_s: float = 60.0) -> None:

@@ -12,7 +12,7 @@ second tier its whole context is computed again when it resumes. With kv_transfe
         blocks, cached locally ─► Release ─► the admission finds them as local prefix hits
 
 Both run on the engine thread and block it until their transfers are over: a preemption is rare, and what
-it saves (recomputing a context of thousands of tokens, bench/kv_swap.py) is far longer than the stall.
+it saves (recomputing a context of thousands of tokens, bench/kv_spill.py) is far longer than the stall.
 Any failure (kv_transfer gone or full, a transfer broken) leaves the request to be recomputed as without a
 tier. Every lease is released on every path, so kv_transfer keeps only what was committed, and a block read
 back is only cached once its read is over.
@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from shared.engine.handoff_spec import handoff_spec
@@ -64,6 +65,16 @@ class KVTransferCalls(Protocol):
     def release(self, address: str, handoff_id: str, failed: bool, capability: str) -> None: ...
 
 
+@dataclass(frozen=True)
+class _Lease:
+    """A handoff this engine reserved at kv_transfer for itself (parking, or looking up, a context)."""
+
+    handoff_id: str
+    capability: str
+    slots: HandoffSlots
+    agent: AgentAddress
+
+
 class KVSpill:
     """The decode engine's side of parking preempted contexts in kv_transfer (module docstring)."""
 
@@ -87,36 +98,30 @@ class KVSpill:
         if address is None or num_blocks == 0:
             return
         num_tokens = num_blocks * e.config.block_size
-        handoff_id, capability = f"spill-{request.request_id}-{uuid.uuid4().hex[:8]}", secrets.token_urlsafe(16)
-        spec = handoff_spec(e, handoff_id, request.request_id, request.all_token_ids[:num_tokens], request.media,
-                            capability=capability)
         started = time.perf_counter()
-        try:
-            slots, agent = self._calls.reserve(address, spec)
-        except BatonError as err:
-            logger.warning("request %s: parking its KV in kv_transfer failed at Reserve: %s", request.request_id, err)
-            self._stats.observe("spill", 0.0, 0, failed=True)
+        lease = self._reserve(request, address, num_tokens, "spill")
+        if lease is None:
             return
         committed, nbytes = False, 0
         try:
-            self._pusher.attach(handoff_id, agent, slots, num_tokens)
-            self._pusher.finish(handoff_id, e.kv.tables(request.request_id), _PARKED, None)
-            outcome = self._wait(self._pusher.poll, self._pusher.abort, handoff_id)
+            self._pusher.attach(lease.handoff_id, lease.agent, lease.slots, num_tokens)
+            self._pusher.finish(lease.handoff_id, e.kv.tables(request.request_id), _PARKED, None)
+            outcome = self._wait(self._pusher.poll, self._pusher.abort, lease.handoff_id)
             if outcome.result is not None:
-                self._calls.commit(address, handoff_id, outcome.result, capability)
+                self._calls.commit(address, lease.handoff_id, outcome.result, lease.capability)
                 committed, nbytes = True, outcome.nbytes
         except BatonError as err:
             logger.warning("request %s: parking its KV in kv_transfer failed: %s", request.request_id, err)
         finally:
-            self._pusher.abort(handoff_id)  # nothing may read its blocks once they are freed
-            self._release(address, handoff_id, not committed, capability)
+            self._pusher.abort(lease.handoff_id)  # nothing may read its blocks once they are freed
+            self._release(address, lease, failed=not committed)
         seconds = time.perf_counter() - started
         self._stats.observe("spill", seconds, nbytes, failed=not committed)
         if committed:
-            written = slots.present.count(False)
+            written = lease.slots.present.count(False)
             self.spilled_units += written
             logger.info("request %s preempted: %d tokens parked in kv_transfer (%d of %d units written, %d bytes) "
-                        "in %.1f ms", request.request_id, num_tokens, written, len(slots.present), nbytes,
+                        "in %.1f ms", request.request_id, num_tokens, written, len(lease.slots.present), nbytes,
                         seconds * 1e3)
 
     def swap_in(self, request: Request) -> bool:
@@ -157,30 +162,23 @@ class KVSpill:
             return None  # (prompt logprobs: the admission computes every prompt position anyway)
         if e.pool.num_free_for(host_writes=True) < limit - len(local):
             return limit - len(local)  # no room to read it all into: before asking kv_transfer anything
-        tokens = request.all_token_ids
         num_tokens = limit * bs
-        handoff_id, capability = f"swap-in-{request.request_id}-{uuid.uuid4().hex[:8]}", secrets.token_urlsafe(16)
-        spec = handoff_spec(e, handoff_id, request.request_id, tokens[:num_tokens], request.media,
-                            capability=capability)
         started = time.perf_counter()
-        try:
-            slots, agent = self._calls.reserve(address, spec)
-        except BatonError as err:
-            logger.warning("request %s: looking up its parked KV failed: %s", request.request_id, err)
-            self._stats.observe("swap_in", 0.0, 0, failed=True)
+        lease = self._reserve(request, address, num_tokens, "swap_in")
+        if lease is None:
             return None
         try:
-            num_pool = usable_pool_prefix(e.layout, slots.present, num_tokens, limit)
+            num_pool = usable_pool_prefix(e.layout, lease.slots.present, num_tokens, limit)
             if num_pool <= len(local):
                 return None
-            if not self._read_back(request, holder, local, num_pool, agent, slots, num_tokens, started):
+            if not self._read_back(request, holder, local, num_pool, lease, num_tokens, started):
                 return num_pool - len(local)
             return None
         finally:
-            self._release(address, handoff_id, False, capability)
+            self._release(address, lease, failed=False)
 
-    def _read_back(self, request: Request, holder: Request, local: list[int], num_pool: int, agent: AgentAddress,
-                   slots: HandoffSlots, num_tokens: int, started: float) -> bool:
+    def _read_back(self, request: Request, holder: Request, local: list[int], num_pool: int, lease: _Lease,
+                   num_tokens: int, started: float) -> bool:
         """False when the blocks to read into could not be had; True when the read is over, done or failed."""
         e, bs = self._e, self._e.config.block_size
         if not e.kv.allocate_slots(holder, num_pool * bs, local, host_writes=True):
@@ -188,8 +186,8 @@ class KVSpill:
         error: str | None = None
         nbytes = 0
         try:
-            source = PullSource(e.layout, slots, num_pool * bs, handoff_tokens=num_tokens)
-            self._puller.start(holder.request_id, agent, source, e.kv.tables(holder.request_id), len(local) * bs)
+            source = PullSource(e.layout, lease.slots, num_pool * bs, handoff_tokens=num_tokens)
+            self._puller.start(holder.request_id, lease.agent, source, e.kv.tables(holder.request_id), len(local) * bs)
             outcome = self._wait(self._puller.poll, self._puller.abort, holder.request_id)
             error, nbytes = outcome.error, outcome.nbytes
             if error is None:
@@ -214,11 +212,26 @@ class KVSpill:
     def _address(self, request: Request) -> str | None:
         return self._calls.address_of(request.kv_home) if request.kv_home else None
 
-    def _release(self, address: str, handoff_id: str, failed: bool, capability: str) -> None:
+    def _reserve(self, request: Request, address: str, num_tokens: int, direction: str) -> _Lease | None:
+        """A lease at kv_transfer on the request's first `num_tokens` (the units its pool holds come back present);
+        None when the Reserve failed (logged, and counted against `direction`)."""
+        handoff_id = f"{direction.replace('_', '-')}-{request.request_id}-{uuid.uuid4().hex[:8]}"
+        capability = secrets.token_urlsafe(16)
+        spec = handoff_spec(self._e, handoff_id, request.request_id, request.all_token_ids[:num_tokens],
+                            request.media, capability=capability)
         try:
-            self._calls.release(address, handoff_id, failed, capability)
+            slots, agent = self._calls.reserve(address, spec)
+        except BatonError as err:
+            logger.warning("request %s: kv_transfer refused its %s lease: %s", request.request_id, direction, err)
+            self._stats.observe(direction, 0.0, 0, failed=True)
+            return None
+        return _Lease(handoff_id, capability, slots, agent)
+
+    def _release(self, address: str, lease: _Lease, failed: bool) -> None:
+        try:
+            self._calls.release(address, lease.handoff_id, failed, lease.capability)
         except BatonError as err:  # its lease runs out on its own
-            logger.warning("releasing %s failed (its lease will expire): %s", handoff_id, err)
+            logger.warning("releasing %s failed (its lease will expire): %s", lease.handoff_id, err)
 
     def _wait(self, poll: Callable[[], dict[str, OutcomeT]], abort: Callable[[str], None], job_id: str) -> OutcomeT:
         """Poll until `job_id`'s transfers are over; past the transfer timeout they are stopped and it fails."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -37,22 +38,32 @@ class Stack:
         self.decode_stub = decode_pb2_grpc.DecodeServiceStub(channel(decode.address))
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+        req, handoff_id, first = await self.prefill_only(prompt, params)
+        tokens = [first.first_token_id]
+        if first.finish_reason:
+            return tokens, first.finish_reason
+        finish = ""
+        async for msg in self.decode_stream(req, handoff_id, first.first_token_id):
+            tokens.extend(msg.token_ids)
+            finish = msg.finish_reason
+        return tokens, finish
+
+    async def prefill_only(self, prompt: list[int], params: SamplingParams
+                      ) -> tuple[common_pb2.GenerateRequest, str, prefill_pb2.PrefillResponse]:
+        """The prefill half: its handoff waits in kv_transfer for `decode_stream`."""
         request_id = uuid.uuid4().hex
         req = common_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
                                          params=sampling_params_to_proto(params))
         handoff_id = f"h-{request_id}"
         first = await self.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
             request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address, handoff_capability=CAPABILITY))
-        tokens = [first.first_token_id]
-        if first.finish_reason:
-            return tokens, first.finish_reason
-        finish = ""
-        async for msg in self.decode_stub.Generate(decode_pb2.DecodeRequest(
-                request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address, handoff_capability=CAPABILITY,
-                first_token_id=first.first_token_id)):
-            tokens.extend(msg.token_ids)
-            finish = msg.finish_reason
-        return tokens, finish
+        return req, handoff_id, first
+
+    def decode_stream(self, req: common_pb2.GenerateRequest, handoff_id: str, first_token_id: int
+               ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        return self.decode_stub.Generate(decode_pb2.DecodeRequest(
+            request=req, handoff_id=handoff_id, kv_transfer_address=self.kv.address, handoff_capability=CAPABILITY,
+            first_token_id=first_token_id))
 
     def engines_idle(self) -> bool:
         return all(e.num_free_kv_blocks == e.num_kv_blocks and not e.has_unfinished()
