@@ -11,9 +11,10 @@
 //
 // The weights are packed per expert by the GEMV kernels' own pack ops (gemv_pack for fp32, gemv_bf16_pack
 // for bf16, w8a8_pack for int8 per channel; shared/models/gemma4/moe_cpu.py), so a decode step streams each
-// expert it hits once at DRAM speed, in half the bytes for bf16 and a quarter for int8. torch's F.linear (MKL) on these small row counts streamed one layer of
-// gemma-4-26B-A4B's experts at ~10 GB/s here (bench/engine.py's MoE config). Experts are split across the
-// threads (each reads its own weights), and the kernels' own panel loop runs inside each thread.
+// expert it hits once at DRAM speed, in half the bytes for bf16 and about a quarter for int8. torch's F.linear
+// (MKL) on these small row counts streamed one layer of gemma-4-26B-A4B's experts at ~10 GB/s here
+// (bench/engine.py's MoE config). Experts are split across the threads (each reads its own weights), and the
+// kernels' own panel loop runs inside each thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +25,7 @@
 
 #include "cpu_isa.h"
 #include "gemv_layout.h"
+#include "kernels_cpu.h"
 
 namespace {
 
@@ -52,12 +54,7 @@ ExpertGroups group_by_expert(const torch::Tensor& index, int64_t num_experts) {
 // rows [c, K] fp32 through expert e's packed weight -> [c, N]
 torch::Tensor project(const torch::Tensor& rows, const torch::Tensor& packed, int64_t N) {
   const KernelTable& k = active_kernels();
-  if (packed.scalar_type() == at::kChar) {  // W8A8 panels of int8 per channel [panels, panel bytes of K]
-    auto y = torch::empty({rows.size(0), N}, rows.options());
-    k.w8a8_rows(rows.data_ptr<float>(), rows.size(0), rows.size(1), packed.data_ptr<int8_t>(), packed.size(0), N,
-                y.data_ptr<float>());
-    return y;
-  }
+  if (packed.scalar_type() == at::kChar) return w8a8(rows, packed, N);  // W8A8 panels of int8 per channel
   if (packed.scalar_type() == at::kBFloat16) return k.gemv_bf16(rows, packed, N);
   return k.gemv_f32(rows, packed, N, rows.size(1));  // one FMA chain per output over all of k
 }
