@@ -15,7 +15,7 @@ Writes JSON to bench/results/ and prints it as the last line.
 
     python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 5] [--quick]
                            [--dtype float32|bfloat16] [--kv-cache-dtype auto|float32|bfloat16]
-                           [--quantization none|int8|gguf] [--hf-dtype float32|bfloat16]
+                           [--quantization none|int8|q4_1|gguf] [--hf-dtype float32|bfloat16]
                            [--gemma4-like gemma-4-26B-A4B [--gemma4-layers 2] [--gemma4-vocab 32768]]
 
 `--gemma4-like NAME` benchmarks a random Gemma 4 checkpoint sized like the published NAME (hidden size, heads,
@@ -51,6 +51,7 @@ from bench.serve_report import write_block
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
+from shared.models.weight_format import QUANTIZATIONS
 from shared.ops.linear import LinearWeight
 from shared.tokenizer import encode_prompt
 
@@ -139,7 +140,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="32 new tokens, one timing each")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="transformers' dtype (its weights as loaded, and its arithmetic)")
     parser.add_argument("--gemma4-like", default=None, help="a published Gemma 4 size (see the docstring)")

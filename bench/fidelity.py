@@ -6,9 +6,10 @@ cache in the precision's dtype). Per precision, over every predicted token:
 
     mean KL(fp32 || precision)   top-1 agreement with fp32   perplexity (exp of the mean NLL)
 
-Bounds (issue 25): bf16 perplexity within 1% of fp32's; int8 within 2%; 4-bit (the GGUF's own blocks) no
-worse than llama.cpp's perplexity for the same GGUF on the same token windows, measured in the same run
-through llama-cpp-python in its own venv (bench/peers/setup_llama_cpp.sh) when `--llama-cpp VENV` is given.
+Bounds (issue 25): bf16 perplexity within 1% of fp32's; int8 within 2%; 4-bit (the GGUF's own blocks, or
+q4_1's made at load) no worse than llama.cpp's perplexity for the same GGUF on the same token windows,
+measured in the same run through llama-cpp-python in its own venv (bench/peers/setup_llama_cpp.sh) when
+`--llama-cpp VENV` is given.
 
     .venv/bin/python -m bench.fidelity [--model smollm2-135m] [--window 512] [--llama-cpp ~/.cache/baton/peers/llamacpp-venv]
 
@@ -47,6 +48,8 @@ PRECISIONS: dict[str, tuple[WeightFormat, torch.dtype, Any]] = {
     "fp32-weights-bf16-kv": (WeightFormat(), torch.bfloat16, 0.01),
     "int8": (WeightFormat(quantization="int8"), torch.float32, 0.02),
     "int8-bf16-kv": (WeightFormat(quantization="int8"), torch.bfloat16, 0.02),
+    # 4-bit blocks made at load from the fp32 weights, held to the same bound as the GGUF file's own blocks
+    "q4_1": (WeightFormat(quantization="q4_1"), torch.float32, "llama.cpp"),
     "gguf": (WeightFormat(quantization="gguf"), torch.float32, "llama.cpp"),
     "gguf-bf16-kv": (WeightFormat(quantization="gguf"), torch.bfloat16, "llama.cpp"),
 }

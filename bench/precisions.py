@@ -39,6 +39,7 @@ PRECISIONS: dict[str, dict[str, str]] = {
     "bfloat16-weights-fp32-kv": {"dtype": "bfloat16", "kv_cache_dtype": "float32"},
     "int8": {"quantization": "int8", "kv_cache_dtype": "float32"},
     "int8-bf16-kv": {"quantization": "int8", "kv_cache_dtype": "bfloat16"},
+    "q4_1": {"quantization": "q4_1", "kv_cache_dtype": "float32"},
     "gguf": {"quantization": "gguf", "kv_cache_dtype": "float32"},
     "gguf-bf16-kv": {"quantization": "gguf", "kv_cache_dtype": "bfloat16"},
 }

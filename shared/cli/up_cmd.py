@@ -121,7 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
                    help="KV cache and handoffs; auto = the weights' dtype")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="int8 per channel, or gguf: a GGUF model's projections in the file's own blocks")
+                   help="int8 per channel, q4_1: 4-bit blocks made at load, or gguf: a GGUF model's projections "
+                        "in the file's own blocks")
     p.add_argument("--state-dir", type=Path, default=Path(".baton"))
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     p.add_argument("--ready-timeout", type=float, default=600.0)

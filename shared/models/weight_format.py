@@ -3,6 +3,9 @@
     dtype float32    fp32 (oneDNN, and the fp32 GEMV copy for decode batches)
     dtype bfloat16   bf16 packed for the bf16 GEMV (CPU; on CUDA the model's dtype)
     int8             int8 per channel, quantized at load from the fp32 weights
+    q4_1             4-bit blocks of 32 with a scale and minimum each (GGUF's Q4_1), quantized at load;
+                     the LM head int8 per channel (llama.cpp's 4-bit files keep theirs at 6 or 8 bits: the
+                     logits are where 4-bit error shows most)
     gguf             the GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q8_0; Q4_K, Q6_K), read by
                      shared/models/gguf_weights.py
 
@@ -19,9 +22,11 @@ import torch
 from shared.ops.kquant import KQuantCodes
 from shared.ops.linear import LinearWeight
 from shared.ops.quant import BLOCK as QUANT_BLOCK
-from shared.ops.quant import QuantCodes, int8_per_channel
+from shared.ops.quant import QuantCodes, int8_per_channel, q4_1_blocks
 
-QUANTIZATIONS = ("none", "int8", "gguf")
+QUANTIZATIONS = ("none", "int8", "q4_1", "gguf")
+# the formats made at load from the checkpoint's weights, by how they quantize an [N, K] weight
+_AT_LOAD = {"int8": int8_per_channel, "q4_1": q4_1_blocks}
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,10 @@ class WeightFormat:
         """The projection `name` (fp32 `weight` [out, in] as loaded) in this format."""
         if self.quantization == "gguf":
             return LinearWeight.quantized(self.gguf_codes[name])
-        if self.quantization == "int8" and weight.shape[1] % QUANT_BLOCK == 0:
-            return LinearWeight.quantized(int8_per_channel(weight))
-        # int8 rows are whole blocks of QUANT_BLOCK inputs: a narrower projection (Gemma 4's per-layer input
+        if self.quantization in _AT_LOAD and weight.shape[1] % QUANT_BLOCK == 0:
+            quantize = int8_per_channel if name == "lm_head" else _AT_LOAD[self.quantization]
+            return LinearWeight.quantized(quantize(weight))
+        # quantized rows are whole blocks of QUANT_BLOCK inputs: a narrower projection (Gemma 4's per-layer input
         # gate, a few dozen columns) stays in the dtype, as llama.cpp keeps its small tensors unquantized
         return LinearWeight(weight, small_batches=small_batches, weight_dtype=self.dtype)
 
@@ -50,4 +56,6 @@ class WeightFormat:
             return "GGUF blocks (" + ", ".join(sorted({c.fmt for c in self.gguf_codes.values()})) + ")"
         if self.quantization == "int8":
             return "int8 per channel"
+        if self.quantization == "q4_1":
+            return "4-bit blocks (Q4_1)"
         return str(self.dtype).removeprefix("torch.")

@@ -1,5 +1,5 @@
 """Weights served in a quantized block format: GGUF's Q4_0, Q4_1, Q5_0, Q8_0 as the file holds them, or int8
-per channel made from fp32 weights (GGUF's K-quant super-blocks: `shared/ops/kquant.py`).
+per channel or 4-bit blocks (Q4_1's form) made from fp32 weights (GGUF's K-quant super-blocks: `shared/ops/kquant.py`).
 
 Every format becomes u8 codes with a fp16 scale d and offset m per block of 32
 inputs of an output, w = d * c + m, without changing a code (`csrc/qgemv_layout.h`):
@@ -10,6 +10,7 @@ inputs of an output, w = d * c + m, without changing a code (`csrc/qgemv_layout.
     Q5_0     d, 4 bytes of bit 4, 16 of nibbles q (0..31)   d          -16 d
     Q8_0     d, 32 int8 q                     q + 128       d          -128 d
     int8     (per output row: d = max|w| / 127, q = round(w / d))  as Q8_0, one d per row
+    q4_1     (per block: m = min w, d = (max w - m) / 15)             Q4_1's form, made from fp32 weights
 
 `csrc/qgemv_cpu.cpp` multiplies them by rows quantized to int8 per block (as
 llama.cpp does), with AVX512-VNNI where the CPU has it. `qgemv_ref` is its oracle.
@@ -98,6 +99,22 @@ def int8_per_channel(weight: torch.Tensor) -> QuantCodes:  # weight [N, K] float
     codes = (q + 128).to(torch.uint8)
     d_blocks = d[:, None].expand(n, k // BLOCK).contiguous()
     return QuantCodes(codes, d_blocks, (d_blocks.float() * -128).half(), 8, "int8")
+
+
+def q4_1_blocks(weight: torch.Tensor) -> QuantCodes:  # weight [N, K] float
+    """4-bit codes with a fp16 scale and minimum per block of 32 inputs (GGUF's Q4_1, as llama.cpp's quantize
+    makes it, K a multiple of 32). The codes round against the stored fp16 d and m, so they reconstruct the
+    weight as the kernel reads it; the block's minimum and maximum are exact up to fp16 rounding."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"4-bit blocks need the input width in whole blocks of {BLOCK}, got {k}")
+    w = weight.float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d.float()))
+    q = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
+    return QuantCodes(q.to(torch.uint8).reshape(n, k), d, m, 4, "q4_1")
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

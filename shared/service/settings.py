@@ -55,8 +55,9 @@ class EngineServiceSettings(BaseSettings):
         "fp32), on CUDA what the model computes in; auto = the fastest whose fidelity bound holds")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="vLLM's --kv-cache-dtype; auto = the weights' dtype")
-    quantization: Literal["none", "int8", "gguf"] = Field(
-        default="none", description="vLLM's --quantization: int8 per channel, or a GGUF model's own blocks")
+    quantization: Literal["none", "int8", "q4_1", "gguf"] = Field(
+        default="none", description="vLLM's --quantization: int8 per channel, 4-bit blocks (Q4_1's form) made "
+        "at load, or a GGUF model's own blocks")
     torch_threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = torch's default")
     cache_dir: Path = DEFAULT_CACHE_DIR
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20)

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from shared.models.gemma4.moe_cpu import PackedExperts, int8_experts_fit, packed_experts_available
+from shared.models.gemma4.moe_cpu import EXPERT_QUANTIZATIONS, PackedExperts, packed_experts_available, quantized_experts_fit
 from shared.models.gemma4.spec import MoESpec
 
 
@@ -134,23 +134,26 @@ def _triton_runs_here() -> bool:
     return triton_available()
 
 
-def make_experts(gate_up: torch.Tensor, down: torch.Tensor, int8: bool = False) -> Experts:
+def make_experts(gate_up: torch.Tensor, down: torch.Tensor, quantization: str = "none") -> Experts:
     """The fastest experts for where the weights live: on the CPU the GEMV kernels over per-expert packs
-    (fp32 or bf16, as the weights come; int8 per channel when `int8` asks and the widths fit), on CUDA the fused
+    (fp32 or bf16, as the weights come; int8 or 4-bit blocks when `quantization` asks and the widths fit:
+    otherwise they stay in the weights' dtype, as the narrow projections do), on CUDA the fused
     Triton kernels; torch's loop where neither serves.
     gate_up [num_experts, 2 * intermediate, hidden], down [num_experts, hidden, intermediate]."""
     if gate_up.device.type == "cpu" and packed_experts_available(gate_up.dtype):
-        return PackedExperts(gate_up, down, int8=int8 and int8_experts_fit(gate_up, down))
+        quantized = quantization in EXPERT_QUANTIZATIONS and quantized_experts_fit(gate_up, down)
+        return PackedExperts(gate_up, down, quantization if quantized else "none")
     if gate_up.device.type == "cuda" and _triton_runs_here():
         return TritonExperts(gate_up.contiguous(), down.contiguous())
     return TorchExperts(gate_up, down)
 
 
 def load_moe(get: Callable[[str], torch.Tensor], prefix: str, spec: MoESpec, eps: float,
-             get_experts: Callable[[str], torch.Tensor] | None = None, int8: bool = False) -> tuple[Router, Experts]:
+             get_experts: Callable[[str], torch.Tensor] | None = None,
+             quantization: str = "none") -> tuple[Router, Experts]:
     """The router and experts of one layer from checkpoint tensors under `prefix` (`model.layers.{i}.`);
-    `get_experts` reads the expert banks (in the dtype they are stored in), `get` the rest; `int8`: the experts
-    quantized to int8 per channel where the CPU kernels serve them (`--quantization int8`)."""
+    `get_experts` reads the expert banks (in the dtype they are stored in), `get` the rest; `quantization`:
+    `--quantization`, which the experts take where the CPU kernels serve them (int8, q4_1)."""
     get_experts = get_experts or get
     router = Router(
         scale=get(prefix + "router.scale"),
@@ -160,5 +163,5 @@ def load_moe(get: Callable[[str], torch.Tensor], prefix: str, spec: MoESpec, eps
         eps=eps,
     )
     experts = make_experts(get_experts(prefix + "experts.gate_up_proj"), get_experts(prefix + "experts.down_proj"),
-                           int8)
+                           quantization)
     return router, experts

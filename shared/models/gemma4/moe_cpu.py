@@ -4,7 +4,9 @@
     packed       gate_up [E, <GEMV pack of [2I, H]>], down [E, <GEMV pack of [H, I]>]
                  fp32: csrc/gemv_cpu.cpp's layout; bf16: csrc/gemv_bf16_cpu.cpp's (half the bytes);
                  int8 (`--quantization int8`, H and I whole blocks of 32): int8 per output channel in
-                 csrc/w8a8_cpu.cpp's panels, as the projections are stored (a quarter of fp32's bytes)
+                 csrc/w8a8_cpu.cpp's panels, as the projections are stored (a quarter of fp32's bytes);
+                 q4_1 (`--quantization q4_1`, the same widths): 4-bit blocks of 32 with a fp16 scale and minimum
+                 each in csrc/qgemv_cpu.cpp's panels (0.625 bytes a weight: 0.16 of fp32's, 0.62 of int8's)
     a layer      torch.ops.baton_cpu.moe_experts (csrc/moe_cpu.cpp): pairs grouped by expert in C++, each expert
                  hit streamed once through the kernel, experts split across the threads
 
@@ -23,27 +25,29 @@ import torch
 
 from shared.ops import w8a8
 from shared.ops.cpu_kernels import cpu_kernels_available
-from shared.ops.quant import BLOCK, int8_per_channel
+from shared.ops.quant import BLOCK, int8_per_channel, q4_1_blocks
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# quantized expert formats: each weight [N, K] -> its pack for the op's kernels (csrc/moe_cpu.cpp's project)
+_QUANTIZED = {
+    "int8": lambda w: w8a8.pack(int8_per_channel(w)),  # W8A8 panels of int8 per channel
+    "q4_1": lambda w: q4_1_blocks(w).pack(),  # qgemv's 4-bit panels
+}
+EXPERT_QUANTIZATIONS = tuple(_QUANTIZED)
 
 
 def packed_experts_available(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES and cpu_kernels_available()
 
 
-def int8_experts_fit(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Both projections' input widths (hidden, intermediate) are whole blocks of the int8 rows' 32."""
+def quantized_experts_fit(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Both projections' input widths (hidden, intermediate) are whole blocks of the quantized rows' 32."""
     return gate_up.shape[2] % BLOCK == 0 and down.shape[2] % BLOCK == 0
 
 
-def _pack_int8(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> W8A8 panels of int8 per channel
-    return w8a8.pack(int8_per_channel(weight))
-
-
-def _pack_each(weights: torch.Tensor, int8: bool = False) -> torch.Tensor:  # [E, N, K] -> [E, <pack of [N, K]>]
-    if int8:
-        pack = _pack_int8
+def _pack_each(weights: torch.Tensor, quantization: str) -> torch.Tensor:  # [E, N, K] -> [E, <pack of [N, K]>]
+    if quantization in _QUANTIZED:
+        pack = _QUANTIZED[quantization]
     elif weights.dtype == torch.bfloat16:
         pack = torch.ops.baton_cpu.gemv_bf16_pack
     else:
@@ -63,22 +67,25 @@ class PackedExperts:
         self,
         gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
         down: torch.Tensor,  # [num_experts, hidden, intermediate]
-        int8: bool = False,  # quantize to int8 per output channel (int8_experts_fit must hold)
+        quantization: str = "none",  # or one of EXPERT_QUANTIZATIONS (quantized_experts_fit must hold)
     ) -> None:
         if not cpu_kernels_available():  # also what loads them, for a caller that did not ask first
             raise RuntimeError("packed experts need the C++ CPU kernels, which did not build (see the log)")
         if gate_up.dtype not in _DTYPES or down.dtype != gate_up.dtype:
             raise ValueError(f"packed experts take float32 or bfloat16 weights, got {gate_up.dtype}, {down.dtype}")
-        if int8 and not int8_experts_fit(gate_up, down):
-            raise ValueError(f"int8 experts need hidden and intermediate sizes in whole blocks of {BLOCK}, got "
-                             f"{gate_up.shape[2]} and {down.shape[2]}")
+        quantized = quantization != "none"
+        if quantized and quantization not in _QUANTIZED:
+            raise ValueError(f"experts quantize to one of {EXPERT_QUANTIZATIONS}, not {quantization!r}")
+        if quantized and not quantized_experts_fit(gate_up, down):
+            raise ValueError(f"{quantization} experts need hidden and intermediate sizes in whole blocks of {BLOCK}, "
+                             f"got {gate_up.shape[2]} and {down.shape[2]}")
         self._num_experts, two_i, self.hidden_size = gate_up.shape
         self.intermediate_size = two_i // 2
-        self.gate_up = _pack_each(gate_up, int8)
-        self.down = _pack_each(down, int8)
-        # what a pass over one expert reads: its weights in their dtype; int8's panels with their block offsets
-        # and channel scales
-        self._expert_nbytes = (self.gate_up[0].numel() + self.down[0].numel() if int8
+        self.gate_up = _pack_each(gate_up, quantization)
+        self.down = _pack_each(down, quantization)
+        # what a pass over one expert reads: its weights in their dtype; a quantized pack's bytes with their
+        # scales (and int8's block offsets)
+        self._expert_nbytes = (self.gate_up[0].numel() + self.down[0].numel() if quantized
                                else (gate_up[0].numel() + down[0].numel()) * gate_up.element_size())
 
     @property

@@ -68,7 +68,7 @@ class Gemma4TextLM:
         self.weight_format = weight_format or WeightFormat(dtype)
         if self.weight_format.quantization == "gguf":  # GGUF names tensors by llama.cpp's Gemma 4 map, not read yet
             raise ConfigError("--quantization gguf serves Llama and Gemma 3 models; Gemma 4 takes --dtype "
-                              "float32 or bfloat16, or --quantization int8")
+                              "float32 or bfloat16, or --quantization int8 or q4_1")
         self.spec = spec
         self.attention = attention
         self.device = torch.device(device)

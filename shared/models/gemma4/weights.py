@@ -116,7 +116,7 @@ def expected_shapes(spec: Gemma4Spec) -> dict[str, tuple[int, ...]]:
 def load_weights(spec: Gemma4Spec, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  weight_format: WeightFormat, decodes: bool = True) -> Gemma4Weights:
     """Device-resident weights (shapes checked by the caller against `expected_shapes`); projections stored as
-    `weight_format` says (MoE experts in its dtype, or int8; GGUF's experts stay in `dtype`). `decodes`: projections
+    `weight_format` says (MoE experts in its dtype, or int8 or q4_1; GGUF's experts stay in `dtype`). `decodes`: projections
     keep their small-batch copy."""
 
     def get(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -126,15 +126,14 @@ def load_weights(spec: Gemma4Spec, weights: Mapping[str, torch.Tensor], device: 
         return weight_format.linear(names[0], torch.cat([get(n) for n in names]), decodes)
 
     # the expert banks are stored as the projections are (bf16 weights: bf16 experts, half the bytes a step
-    # streams; int8: int8 per channel where the CPU kernels serve them); GGUF's experts stay in `dtype`
+    # streams; int8 or q4_1: quantized where the CPU kernels serve them); GGUF's experts stay in `dtype`
     expert_dtype = weight_format.dtype if weight_format.quantization == "none" else dtype
-    int8_experts = weight_format.quantization == "int8"
 
     def get_experts(name: str) -> torch.Tensor:
         return get(name, expert_dtype)
 
     embed = get("model.embed_tokens.weight")
-    layers = [_load_layer(spec, i, get, lin, get_experts, int8_experts) for i in range(spec.num_layers)]
+    layers = [_load_layer(spec, i, get, lin, get_experts, weight_format.quantization) for i in range(spec.num_layers)]
     ple = spec.per_layer_input_size > 0
     return Gemma4Weights(
         embed=embed,
@@ -148,14 +147,14 @@ def load_weights(spec: Gemma4Spec, weights: Mapping[str, torch.Tensor], device: 
 
 
 def _load_layer(spec: Gemma4Spec, i: int, get: Callable[[str], torch.Tensor], lin: Callable[..., LinearWeight],
-                get_experts: Callable[[str], torch.Tensor], int8_experts: bool = False) -> Gemma4LayerWeights:
+                get_experts: Callable[[str], torch.Tensor], quantization: str = "none") -> Gemma4LayerWeights:
     p = f"model.layers.{i}."
     layer = spec.layers[i]
     shared = layer.reads_layer is not None
     kv_names = [p + "self_attn.k_proj.weight"] + ([] if layer.k_eq_v else [p + "self_attn.v_proj.weight"])
     moe = None
     if spec.moe is not None:
-        router, experts = load_moe(get, p, spec.moe, spec.rms_eps, get_experts, int8_experts)
+        router, experts = load_moe(get, p, spec.moe, spec.rms_eps, get_experts, quantization)
         moe = MoEWeights(router, experts, get(p + "post_feedforward_layernorm_1.weight"),
                          get(p + "pre_feedforward_layernorm_2.weight"), get(p + "post_feedforward_layernorm_2.weight"))
     ple = None

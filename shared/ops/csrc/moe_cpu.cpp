@@ -10,8 +10,9 @@
 //   out[t] = sum over t's pairs, ascending e, of weights[t, j] * y[p]
 //
 // The weights are packed per expert by the GEMV kernels' own pack ops (gemv_pack for fp32, gemv_bf16_pack
-// for bf16, w8a8_pack for int8 per channel; shared/models/gemma4/moe_cpu.py), so a decode step streams each
-// expert it hits once at DRAM speed, in half the bytes for bf16 and about a quarter for int8. torch's F.linear
+// for bf16, w8a8_pack for int8 per channel, qgemv_pack for 4-bit blocks; shared/models/gemma4/moe_cpu.py), so
+// a decode step streams each expert it hits once at DRAM speed, in half the bytes for bf16, about a quarter
+// for int8 and a sixth for 4-bit. torch's F.linear
 // (MKL) on these small row counts streamed one layer of gemma-4-26B-A4B's experts at ~10 GB/s here
 // (bench/engine.py's MoE config). Experts are split across the threads (each reads its own weights), and the
 // kernels' own panel loop runs inside each thread.
@@ -55,6 +56,7 @@ ExpertGroups group_by_expert(const torch::Tensor& index, int64_t num_experts) {
 torch::Tensor project(const torch::Tensor& rows, const torch::Tensor& packed, int64_t N) {
   const KernelTable& k = active_kernels();
   if (packed.scalar_type() == at::kChar) return w8a8(rows, packed, N);  // W8A8 panels of int8 per channel
+  if (packed.scalar_type() == at::kByte) return qgemv(rows, packed, N);  // block formats (qgemv_layout.h)
   if (packed.scalar_type() == at::kBFloat16) return k.gemv_bf16(rows, packed, N);
   return k.gemv_f32(rows, packed, N, rows.size(1));  // one FMA chain per output over all of k
 }
@@ -77,8 +79,8 @@ void project_groups(const torch::Tensor& x, const torch::Tensor& packed, int64_t
 }  // namespace
 
 // h [n, H] fp32; weights [n, top_k] fp32; index [n, top_k] int64; gate_up [E, ...] and down [E, ...] packed per
-// expert (both fp32, both bf16, or both int8 W8A8 panels with H and intermediate multiples of 32) for outputs
-// 2 * intermediate and H -> [n, H] fp32
+// expert for outputs 2 * intermediate and H (both fp32, both bf16, both int8 W8A8 panels or both qgemv block
+// panels; quantized ones with H and intermediate multiples of 32) -> [n, H] fp32
 torch::Tensor moe_experts(torch::Tensor h, torch::Tensor weights, torch::Tensor index, torch::Tensor gate_up,
                           torch::Tensor down, int64_t intermediate) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "moe_experts: h [n, H] float32");
@@ -89,8 +91,13 @@ torch::Tensor moe_experts(torch::Tensor h, torch::Tensor weights, torch::Tensor 
   TORCH_CHECK(gate_up.size(0) == down.size(0) && gate_up.scalar_type() == down.scalar_type() &&
               gate_up.is_contiguous() && down.is_contiguous(), "moe_experts: gate_up, down packed alike per expert");
   const int64_t n = h.size(0), H = h.size(1), top_k = index.size(1), E = gate_up.size(0);
-  TORCH_CHECK(gate_up.scalar_type() != at::kChar || (H % 32 == 0 && intermediate % 32 == 0 && gate_up.dim() == 3 &&
-              down.dim() == 3), "moe_experts: int8 experts need [E, panels, bytes] packs and widths in blocks of 32");
+  const bool quantized = gate_up.scalar_type() == at::kChar || gate_up.scalar_type() == at::kByte;
+  TORCH_CHECK(!quantized || (H % 32 == 0 && intermediate % 32 == 0),
+              "moe_experts: quantized experts need widths in blocks of 32");
+  TORCH_CHECK(gate_up.scalar_type() != at::kChar || (gate_up.dim() == 3 && down.dim() == 3),
+              "moe_experts: int8 experts need [E, panels, bytes] packs");
+  TORCH_CHECK(gate_up.scalar_type() != at::kByte || (gate_up.dim() == 4 && down.dim() == 4),
+              "moe_experts: 4-bit experts need [E, panels, blocks, bytes] packs");
   auto out = torch::zeros({n, H}, h.options());
   if (n == 0) return out;
   const ExpertGroups g = group_by_expert(index, E);

@@ -85,16 +85,21 @@ def test_bf16_weights_and_kv_cache_decode_close_to_fp32(engines) -> None:
         assert (theirs.max(-1).values - chosen).max() < 0.5, (theirs.max(-1).values - chosen)
 
 
-def test_int8_weights_with_int8_experts_decode_close_to_fp32(engines) -> None:
-    """--quantization int8 on the "all" config with an expert width in whole blocks of 32: the experts are int8
-    per channel through the W8A8 kernel like the projections, and what int8 decodes is near fp32's best."""
+@pytest.mark.parametrize(("quantization", "pack_dtype", "max_gap"), [
+    ("int8", torch.int8, 0.5), ("q4_1", torch.uint8, 1.0)], ids=["int8", "q4_1"])
+def test_quantized_weights_with_quantized_experts_decode_close_to_fp32(
+        engines, quantization: str, pack_dtype: torch.dtype, max_gap: float) -> None:
+    """--quantization int8 / q4_1 on the "all" config with an expert width in whole blocks of 32: the experts
+    are quantized like the projections (int8 per channel through the W8A8 kernel, 4-bit blocks through
+    qgemv), and what it decodes is near fp32's best (within `max_gap` nats of fp32's top token)."""
     from shared.models.gemma4.moe_cpu import PackedExperts
     from shared.models.weight_format import WeightFormat
 
-    loaded, hf = tiny_loaded("gemma4-all", weight_format=WeightFormat(quantization="int8"), moe_intermediate_size=32)
+    loaded, hf = tiny_loaded("gemma4-all", weight_format=WeightFormat(quantization=quantization),
+                             moe_intermediate_size=32)
     experts = loaded.model.w.layers[0].moe.experts
-    assert isinstance(experts, PackedExperts) and experts.gate_up.dtype == torch.int8
-    engine = tiny_engine(loaded, quantization="int8", max_num_batched_tokens=16)
+    assert isinstance(experts, PackedExperts) and experts.gate_up.dtype == pack_dtype
+    engine = tiny_engine(loaded, quantization=quantization, max_num_batched_tokens=16)
     engines.append(engine)
     batch = prompts(3, seed=4, lo=5, hi=30)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -102,4 +107,4 @@ def test_int8_weights_with_int8_experts_decode_close_to_fp32(engines) -> None:
         assert len(res.token_ids) == 8
         theirs = hf_logits(hf, prompt + res.token_ids).log_softmax(-1)[len(prompt) - 1:-1]
         chosen = theirs.gather(1, torch.tensor(res.token_ids)[:, None])[:, 0]
-        assert (theirs.max(-1).values - chosen).max() < 0.5, (theirs.max(-1).values - chosen)
+        assert (theirs.max(-1).values - chosen).max() < max_gap, (theirs.max(-1).values - chosen)

@@ -1,5 +1,5 @@
 """The packaged SmolLM2 served from its GGUF file's own Q4_1 / Q8_0 blocks (`--quantization gguf`), and in
-bf16 and int8, and the packaged Gemma 3 270M from its Q4_K_M file's Q4_K / Q6_K / Q5_0 / Q8_0 blocks: the
+bf16, int8 and 4-bit blocks made at load, and the packaged Gemma 3 270M from its Q4_K_M file's Q4_K / Q6_K / Q5_0 / Q8_0 blocks: the
 weights are the file's, and the logits stay close to fp32's."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def test_gguf_codes_are_the_weights_transformers_dequantized() -> None:
 
 @pytest.mark.parametrize(("fmt", "min_top1"), [
     (WeightFormat(torch.bfloat16), 0.97), (WeightFormat(quantization="int8"), 0.9),
-    (WeightFormat(quantization="gguf"), 0.9)], ids=["bf16", "int8", "gguf"])
+    (WeightFormat(quantization="q4_1"), 0.8), (WeightFormat(quantization="gguf"), 0.9)],
+    ids=["bf16", "int8", "q4_1", "gguf"])
 def test_logits_stay_close_to_fp32(fmt: WeightFormat, min_top1: float) -> None:
     """Teacher-forced over a short text: the top-1 token agrees with fp32's at most positions and the mean
     KL divergence stays small (bench/fidelity.py measures the full text set)."""

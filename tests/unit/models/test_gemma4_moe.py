@@ -111,53 +111,68 @@ def test_torch_loop_takes_fp32_rows_over_bf16_weights() -> None:
     torch.testing.assert_close(out, expected, atol=0.1, rtol=0.05)
 
 
-def _int8_reference(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
-                    index: torch.Tensor) -> torch.Tensor:
-    """Each token's experts through the W8A8 kernel's own reference sums (shared/ops/w8a8.py), weighted and summed
-    in expert order."""
-    from shared.ops.quant import int8_per_channel
+def _quantized_reference(quantization: str, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+                         weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each token's experts through its kernel's own reference sums (int8: shared/ops/w8a8.py's; q4_1:
+    shared/ops/quant.py's qgemv_ref), weighted and summed in expert order."""
+    from shared.ops.quant import int8_per_channel, q4_1_blocks, qgemv_ref
     from shared.ops.w8a8 import w8a8_ref
+
+    def project(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w8a8_ref(rows, int8_per_channel(w)) if quantization == "int8" else qgemv_ref(rows, q4_1_blocks(w))
 
     inter = down.shape[2]
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in sorted(range(index.shape[1]), key=lambda j: int(index[t, j])):
             e = int(index[t, j])
-            gu = w8a8_ref(x[t:t + 1], int8_per_channel(gate_up[e]))
+            gu = project(x[t:t + 1], gate_up[e])
             act = torch.nn.functional.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
-            out[t] += weights[t, j] * w8a8_ref(act, int8_per_channel(down[e]))[0]
+            out[t] += weights[t, j] * project(act, down[e])[0]
     return out
 
 
+# format -> (its pack's dtype, the most its bytes may be of fp32's, its error bound against fp32's experts)
+_FORMATS = {"int8": (torch.int8, 0.3, 0.05), "q4_1": (torch.uint8, 0.17, 0.15)}
+
+
+@pytest.mark.parametrize("quantization", sorted(_FORMATS))
 @pytest.mark.parametrize("n", [1, 7])
-def test_packed_experts_int8_match_the_w8a8_reference(n: int) -> None:
-    """--quantization int8: each expert int8 per output channel, rows quantized per block of 32 as the W8A8
-    projections do; the op sums what the reference sums (fp32 rounding of the block fold aside)."""
+def test_packed_quantized_experts_match_their_kernels_reference(n: int, quantization: str) -> None:
+    """--quantization int8 / q4_1: each expert int8 per output channel or in 4-bit blocks of 32, rows quantized
+    per block of 32 as the quantized projections do; the op sums what the reference sums (fp32 rounding of
+    the block fold aside)."""
     if not cpu_kernels_available():
         pytest.fail("the C++ CPU kernels did not build (see the log)")
+    pack_dtype, byte_share, error = _FORMATS[quantization]
     gen = torch.Generator().manual_seed(7)
     num_experts, hidden, inter, top_k = 6, 64, 96, 2  # 96 outputs: three 32-lane panels, the last one full
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2
     down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.2
     x = torch.randn(n, hidden, generator=gen)
     weights, index = _routing(n, num_experts, top_k, seed=8)
-    experts = PackedExperts(gate_up, down, int8=True)
-    assert experts.gate_up.dtype == torch.int8
-    # a byte a weight plus each block's offset and the channels' scales: under a third of fp32's bytes
-    assert experts.expert_nbytes < 0.3 * 4 * (gate_up[0].numel() + down[0].numel())
+    experts = PackedExperts(gate_up, down, quantization)
+    assert experts.gate_up.dtype == pack_dtype
+    # int8: a byte a weight plus each block's offset and the channels' scales; q4_1: half a byte plus a fp16
+    # scale and minimum per 32
+    assert experts.expert_nbytes < byte_share * 4 * (gate_up[0].numel() + down[0].numel())
     got = experts(x, weights, index)
-    torch.testing.assert_close(got, _int8_reference(gate_up, down, x, weights, index), atol=1e-4, rtol=1e-4)
-    # and int8's error against the fp32 experts is quantization-sized
+    want = _quantized_reference(quantization, gate_up, down, x, weights, index)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # and the error against the fp32 experts is quantization-sized
     fp32 = TorchExperts(gate_up, down)(x, weights, index)
-    assert (got - fp32).abs().max() < 0.05 * fp32.abs().max()
+    assert (got - fp32).abs().max() < error * fp32.abs().max()
 
 
-def test_int8_experts_need_whole_blocks_and_make_experts_keeps_the_dtype_otherwise() -> None:
+@pytest.mark.parametrize("quantization", sorted(_FORMATS))
+def test_quantized_experts_need_whole_blocks_and_make_experts_keeps_the_dtype_otherwise(quantization: str) -> None:
     if not cpu_kernels_available():
         pytest.fail("the C++ CPU kernels did not build (see the log)")
     with pytest.raises(ValueError, match="whole blocks of 32"):
-        PackedExperts(torch.randn(4, 16, 40), torch.randn(4, 40, 8), int8=True)
-    odd = make_experts(torch.randn(4, 16, 40), torch.randn(4, 40, 8), int8=True)  # 40 inputs: not int8's
+        PackedExperts(torch.randn(4, 16, 40), torch.randn(4, 40, 8), quantization)
+    with pytest.raises(ValueError, match="experts quantize to one of"):
+        PackedExperts(torch.randn(4, 64, 32), torch.randn(4, 32, 32), "q3_k")
+    odd = make_experts(torch.randn(4, 16, 40), torch.randn(4, 40, 8), quantization)  # 40 inputs: no whole block
     assert isinstance(odd, PackedExperts) and odd.gate_up.dtype == torch.float32
-    fit = make_experts(torch.randn(4, 64, 32), torch.randn(4, 32, 32), int8=True)
-    assert isinstance(fit, PackedExperts) and fit.gate_up.dtype == torch.int8
+    fit = make_experts(torch.randn(4, 64, 32), torch.randn(4, 32, 32), quantization)
+    assert isinstance(fit, PackedExperts) and fit.gate_up.dtype == _FORMATS[quantization][0]

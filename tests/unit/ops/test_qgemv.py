@@ -16,17 +16,17 @@ from gguf import GGMLQuantizationType, quants
 from shared.ops import cpu_isa
 from shared.ops.kquant import gguf_codes
 from shared.ops.linear import LinearWeight
-from shared.ops.quant import QuantCodes, concat_rows, from_gguf_blocks, int8_per_channel, qgemv_ref
+from shared.ops.quant import QuantCodes, concat_rows, from_gguf_blocks, int8_per_channel, q4_1_blocks, qgemv_ref
 
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "int8"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "int8", "q4_1"]
 SHAPES = [(960, 576), (576, 1536), (70, 64), (5, 32)]
 
 
 def weight_codes(fmt: str, n: int, k: int, seed: int = 0) -> tuple[QuantCodes, torch.Tensor]:
     """(codes, the fp32 weight they quantize)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-    if fmt == "int8":
-        return int8_per_channel(w), w
+    if fmt in ("int8", "q4_1"):  # made at load from fp32 weights
+        return (int8_per_channel(w) if fmt == "int8" else q4_1_blocks(w)), w
     raw = quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
     return from_gguf_blocks(fmt, raw, (n, k)), w
 
@@ -47,6 +47,21 @@ def test_int8_per_channel_is_within_half_a_step() -> None:
     codes = int8_per_channel(w)
     step = codes.d.float()[:, :1]
     assert ((codes.dequantize() - w).abs() <= step * 0.5 + 1e-3 * step).all()
+
+
+def test_q4_1_blocks_are_within_half_a_step_and_no_worse_than_ggufs_quantizer() -> None:
+    """--quantization q4_1 makes GGUF's Q4_1 blocks at load: each weight within half its block's step of
+    the fp32 value, and the rms error no larger than gguf-py's own Q4_1 quantizer's on the same weights."""
+    n, k = 64, 256
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
+    codes = q4_1_blocks(w)
+    assert codes.bits == 4 and int(codes.codes.max()) <= 15
+    step = codes.d.float().repeat_interleave(32, dim=1)
+    err = codes.dequantize() - w
+    # half a step, plus the fp16 rounding of the block's minimum
+    assert (err.abs() <= 0.5 * step + codes.m.float().abs().repeat_interleave(32, dim=1) * 2**-10).all()
+    theirs = from_gguf_blocks("Q4_1", quants.quantize(w.numpy(), GGMLQuantizationType.Q4_1), (n, k))
+    assert err.norm() <= (theirs.dequantize() - w).norm()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -96,6 +111,8 @@ def test_bad_input_is_refused() -> None:
         gguf_codes("Q6_K", np.zeros(210, dtype=np.uint8), (2, 128))
     with pytest.raises(ValueError, match="blocks"):
         int8_per_channel(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="blocks"):
+        q4_1_blocks(torch.randn(4, 40))
     codes, _ = weight_codes("Q8_0", 16, 64)
     packed = codes.pack()
     with pytest.raises(RuntimeError, match="packed"):
