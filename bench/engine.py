@@ -16,7 +16,7 @@ Writes JSON to bench/results/ and prints it as the last line.
     python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 5] [--quick]
                            [--dtype float32|bfloat16] [--kv-cache-dtype auto|float32|bfloat16]
                            [--quantization none|int8|q4_1|gguf] [--hf-dtype float32|bfloat16]
-                           [--gemma4-like gemma-4-26B-A4B [--gemma4-layers 2] [--gemma4-vocab 32768]]
+                           [--gemma4-like gemma-4-26B-A4B [--gemma4-layers 2] [--gemma4-vocab 32768]] [--sample]
 
 `--gemma4-like NAME` benchmarks a random Gemma 4 checkpoint sized like the published NAME (hidden size, heads,
 head dims, experts, top-k and expert width from shared/models/gemma4/published.py) but only `--gemma4-layers`
@@ -24,6 +24,12 @@ deep (one sliding layer per extra layer, the last full) with a `--gemma4-vocab` 
 transformers' copy fit in memory together; it is written once (bf16, as published checkpoints are) under
 ~/.cache/baton/bench-gemma4. Its tokenizer is Gemma 3's (262k ids): prompt ids are folded into the smaller
 vocabulary (id % vocab), the same ids for both systems.
+
+`--sample` decodes at temperature 1 (baton: a seed per request; transformers: its own generator) instead of
+greedy. A random-weight MoE needs it: greedy decoding collapses every sequence of a batch onto the same token
+from the first step on, so every token of a decode step routes to the same 8 experts (8 of 128 hit at batch
+16, measured), a compute-bound workload no trained MoE serves; sampled tokens differ and hit ~82 experts a
+layer at batch 16, as tokens spread over a trained model's experts.
 
 The roofline counts the bytes baton's decode step reads in the precision run (bf16 weights: half of fp32's;
 quantized: the packed blocks; MoE layers: the router and top-k experts a token runs); transformers runs in
@@ -95,8 +101,12 @@ def weight_bytes(engine: LLMEngine) -> int:
     return total
 
 
-def time_baton(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def time_baton(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, sample: bool = False) -> float:
+    params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                                   ignore_eos=True)
+    if sample:  # a seed per request: one seed would draw the same tokens from near-identical distributions
+        params = [SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True)
+                  for i in range(len(prompts))]
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     # Every timed run starts with an empty prefix cache: blocks left by the warm-up or an earlier repeat of
     # the same prompts would skip most of the prefill, which transformers always does in full. Within the run
@@ -110,16 +120,20 @@ def time_baton(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
     return elapsed
 
 
-def time_transformers(hf: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int) -> float:
+def time_transformers(hf: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int,
+                      sample: bool = False) -> float:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
         hf.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=4, do_sample=False)  # warm-up
+        torch.manual_seed(0)
+        # sampled as baton samples: temperature 1 over the whole vocabulary (top_k 0 turns off generate's 50)
+        how = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
         t0 = time.perf_counter()
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=pad)
+                          pad_token_id=pad, **how)
         elapsed = time.perf_counter() - t0
     assert out.shape[1] == width + new_tokens
     return elapsed
@@ -143,6 +157,8 @@ def main() -> None:
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="transformers' dtype (its weights as loaded, and its arithmetic)")
+    parser.add_argument("--sample", action="store_true",
+                        help="decode sampled (temperature 1, a seed per request) instead of greedy (see the docstring)")
     parser.add_argument("--gemma4-like", default=None, help="a published Gemma 4 size (see the docstring)")
     parser.add_argument("--gemma4-layers", type=int, default=2)
     parser.add_argument("--gemma4-vocab", type=int, default=32_768)
@@ -176,9 +192,10 @@ def main() -> None:
                 log("measuring read bandwidth ...")
                 bandwidths.append(read_bandwidth_gbs(repeats=3))
             log(f"batch {batch}: baton ({i + 1}/{repeats}) ...")
-            runs["baton"].append(batch * new_tokens / time_baton(engine, prompts, new_tokens))
+            runs["baton"].append(batch * new_tokens / time_baton(engine, prompts, new_tokens, args.sample))
             log(f"batch {batch}: transformers ({i + 1}/{repeats}) ...")
-            runs["transformers"].append(batch * new_tokens / time_transformers(hf, tokenizer, prompts, new_tokens))
+            runs["transformers"].append(
+                batch * new_tokens / time_transformers(hf, tokenizer, prompts, new_tokens, args.sample))
         row = {
             "batch": batch, "new_tokens": new_tokens, "repeats": repeats,
             "baton_tok_s": statistics.median(runs["baton"]),
@@ -198,6 +215,7 @@ def main() -> None:
     result = {
         "bench": "engine", "model": args.gemma4_like or args.model, "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype, "hf_dtype": args.hf_dtype,
+        "decoding": "sampled" if args.sample else "greedy",
         "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None),
         "gemma4_layers": args.gemma4_layers if args.gemma4_like else None,
         "vocab_size": hf.config.vocab_size,

@@ -21,11 +21,9 @@ import torch
 
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.ops.host_copy import to_device
+from shared.ops.race_noise import exponential_
 
 __all__ = ["Sampler", "SamplerOutput", "make_generator", "processed_probs", "raw_logprobs", "suppress"]
-
-# Exp(1) samples of exactly 0 would turn a masked token's 0 / 0 into NaN, which argmax treats as the max.
-_MIN_EXP = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -137,15 +135,13 @@ class Sampler:
         default_rows = [j for j, g in enumerate(generators) if g is None]
         if default_rows:
             # one draw for all unseeded rows: they share a stream, so their order does not matter
-            noise = torch.empty(
-                (len(default_rows), probs.shape[1]), dtype=probs.dtype, device=device
-            ).exponential_(generator=self.default_generator(device))
+            noise = exponential_(torch.empty((len(default_rows), probs.shape[1]), dtype=probs.dtype,
+                                             device=device), self.default_generator(device))
             exp_noise[to_device(default_rows, device=device)] = noise
         for j, generator in enumerate(generators):
             if generator is not None:
                 # each seeded row consumes exactly vocab draws from its own stream per step
-                exp_noise[j].exponential_(generator=generator)
-        exp_noise.clamp_(min=_MIN_EXP)
+                exponential_(exp_noise[j], generator)
         return torch.argmax(probs / exp_noise, dim=-1)
 
 
@@ -274,4 +270,4 @@ def skip_draws(generator: torch.Generator, vocab_size: int, num_steps: int, devi
     """
     noise = torch.empty(vocab_size, dtype=torch.float32, device=device)
     for _ in range(num_steps):
-        noise.exponential_(generator=generator)
+        exponential_(noise, generator)

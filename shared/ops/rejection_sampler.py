@@ -55,11 +55,9 @@ from dataclasses import dataclass
 import torch
 
 from shared.ops.host_copy import to_device
+from shared.ops.race_noise import exponential_
 
 __all__ = ["RejectionNoise", "RejectionOutput", "draw_rejection_noise", "rejection_sample_ref"]
-
-# Exp(1) samples of exactly 0 would make w / 0 = inf (or NaN for w = 0) win the argmax.
-_MIN_EXP = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -111,13 +109,11 @@ def draw_rejection_noise(
         index = to_device(shared_rows, device=device)
         num_shared = len(shared_rows)
         uniform[index] = torch.empty(num_shared, width, device=device).uniform_(generator=default_generator)
-        e = torch.empty(num_shared, vocab_size, device=device).exponential_(generator=default_generator)
-        exponential[index] = e
+        exponential[index] = exponential_(torch.empty(num_shared, vocab_size, device=device), default_generator)
     for i, generator in enumerate(generators):
         if generator is not None and not is_greedy[i]:
             uniform[i, : num_uniforms[i]].uniform_(generator=generator)
-            exponential[i].exponential_(generator=generator)
-    exponential.clamp_(min=_MIN_EXP)
+            exponential_(exponential[i], generator)
     return RejectionNoise(uniform=uniform, exponential=exponential)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shared.ops.rejection_sampler import RejectionNoise, draw_rejection_noise, rejection_sample_ref
+from shared.ops.race_noise import exponential_
 
 # chi-square critical values at p = 0.001, by degrees of freedom
 CHI2_CRIT_0001 = {4: 18.467, 5: 20.515, 25: 52.620, 30: 59.703}
@@ -129,7 +130,7 @@ def test_seeded_draw_consumes_a_fixed_amount() -> None:
     used, fresh = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
     draw_rejection_noise([4, 2], [None, used], [False, False], 10, "cpu")
     torch.empty(2).uniform_(generator=fresh)
-    torch.empty(10).exponential_(generator=fresh)
+    exponential_(torch.empty(10), fresh)
     assert torch.equal(torch.rand(5, generator=used), torch.rand(5, generator=fresh))
 
 
