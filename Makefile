@@ -86,13 +86,14 @@ demo: setup
 		--prompt "In two sentences, why split LLM serving into prefill and decode?"
 
 # Without PYTEST_ARGS the suite runs in four processes, so the models one group loads are freed before the
-# next: in one process it grew to 20 GB on a 24 GB machine. With PYTEST_ARGS, one run of exactly those.
+# next: in one process it grew to 20 GB on a 24 GB machine. Each names its ten slowest tests (the suite's
+# budget is 30 minutes on a 2-core machine). With PYTEST_ARGS, one run of exactly those.
 test: kernels container-deps  # tests/deploy builds and runs the image
 ifeq ($(strip $(PYTEST_ARGS)),)
-	$(BIN)/python -m pytest -q tests/unit tests/deploy
-	$(BIN)/python -m pytest -q tests/integration/engine
-	$(BIN)/python -m pytest -q tests/integration --ignore=tests/integration/engine
-	$(BIN)/python -m pytest -q tests/e2e
+	$(BIN)/python -m pytest -q --durations=10 tests/unit tests/deploy
+	$(BIN)/python -m pytest -q --durations=10 tests/integration/engine
+	$(BIN)/python -m pytest -q --durations=10 tests/integration --ignore=tests/integration/engine
+	$(BIN)/python -m pytest -q --durations=10 tests/e2e
 else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 endif
