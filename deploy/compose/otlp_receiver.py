@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 from concurrent import futures
 from types import FrameType
 
@@ -34,6 +35,11 @@ def _service_name(resource_spans: object) -> str:
 
 
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        # Exports arrive on several server threads at once; print() writes a line and its newline in two
+        # calls, so two spans could share a line (seen: "{...}{...}" in the compose test's log)
+        self._stdout = threading.Lock()
+
     def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,  # noqa: N802 (the proto's name)
                context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
         for resource_spans in request.resource_spans:
@@ -42,7 +48,9 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for span in scope_spans.spans:
                     line = {"service": service, "name": span.name, "trace_id": span.trace_id.hex(),
                             "span_id": span.span_id.hex(), "parent_span_id": span.parent_span_id.hex()}
-                    print(json.dumps(line), flush=True)
+                    with self._stdout:
+                        sys.stdout.write(json.dumps(line) + "\n")
+                        sys.stdout.flush()
         return trace_service_pb2.ExportTraceServiceResponse()
 
 

@@ -1,5 +1,6 @@
 """Weights served in a quantized block format: GGUF's Q4_0, Q4_1, Q5_0, Q8_0 as the file holds them, or int8
-per channel or 4-bit blocks (Q4_1's form) made from fp32 weights (GGUF's K-quant super-blocks: `shared/ops/kquant.py`).
+per channel or 4-bit blocks (Q4_1's form) made from fp32 weights (GGUF's K-quant super-blocks:
+`shared/ops/kquant.py`).
 
 Every format becomes u8 codes with a fp16 scale d and offset m per block of 32
 inputs of an output, w = d * c + m, without changing a code (`csrc/qgemv_layout.h`):

@@ -203,6 +203,12 @@ class Speculator:
         """Draft what the request's grammar forces next; True when it forced something."""
         if self.grammar_drafter is None or request.params.structured is None:
             return False
+        if request.params.seed is not None and not request.params.is_greedy:
+            # A seeded sampled request keeps the tokens its seed gives on every path: verification draws its
+            # noise once a chunk, the sampler once a token, and whether a step fast-forwards depends on the
+            # batch at that moment (grammar_max_batch), so on timing (a disaggregated decode sees its
+            # requests arrive apart). It decodes token by token.
+            return False
         forced = self.grammar_drafter.propose(request, min(self._room(request)))
         if not forced:
             return False

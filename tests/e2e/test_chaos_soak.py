@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_chaos_soak_loses_nothing_and_leaks_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
     state_dir = tmp_path_factory.mktemp("soak")
-    report = run_soak(SoakConfig(num_requests=200, concurrency=8, max_tokens=16), state_dir)
+    report = run_soak(SoakConfig(num_requests=200, concurrency=8, max_tokens=16, settle_s=2.0), state_dir)
     print(f"soak logs in {state_dir}: {report['num_completed']} completed, {report['num_cancelled']} cancelled, "
           f"{report['num_errors']} errors, faults {report['faults']}")
     victims = {f["victim"] for f in report["faults"]}

@@ -156,9 +156,10 @@ def test_a_killed_kv_transfer_fails_its_handoffs_cleanly_and_comes_back(tmp_path
 
 def test_killing_the_only_decode_gives_errors_not_hangs_then_the_supervisor_restarts_it(
         tmp_path: Path, redis_url: str) -> None:
-    # the restart waits 40 s: the streams' errors come after the router's migration wait for another decode
-    # (migration_wait_s, 15 s), and the stack must still be seen without a decode after them
-    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "1", "--decode", "1", "--restart-backoff", "40")
+    # the restart waits 15 s: the streams' errors come after the router's migration wait for another decode
+    # (3 s here, 15 by default), and the stack must still be seen without a decode after them
+    stack = start_stack(tmp_path, *MODEL_ARGS, "--redis-url", redis_url, "--api-key", "test-key", "--prefill", "1",
+                        "--decode", "1", "--restart-backoff", "15", env={"BATON_ROUTER_MIGRATION_WAIT_S": "3"})
     try:
         url = stack.base_url
 

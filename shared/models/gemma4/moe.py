@@ -25,7 +25,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from shared.models.gemma4.moe_cpu import EXPERT_QUANTIZATIONS, PackedExperts, packed_experts_available, quantized_experts_fit
+from shared.models.gemma4.moe_cpu import (
+    EXPERT_QUANTIZATIONS,
+    PackedExperts,
+    packed_experts_available,
+    quantized_experts_fit,
+)
 from shared.models.gemma4.spec import MoESpec
 
 

@@ -116,8 +116,8 @@ def expected_shapes(spec: Gemma4Spec) -> dict[str, tuple[int, ...]]:
 def load_weights(spec: Gemma4Spec, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  weight_format: WeightFormat, decodes: bool = True) -> Gemma4Weights:
     """Device-resident weights (shapes checked by the caller against `expected_shapes`); projections stored as
-    `weight_format` says (MoE experts in its dtype, or int8 or q4_1; GGUF's experts stay in `dtype`). `decodes`: projections
-    keep their small-batch copy."""
+    `weight_format` says (MoE experts in its dtype, or int8 or q4_1; GGUF's experts stay in `dtype`). `decodes`:
+    projections keep their small-batch copy."""
 
     def get(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         return take(weights, name).to(device=device, dtype=as_dtype).contiguous()
@@ -133,7 +133,8 @@ def load_weights(spec: Gemma4Spec, weights: Mapping[str, torch.Tensor], device: 
         return get(name, expert_dtype)
 
     embed = get("model.embed_tokens.weight")
-    layers = [_load_layer(spec, i, get, lin, get_experts, weight_format.quantization) for i in range(spec.num_layers)]
+    layers = [_load_layer(spec, i, get, lin, get_experts, weight_format.quantization)
+              for i in range(spec.num_layers)]
     ple = spec.per_layer_input_size > 0
     return Gemma4Weights(
         embed=embed,

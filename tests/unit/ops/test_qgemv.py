@@ -16,7 +16,14 @@ from gguf import GGMLQuantizationType, quants
 from shared.ops import cpu_isa
 from shared.ops.kquant import gguf_codes
 from shared.ops.linear import LinearWeight
-from shared.ops.quant import QuantCodes, concat_rows, from_gguf_blocks, int8_per_channel, q4_1_blocks, qgemv_ref
+from shared.ops.quant import (
+    QuantCodes,
+    concat_rows,
+    from_gguf_blocks,
+    int8_per_channel,
+    q4_1_blocks,
+    qgemv_ref,
+)
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "int8", "q4_1"]
 SHAPES = [(960, 576), (576, 1536), (70, 64), (5, 32)]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.ops.rejection_sampler import RejectionNoise, draw_rejection_noise, rejection_sample_ref
 from shared.ops.race_noise import exponential_
+from shared.ops.rejection_sampler import RejectionNoise, draw_rejection_noise, rejection_sample_ref
 
 # chi-square critical values at p = 0.001, by degrees of freedom
 CHI2_CRIT_0001 = {4: 18.467, 5: 20.515, 25: 52.620, 30: 59.703}
