@@ -143,7 +143,7 @@ def machine() -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     # a run of uncommitted code says so: the commit alone would name code it did not run
     changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "shared", "services",
-                              "bench"], capture_output=True, text=True).stdout.strip()
+                              "bench", ":(exclude)bench/README.md"], capture_output=True, text=True).stdout.strip()
     commit += "-dirty" if changed else ""
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "commit": commit}
