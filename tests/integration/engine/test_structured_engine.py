@@ -201,6 +201,20 @@ def test_fast_forward_waits_while_the_batch_is_over_its_limit(make: MakeEngine) 
     assert alone.speculator is not None and alone.speculator.stats.num_forced_drafts > 20
 
 
+def test_a_seeded_sampled_request_is_not_fast_forwarded(make: MakeEngine) -> None:
+    """A seeded request's tokens must not depend on whether a step fast-forwards (that depends on the batch
+    of the moment, so on timing across a handoff): it decodes token by token and gives the tokens of an
+    engine with fast-forward off. Unseeded sampled requests still fast-forward."""
+    batch = prompts()[:2]
+    seeded = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured=SPEC) for i in range(len(batch))]
+    expected = [r.token_ids for r in make(grammar_fast_forward=False).generate(batch, seeded)]
+    engine = make(grammar_fast_forward_max_batch=len(batch))
+    assert [r.token_ids for r in engine.generate(batch, seeded)] == expected
+    assert engine.speculator is not None and engine.speculator.stats.num_forced_drafts == 0
+    engine.generate(batch, [SamplingParams(max_tokens=120, temperature=1.0, structured=SPEC) for _ in batch])
+    assert engine.speculator.stats.num_forced_drafts > 0
+
+
 @pytest.mark.parametrize("choice", ["\x94", "é-x", "€€"])
 def test_fast_forward_inside_a_character_drafts_nothing_and_finishes(make: MakeEngine, choice: str) -> None:
     """The first token (sampled on prefill) can be the lead byte of a character: what the grammar
