@@ -22,11 +22,9 @@ import torch
 from shared.ops.kquant import KQuantCodes
 from shared.ops.linear import LinearWeight
 from shared.ops.quant import BLOCK as QUANT_BLOCK
-from shared.ops.quant import QuantCodes, int8_per_channel, q4_1_blocks
+from shared.ops.quant import QUANTIZE_AT_LOAD, QuantCodes, int8_per_channel
 
-QUANTIZATIONS = ("none", "int8", "q4_1", "gguf")
-# the formats made at load from the checkpoint's weights, by how they quantize an [N, K] weight
-_AT_LOAD = {"int8": int8_per_channel, "q4_1": q4_1_blocks}
+QUANTIZATIONS = ("none", *QUANTIZE_AT_LOAD, "gguf")
 
 
 @dataclass(frozen=True)
@@ -44,8 +42,8 @@ class WeightFormat:
         """The projection `name` (fp32 `weight` [out, in] as loaded) in this format."""
         if self.quantization == "gguf":
             return LinearWeight.quantized(self.gguf_codes[name])
-        if self.quantization in _AT_LOAD and weight.shape[1] % QUANT_BLOCK == 0:
-            quantize = int8_per_channel if name == "lm_head" else _AT_LOAD[self.quantization]
+        if self.quantization in QUANTIZE_AT_LOAD and weight.shape[1] % QUANT_BLOCK == 0:
+            quantize = int8_per_channel if name == "lm_head" else QUANTIZE_AT_LOAD[self.quantization]
             return LinearWeight.quantized(quantize(weight))
         # quantized rows are whole blocks of QUANT_BLOCK inputs: a narrower projection (Gemma 4's per-layer input
         # gate, a few dozen columns) stays in the dtype, as llama.cpp keeps its small tensors unquantized

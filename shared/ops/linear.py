@@ -79,6 +79,15 @@ def gemv_enabled() -> bool:
     return os.environ.get("BATON_CPU_GEMV", "1") != "0" and cpu_kernels_available()
 
 
+def pack_codes(codes: QuantCodes | KQuantCodes) -> torch.Tensor:
+    """Codes in the layout of the kernel that serves them: int8 per channel as W8A8 panels (int8), every block
+    format as qgemv's panels (uint8). The packs' dtypes are how the kernels' callers tell them apart
+    (LinearWeight, csrc/moe_cpu.cpp)."""
+    if isinstance(codes, QuantCodes) and codes.fmt == "int8":
+        return w8a8.pack(codes)
+    return codes.pack()
+
+
 class LinearWeight:
     """`y = x @ W.T` for a fixed weight W [out_features, in_features]."""
 
@@ -121,11 +130,8 @@ class LinearWeight:
         self = cls.__new__(cls)
         self.out_features, self.in_features = codes.codes.shape
         self.gemv, self.gemv_k_block = None, 0
-        if isinstance(codes, QuantCodes) and codes.fmt == "int8":
-            self.backend, self.weight = "w8a8", w8a8.pack(codes)
-            return self
-        self.backend = "qgemv"
-        self.weight = codes.pack()
+        self.weight = pack_codes(codes)
+        self.backend = "w8a8" if self.weight.dtype == torch.int8 else "qgemv"
         return self
 
     def _pack_gemv(self, weight: torch.Tensor) -> None:

@@ -118,6 +118,10 @@ def q4_1_blocks(weight: torch.Tensor) -> QuantCodes:  # weight [N, K] float
     return QuantCodes(q.to(torch.uint8).reshape(n, k), d, m, 4, "q4_1")
 
 
+# the formats made at load from a checkpoint's weights (`--quantization`): how each quantizes an [N, K] weight
+QUANTIZE_AT_LOAD = {"int8": int8_per_channel, "q4_1": q4_1_blocks}
+
+
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's int8 rows: (codes [M, K], scales [M, K / 32], sums [M, K / 32]) (see qgemv_cpu.cpp)."""
     m, k = x.shape

@@ -23,17 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from shared.ops import w8a8
 from shared.ops.cpu_kernels import cpu_kernels_available
-from shared.ops.quant import BLOCK, int8_per_channel, q4_1_blocks
+from shared.ops.linear import pack_codes
+from shared.ops.quant import BLOCK, QUANTIZE_AT_LOAD
 
 _DTYPES = (torch.float32, torch.bfloat16)
-# quantized expert formats: each weight [N, K] -> its pack for the op's kernels (csrc/moe_cpu.cpp's project)
-_QUANTIZED = {
-    "int8": lambda w: w8a8.pack(int8_per_channel(w)),  # W8A8 panels of int8 per channel
-    "q4_1": lambda w: q4_1_blocks(w).pack(),  # qgemv's 4-bit panels
-}
-EXPERT_QUANTIZATIONS = tuple(_QUANTIZED)
+# quantized expert formats: the projections' own (csrc/moe_cpu.cpp's project runs each pack's kernel)
+EXPERT_QUANTIZATIONS = tuple(QUANTIZE_AT_LOAD)
 
 
 def packed_experts_available(dtype: torch.dtype) -> bool:
@@ -45,18 +41,20 @@ def quantized_experts_fit(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     return gate_up.shape[2] % BLOCK == 0 and down.shape[2] % BLOCK == 0
 
 
+def _pack_one(weight: torch.Tensor, quantization: str) -> torch.Tensor:  # [N, K] -> its kernel's pack
+    if quantization in QUANTIZE_AT_LOAD:
+        return pack_codes(QUANTIZE_AT_LOAD[quantization](weight))
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.baton_cpu.gemv_bf16_pack(weight)  # type: ignore[no-any-return]
+    return torch.ops.baton_cpu.gemv_pack(weight)  # type: ignore[no-any-return]
+
+
 def _pack_each(weights: torch.Tensor, quantization: str) -> torch.Tensor:  # [E, N, K] -> [E, <pack of [N, K]>]
-    if quantization in _QUANTIZED:
-        pack = _QUANTIZED[quantization]
-    elif weights.dtype == torch.bfloat16:
-        pack = torch.ops.baton_cpu.gemv_bf16_pack
-    else:
-        pack = torch.ops.baton_cpu.gemv_pack
-    first = pack(weights[0].contiguous())
+    first = _pack_one(weights[0].contiguous(), quantization)
     packed = first.new_empty((weights.shape[0], *first.shape))  # filled in place: never two packed copies
     packed[0] = first
     for e in range(1, weights.shape[0]):
-        packed[e] = pack(weights[e].contiguous())
+        packed[e] = _pack_one(weights[e].contiguous(), quantization)
     return packed
 
 
@@ -74,7 +72,7 @@ class PackedExperts:
         if gate_up.dtype not in _DTYPES or down.dtype != gate_up.dtype:
             raise ValueError(f"packed experts take float32 or bfloat16 weights, got {gate_up.dtype}, {down.dtype}")
         quantized = quantization != "none"
-        if quantized and quantization not in _QUANTIZED:
+        if quantized and quantization not in QUANTIZE_AT_LOAD:
             raise ValueError(f"experts quantize to one of {EXPERT_QUANTIZATIONS}, not {quantization!r}")
         if quantized and not quantized_experts_fit(gate_up, down):
             raise ValueError(f"{quantization} experts need hidden and intermediate sizes in whole blocks of {BLOCK}, "

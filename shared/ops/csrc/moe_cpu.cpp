@@ -12,10 +12,9 @@
 // The weights are packed per expert by the GEMV kernels' own pack ops (gemv_pack for fp32, gemv_bf16_pack
 // for bf16, w8a8_pack for int8 per channel, qgemv_pack for 4-bit blocks; shared/models/gemma4/moe_cpu.py), so
 // a decode step streams each expert it hits once at DRAM speed, in half the bytes for bf16, about a quarter
-// for int8 and a sixth for 4-bit. torch's F.linear
-// (MKL) on these small row counts streamed one layer of gemma-4-26B-A4B's experts at ~10 GB/s here
-// (bench/engine.py's MoE config). Experts are split across the threads (each reads its own weights), and the
-// kernels' own panel loop runs inside each thread.
+// for int8 and a sixth for 4-bit. torch's F.linear (MKL) on these small row counts streamed one layer of
+// gemma-4-26B-A4B's experts at ~10 GB/s here (bench/engine.py's MoE config). Experts are split across the
+// threads (each reads its own weights), and the kernels' own panel loop runs inside each thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
