@@ -1,7 +1,8 @@
 """Servers under test, started and stopped by the benchmark, all on 127.0.0.1.
 
     system            what runs                                   cores
-    baton             `baton up` (router, prefill, kv_transfer, decode)  shared, 1 torch thread per engine
+    baton             `baton up` (router, prefill, kv_transfer, decode)  shared: each engine 1 torch thread,
+                                                                  every core while the other is idle
     baton-colocated   `baton up --mode colocated` (one engine)    shared, 2 torch threads
     baton-pinned-colo the colocated stack, engine `taskset -c 0,1`       2 torch threads
     baton-pinned-disagg prefill `taskset -c 0`, decode `taskset -c 1`  1 torch thread each

@@ -115,7 +115,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="disagg: a decode parks a preempted request's context in kv_transfer's pool and reads it "
                         "back when it resumes, instead of recomputing it")
     p.add_argument("--kv-transfer-capacity-bytes", type=int, default=2 << 30, help="handoff store size")
-    p.add_argument("--torch-threads", type=int, default=0, help="per engine process; 0 = cores / engines")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="per engine process, fixed; 0 = cores / engines, and all of them while the other "
+                        "engines have no work (--no-core-share: always cores / engines)")
+    p.add_argument("--core-share", action=argparse.BooleanOptionalAction, default=True,
+                   help="engines lend each other their cores while idle (shared/engine/core_share.py)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="weights (CPU: activations stay fp32); auto = the fastest whose fidelity bound holds")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
@@ -164,6 +168,16 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         raise ConfigError("--encoder runs beside prefill instances: it needs --mode disagg")
     engines = args.decode + (args.prefill + args.encoder if args.mode == "disagg" else 0)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // engines)
+    # engines started side by side take every core while the others are idle (one stream's prefill, then
+    # its decode, each on the whole machine) and their share under load; a fixed --torch-threads is kept
+    share = engines > 1 and not args.torch_threads and args.core_share
+    slots = iter(range(engines))
+
+    def core_share() -> dict[str, str]:
+        if not share:
+            return {}
+        return {"CORE_SHARE_FILE": str((args.state_dir / "core_share").resolve()), "CORE_SHARE_SLOT": str(next(slots))}
+
     # one random token per stack: its services answer only each other (shared/grpc_auth.py)
     token = secrets.token_urlsafe(24)
     auth = {"INTERNAL_TOKEN": token, **({"TLS_DIR": str(tls_dir(args))} if args.tls else {})}
@@ -190,7 +204,7 @@ def plan_stack(args: argparse.Namespace) -> Stack:
                                                           **auth,
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
-            add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, "INSTANCE_ID": f"prefill-{i}"})
+            add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, **core_share(), "INSTANCE_ID": f"prefill-{i}"})
         for i in range(args.encoder):
             add(f"encoder-{i}", "encoder", "ENCODER", {**engine_common, "INSTANCE_ID": f"encoder-{i}"})
     role = "decode" if args.mode == "disagg" else "colocated"
@@ -206,7 +220,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     if args.spec_tree is not None:
         spec["SPEC_TREE"] = args.spec_tree
     for i in range(args.decode):
-        add(f"decode-{i}", role, "DECODE", {**engine_common, **spec, "ROLE": role, "INSTANCE_ID": f"decode-{i}",
+        add(f"decode-{i}", role, "DECODE", {**engine_common, **core_share(), **spec, "ROLE": role,
+                                             "INSTANCE_ID": f"decode-{i}",
                                              "KV_SPILL": str(args.kv_spill).lower()})
     static = ",".join(f"{c.service}={c.address}" for c in stack.children)
     router_id = f"router-{uuid.uuid4().hex[:12]}"

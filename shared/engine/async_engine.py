@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.engine.choices import FirstToken
+from shared.engine.core_share import CoreShare
 from shared.engine.engine import LLMEngine
 from shared.engine.handoff import KVHandoff
 from shared.engine.request import RequestOutput, SamplingParams
@@ -68,8 +69,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, cores: CoreShare | None = None) -> None:
         self.engine = engine
+        self.cores = cores  # engines of one host lending each other their cores (shared/engine/core_share.py)
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -226,8 +228,13 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished())
+                idle = not self.engine.has_unfinished()
+                if idle and self.cores is not None:
+                    self.cores.set_busy(False)  # lends this engine's cores while it waits
+                self._drain_commands(block=idle)
                 if self.engine.has_unfinished():
+                    if self.cores is not None:
+                        self.cores.set_busy(True)  # on this thread: it runs the step's kernels
                     self._step()
                 self._publish_load()
         except BaseException:
@@ -240,6 +247,8 @@ class AsyncEngine:
             if self.engine.remote is not None:
                 self.engine.remote.close()  # transports are driven by this thread: closed here too
             self.engine.close()
+            if self.cores is not None:
+                self.cores.close()
 
     def _step(self) -> None:
         try:

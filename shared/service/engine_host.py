@@ -22,6 +22,7 @@ import grpc.aio
 import torch
 
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.core_share import CoreShare
 from shared.engine.engine import LLMEngine
 from shared.grpc_common import GrpcServer, make_server
 from shared.registry import connect_registry
@@ -96,7 +97,12 @@ async def start_engine_service(
     engine = await run_on_fresh_thread(LLMEngine, settings.engine_config(role))
     # handoffs move through kv_transfer's slots (the transport agents are made on first use)
     engine.enable_remote_kv(push_mode, settings.host, settings.kv_transfer_timeout_s)
-    aengine = AsyncEngine(engine)
+    cores = None
+    if settings.core_share_file is not None and engine.config.device == "cpu":
+        cores = CoreShare(settings.core_share_file, settings.core_share_slot, torch.get_num_threads())
+        logger.info("%s: %d torch threads while other engines of this host have work, %d while they have none",
+                    service, cores.share_threads, cores.max_threads)
+    aengine = AsyncEngine(engine, cores)
     aengine.start()
     server = make_server(settings.address, settings.max_message_bytes)
     add_servicer(aengine, server.server)

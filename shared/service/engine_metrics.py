@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -55,6 +56,7 @@ class EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.role], seconds)
             yield c
+        yield from self._thread_metrics()
         yield from self._spec_metrics()
         yield from self._kv_transfer_metrics()
         yield from self._offload_metrics()
@@ -146,6 +148,20 @@ class EngineCollector(Collector):
         for position, value in enumerate(list(stats.accepted_per_position)):
             per_pos.add_metric([self.role, str(position)], value)
         yield per_pos
+
+
+    def _thread_metrics(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        cores = self.aengine.cores  # engines of one host lending each other cores (shared/engine/core_share.py)
+        threads = GaugeMetricFamily("baton_engine_torch_threads", "Torch threads the engine's steps run with "
+                                    "now (with a core share: all cores while the host's other engines are "
+                                    "idle, its share while they have work)", labels=["role"])
+        threads.add_metric([self.role], cores.threads if cores is not None else torch.get_num_threads())
+        yield threads
+        if cores is not None:
+            changes = CounterMetricFamily("baton_engine_core_share_changes", "Times the core share changed "
+                                          "the engine's thread count", labels=["role"])
+            changes.add_metric([self.role], cores.num_changes)
+            yield changes
 
 
 def _buckets(bucket_counts: list[int]) -> list[tuple[str, int]]:

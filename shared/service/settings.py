@@ -59,6 +59,11 @@ class EngineServiceSettings(BaseSettings):
         default="none", description="vLLM's --quantization: int8 per channel, 4-bit blocks (Q4_1's form) made "
         "at load, or a GGUF model's own blocks")
     torch_threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = torch's default")
+    core_share_file: Path | None = Field(default=None, description="a file the engines of one host share: "
+                                         "each takes every core while the others have no work, and "
+                                         "torch_threads while they have (shared/engine/core_share.py); "
+                                         "unset = torch_threads always")
+    core_share_slot: int = Field(default=0, ge=0, description="this engine's slot in core_share_file")
     cache_dir: Path = DEFAULT_CACHE_DIR
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=4 << 20)
     aux_hidden_layers: tuple[int, ...] = Field(

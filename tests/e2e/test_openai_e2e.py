@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -194,3 +195,17 @@ def test_services_refuse_calls_without_the_stacks_token(disagg_stack: BatonStack
     assert asyncio.run(stranger()) == [grpc.StatusCode.UNAUTHENTICATED] * 2
     assert disagg_stack.metric("decode-0", "baton_grpc_unauthenticated_total") >= 1
     assert disagg_stack.metric("kv_transfer", "baton_grpc_unauthenticated_total") >= 1
+
+
+def test_engines_lend_each_other_their_cores_while_idle(disagg_stack: BatonStack) -> None:
+    """`baton up`'s engines share the host's cores (shared/engine/core_share.py): one request alone is
+    prefilled and decoded on every core, not on each engine's share (cores / 3 engines here)."""
+    cores = len(os.sched_getaffinity(0))
+    out = client(disagg_stack).completions.create(model=MODEL, prompt="The history of the printing press", max_tokens=24,
+                               temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 24
+    # the decode's last steps ran while no prefill had work; the prefill that took the prompt had no
+    # decode at work beside it (no other request is in flight in this module now)
+    assert disagg_stack.metric("decode-0", "baton_engine_torch_threads") == cores
+    assert max(disagg_stack.metric(p, "baton_engine_torch_threads") for p in ("prefill-0", "prefill-1")) == cores
+    assert disagg_stack.metric("decode-0", "baton_engine_core_share_changes_total") >= (1 if cores > 1 else 0)

@@ -75,3 +75,26 @@ def test_every_service_gets_the_stacks_one_internal_token() -> None:
     tokens = [v for c in stack.children for k, v in c.env.items() if k.endswith("_INTERNAL_TOKEN")]
     assert len(tokens) == len(stack.children) == 5 and len(set(tokens)) == 1 and len(tokens[0]) >= 24
     assert tokens[0] not in {v for c in plan().children for v in c.env.values()}  # one per stack
+
+
+def _core_share(child) -> tuple[str, str] | None:  # type: ignore[no-untyped-def]
+    prefix = {"prefill": "BATON_PREFILL_", "decode": "BATON_DECODE_"}[child.service]
+    if f"{prefix}CORE_SHARE_FILE" not in child.env:
+        return None
+    return child.env[f"{prefix}CORE_SHARE_FILE"], child.env[f"{prefix}CORE_SHARE_SLOT"]
+
+
+def test_engines_side_by_side_share_cores_through_one_file_with_a_slot_each() -> None:
+    stack = plan("--prefill", "2", "--decode", "2")
+    shares = [_core_share(c) for c in stack.children if c.service in ("prefill", "decode")]
+    assert all(s is not None for s in shares)
+    assert len({f for f, _ in shares}) == 1  # type: ignore[misc]
+    assert sorted(int(slot) for _, slot in shares) == [0, 1, 2, 3]  # type: ignore[misc]
+
+
+def test_a_fixed_thread_count_one_engine_or_no_core_share_shares_nothing() -> None:
+    for argv in (("--torch-threads", "1"), ("--no-core-share",)):
+        stack = plan(*argv)
+        assert all(_core_share(c) is None for c in stack.children if c.service in ("prefill", "decode"))
+    (colocated,) = [c for c in plan("--mode", "colocated").children if c.service == "colocated"]
+    assert not any("CORE_SHARE" in k for k in colocated.env)

@@ -1,0 +1,105 @@
+"""CoreShare: engines of one host take every core while the others are idle and their share while not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.engine.core_share import SLOTS, CoreShare
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> object:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_an_engine_alone_takes_every_core_and_shrinks_while_another_has_work(tmp_path: Path) -> None:
+    path = tmp_path / "core_share"
+    prefill = CoreShare(path, 0, share_threads=1, max_threads=2)  # `baton up`'s two engines on two cores
+    decode = CoreShare(path, 1, share_threads=1, max_threads=2)
+    decode.set_busy(True)
+    assert decode.threads == 2 and torch.get_num_threads() == 2  # prefill idle: both
+    prefill.set_busy(True)
+    assert prefill.threads == 1  # decode busy: its share
+    decode.set_busy(True)
+    assert decode.threads == 1  # the next step sees prefill
+    prefill.set_busy(False)
+    decode.set_busy(True)
+    assert decode.threads == 2 and decode.num_changes == 3  # 1 -> 2 -> 1 -> 2
+    prefill.close()
+    decode.close()
+
+
+def test_shares_split_the_cores_among_busy_engines_never_below_the_share(tmp_path: Path) -> None:
+    path = tmp_path / "core_share"
+    engines = [CoreShare(path, i, share_threads=2, max_threads=8) for i in range(4)]
+    for e in engines[:2]:
+        e.set_busy(True)
+    engines[0].set_busy(True)
+    assert engines[0].threads == 4  # two busy: half each
+    for e in engines[2:]:
+        e.set_busy(True)
+    engines[0].set_busy(True)
+    assert engines[0].threads == 2  # four busy on 8 cores: 2 each, which is also the share
+    for e in engines:
+        e.close()
+
+
+def test_a_dead_engines_slot_counts_as_idle(tmp_path: Path) -> None:
+    path = tmp_path / "core_share"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    me = CoreShare(path, 0, share_threads=1, max_threads=2)
+    other = CoreShare(path, 1, share_threads=1, max_threads=2)
+    other._slots[1] = int(dead.stdout)  # an engine killed in the middle of its work
+    me.set_busy(True)
+    assert me.others_busy() == 0 and me.threads == 2
+    me.close()
+    other.close()
+
+
+def test_the_count_is_set_on_the_thread_that_steps(tmp_path: Path) -> None:
+    """torch's OpenMP build keeps the count per thread: the engine thread's steps see the share's value."""
+    path = tmp_path / "core_share"
+    seen: list[int] = []
+
+    def engine_thread() -> None:
+        share = CoreShare(path, 0, share_threads=1, max_threads=3)
+        share.set_busy(True)
+        seen.append(torch.get_num_threads())
+        share.close()
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert seen == [3]
+
+
+def test_a_restarted_engine_clears_its_slot_and_close_leaves_it_idle(tmp_path: Path) -> None:
+    path = tmp_path / "core_share"
+    first = CoreShare(path, 3, share_threads=1, max_threads=2)
+    first.set_busy(True)
+    watcher = CoreShare(path, 0, share_threads=1, max_threads=2)
+    assert watcher.others_busy() == 1
+    again = CoreShare(path, 3, share_threads=1, max_threads=2)  # the same slot, restarted
+    assert watcher.others_busy() == 0
+    again.set_busy(True)
+    again.close()
+    assert watcher.others_busy() == 0
+    first.close()
+    watcher.close()
+    assert path.stat().st_size == SLOTS * 8
+
+
+def test_bad_slots_and_shares_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="slot"):
+        CoreShare(tmp_path / "f", SLOTS, share_threads=1)
+    with pytest.raises(ValueError, match="share_threads"):
+        CoreShare(tmp_path / "f", 0, share_threads=0)
