@@ -40,6 +40,7 @@ from bench.results_file import write_results
 from bench.serve import vocab_ids
 from bench.serve_load import RequestSpec, random_token_set, run_load, warm_up
 from bench.serve_machine import machine_info
+from bench.serve_report import write_block
 from bench.serve_systems import BATON_ENV, MODEL_NAME, PRECISION_FLAGS, Server, ServerConfig, export_hf
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = round(time.monotonic() - started, 1)
     path = write_results(result, args.out, "serve_overhead", record_name=True)
     logger.info("wrote %s", path)
+    if not args.quick and args.out == RESULTS:
+        write_block(Path(__file__).parent / "README.md", "serve:overhead", readme_table(RESULTS))
     print(json.dumps({"bench": "serve_overhead", "file": path.name, "commit": result["machine"]["commit"],
                       "precision": args.precision,
                       **{name: {"served_over_engine": round(st["served_over_engine"], 3),
@@ -157,6 +160,34 @@ def main(argv: list[str] | None = None) -> int:
                                           for row in st["rounds"]]}
                          for name, st in result["stacks"].items()}}))
     return 0
+
+
+def readme_table(results: Path) -> str:
+    """Markdown: the latest full run of each precision, one row per stack (bench/README.md's serve:overhead)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for path in sorted(results.glob("serve_overhead-*.json")):
+        run = json.loads(path.read_text())
+        if "stacks" in run and not run["quick"]:  # the first design kept no per-stack rounds
+            latest[run["precision"]] = run
+    lines = ["One stream (256 in / 128 out, greedy), served against the same engine in-process, request by "
+             "request in turn; tok/s are medians over rounds, the ratio the median of per-round ratios:", "",
+             "| precision | stack | run | engine tok/s | served tok/s | served / engine (rounds) | TTFT engine / "
+             "served (ms) | TPOT engine / served (ms) |", "|---|---|---|---|---|---|---|---|"]
+    for precision, run in sorted(latest.items()):
+        for name, stack in run["stacks"].items():
+            rows = stack["rounds"]
+
+            def med(system: str, key: str, rows: list[dict[str, Any]] = rows) -> float:
+                return statistics.median(row[system][key] for row in rows)
+
+            ratios = " ".join(f"{r['served_over_engine']:.2f}" for r in rows)
+            lines.append(
+                f"| {precision} | {name} | `{run['file']}` (`{run['machine']['commit']}`) | "
+                f"{med('engine', 'output_tok_s'):.1f} | {med('served', 'output_tok_s'):.1f} | "
+                f"**{stack['served_over_engine']:.2f}** ({ratios}) | "
+                f"{med('engine', 'p50_ttft_ms'):.0f} / {med('served', 'p50_ttft_ms'):.0f} | "
+                f"{med('engine', 'p50_tpot_ms'):.1f} / {med('served', 'p50_tpot_ms'):.1f} |")
+    return "\n".join(lines)
 
 
 def _greedy(n: int) -> SamplingParams:

@@ -4,15 +4,19 @@
 of the cores (cores / engines torch threads). Under load that is right: prefill and decode both compute and
 each keeps its own cores. Under light load it leaves half the machine idle: one stream's decode steps run on
 one thread while prefill waits for its next prompt, and that prompt is prefilled on one thread while decode
-has nothing to do (measured on 2 cores, SmolLM2 fp32, 256 in / 128 out: 34.5 tok/s at one stream on fixed
-shares against 44.8 when each engine took both cores; but at 32 in flight both cores each cost decode 2x in
-TPOT, oversubscribed, `bench/serve_overhead.py`).
+has nothing to do. Giving every engine every core instead oversubscribes them under load (2 cores, SmolLM2
+fp32, 32 streams: decode TPOT p50 123 ms against 64 on fixed shares, measured by hand on 2026-11-26).
 
 So each engine marks, in a small file shared by the stack's engines, whether it has work, and before each
 step takes every core when no other engine has work and its share otherwise. Each slot of the file holds the
 pid of a busy engine or 0; a slot whose pid is no longer alive counts as idle, so a killed engine does not
 hold its share forever. A step started just before another engine became busy runs at most one step
 oversubscribed: the next step sees the other and shrinks.
+
+Measured (SmolLM2 fp32, 256 in / 128 out, 2 cores): one stream served disaggregated went from 0.82 to 0.95
+of the in-process engine's tok/s (`bench/results/serve_overhead-20261126-163949.json`), and the stack gave
+42.2 / 140.6 / 133.7 tok/s at 1 / 8 / 32 streams (`serve-20261126-164818.json`) against 32.2 / 93.8 / 125.8
+on fixed shares (`serve-20261126-042252.json`).
 
 The thread count is set on the thread that runs the steps: torch's OpenMP build keeps the count per thread
 (omp_set_num_threads sets the calling thread's value), and every kernel of ours asks `at::get_num_threads()`

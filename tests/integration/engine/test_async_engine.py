@@ -120,3 +120,32 @@ def test_engine_errors_reach_the_caller() -> None:
     finally:
         aengine.stop()
     engine.check_no_leaks()
+
+
+def test_the_engine_thread_steps_on_every_core_alone_and_on_its_share_beside_a_busy_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real engine with a core share (shared/engine/core_share.py): the same tokens either way, the step
+    thread's count follows the other slot, and the engine's slot is idle again once its work is done."""
+    from shared.engine.core_share import CoreShare
+
+    loaded, _ = tiny_loaded("llama")
+    expected = [r.token_ids for r in tiny_engine(loaded).generate([[5, 9, 17, 33]], greedy(8))]
+    neighbour = CoreShare(tmp_path / "core_share", 1, share_threads=1, max_threads=2)  # another engine's slot
+    engine = tiny_engine(loaded)
+    cores = CoreShare(tmp_path / "core_share", 0, share_threads=1, max_threads=2)
+    aengine = AsyncEngine(engine, cores)
+    aengine.start()
+    try:
+        assert asyncio.run(collect(aengine, "alone", [5, 9, 17, 33], 8)) == expected[0]
+        assert cores.threads == 2  # nobody else had work
+        neighbour.set_busy(True)
+        assert asyncio.run(collect(aengine, "beside", [5, 9, 17, 33], 8)) == expected[0]
+        assert cores.threads == 1  # its share while the neighbour works
+        for _ in range(250):
+            if neighbour.others_busy() == 0:
+                break
+            time.sleep(0.02)
+        assert neighbour.others_busy() == 0  # idle engines lend their cores
+    finally:
+        aengine.stop()
+        neighbour.close()
+    engine.check_no_leaks()
