@@ -3,6 +3,7 @@
     system            what runs                                   cores
     baton             `baton up` (router, prefill, kv_transfer, decode)  shared: each engine 1 torch thread,
                                                                   every core while the other is idle
+    baton-fixed-shares  `baton up --no-core-share`                 shared, 1 torch thread per engine always
     baton-colocated   `baton up --mode colocated` (one engine)    shared, 2 torch threads
     baton-pinned-colo the colocated stack, engine `taskset -c 0,1`       2 torch threads
     baton-pinned-disagg prefill `taskset -c 0`, decode `taskset -c 1`  1 torch thread each
@@ -37,7 +38,7 @@ from shared.models.loader import ALIASES
 
 HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m"
-SYSTEMS = ("baton", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "vllm-allcores",
+SYSTEMS = ("baton", "baton-fixed-shares", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "vllm-allcores",
            "llamacpp")
 # a baton system may name its precision after an @ (baton-colocated@int8): the `baton up` flags it adds
 # (int8-bf16-kv: int8 projections beside a bf16 KV cache, which halves what decode attention reads)
@@ -113,7 +114,8 @@ class Server:
             elif base.startswith("baton-pinned"):
                 self._start_pinned(log_dir, disagg=base.endswith("disagg"))
             else:
-                self._start_baton_up(log_dir, colocated=base == "baton-colocated")
+                self._start_baton_up(log_dir, colocated=base == "baton-colocated",
+                                     fixed_shares=base == "baton-fixed-shares")
             self._wait_healthy(log_dir)
         except BaseException:
             self.stop()
@@ -135,12 +137,14 @@ class Server:
             self.procs.append(subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
                                                stderr=subprocess.STDOUT, start_new_session=True))
 
-    def _start_baton_up(self, log_dir: Path, colocated: bool) -> None:
+    def _start_baton_up(self, log_dir: Path, colocated: bool, fixed_shares: bool = False) -> None:
         argv = [sys.executable, "-m", "shared.cli.main", "up", "--model", MODEL_NAME,
                 "--port", str(self.config.port), "--max-model-len", str(self.config.max_model_len),
                 "--state-dir", str(log_dir / "state"), *self.precision_flags]
         if colocated:
             argv += ["--mode", "colocated"]
+        if fixed_shares:  # each engine on cores / engines threads even while the other is idle
+            argv += ["--no-core-share"]
         self._spawn([*argv, *self.up_args], {**BATON_ENV, **self.env}, log_dir / "up.log")
 
     def _start_pinned(self, log_dir: Path, disagg: bool) -> None:

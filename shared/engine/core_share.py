@@ -14,9 +14,9 @@ hold its share forever. A step started just before another engine became busy ru
 oversubscribed: the next step sees the other and shrinks.
 
 Measured (SmolLM2 fp32, 256 in / 128 out, 2 cores): one stream served disaggregated went from 0.82 to 0.95
-of the in-process engine's tok/s (`bench/results/serve_overhead-20261126-163949.json`), and the stack gave
-42.2 / 140.6 / 133.7 tok/s at 1 / 8 / 32 streams (`serve-20261126-164818.json`) against 32.2 / 93.8 / 125.8
-on fixed shares (`serve-20261126-042252.json`).
+of the in-process engine's tok/s (`bench/results/serve_overhead-20261126-163949.json`), and in one run the
+stack gave 44.7 / 146.9 / 153.1 tok/s at 1 / 8 / 32 streams against 30.1 / 95.4 / 126.9 on fixed shares
+(1.49x / 1.54x / 1.21x, p99 TPOT 21.5 / 31.6 / 53.0 ms against 30.7 / 45.2 / 82.5; `serve-20261126-165143.json`).
 
 The thread count is set on the thread that runs the steps: torch's OpenMP build keeps the count per thread
 (omp_set_num_threads sets the calling thread's value), and every kernel of ours asks `at::get_num_threads()`
