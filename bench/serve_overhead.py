@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -73,13 +74,34 @@ def time_engine(engine: LLMEngine, spec: RequestSpec, threads: int) -> list[floa
     return [ttft * 1e3, (total - ttft) / (new - 1) * 1e3, new, total]
 
 
-def time_served(server: Server, spec: RequestSpec, timeout_s: float) -> list[float]:
-    """One request through the stack's HTTP API: [ttft_ms, tpot_ms, tokens, seconds] (client included)."""
+def time_served(server: Server, spec: RequestSpec, timeout_s: float, cpu: dict[str, float]) -> list[float]:
+    """One request through the stack's HTTP API: [ttft_ms, tpot_ms, tokens, seconds] (client included).
+
+    Adds the CPU seconds each of the stack's services and this client spent on it to `cpu`: what the
+    served request costs besides the model, on the same cores the model computes on.
+    """
+    before = _cpu_seconds(server)
     (record,), duration_s = asyncio.run(run_load(server.base_url, MODEL_NAME, [spec], concurrency=1,
                                                  timeout_s=timeout_s))
+    for name, seconds in _cpu_seconds(server).items():
+        cpu[name] = cpu.get(name, 0.0) + seconds - before.get(name, seconds)
     if not record.ok:
         raise RuntimeError(f"{server.system}: request failed: {record.error}")
     return [record.ttft_s * 1e3, record.tpot_s * 1e3, record.output_tokens, duration_s]
+
+
+def _cpu_seconds(server: Server) -> dict[str, float]:
+    """User + system CPU seconds of each service of the stack (its stack.json) and of this process."""
+    out = {"client": sum(os.times()[:2])}
+    stack = server.log_dir / "state" / "stack.json"
+    tick = os.sysconf("SC_CLK_TCK")
+    for service in json.loads(stack.read_text())["services"] if stack.exists() else []:
+        try:
+            fields = Path(f"/proc/{service['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, KeyError):
+            continue
+        out[service["name"]] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 def summarize(runs: list[list[float]]) -> dict[str, Any]:
@@ -134,17 +156,20 @@ def main(argv: list[str] | None = None) -> int:
                 # is emptied before each request)
                 specs = random_token_set(requests, *shape, ids, seed=100 * s_index + r)
                 runs: dict[str, list[list[float]]] = {"engine": [], "engine_1_thread": [], "served": []}
+                cpu: dict[str, float] = {}
                 for i, spec in enumerate(specs):
                     logger.info("%s: round %d/%d, prompt %d/%d", name, r + 1, rounds, i + 1, requests)
                     runs["engine"].append(time_engine(engine, spec, cores))
                     runs["engine_1_thread"].append(time_engine(engine, spec, 1))
                     torch.set_num_threads(cores)
-                    runs["served"].append(time_served(server, spec, timeout_s=240.0))
+                    runs["served"].append(time_served(server, spec, timeout_s=240.0, cpu=cpu))
                 row = {k: summarize(rs) for k, rs in runs.items()}
+                tokens = sum(r[2] for r in runs["served"])
+                row["cpu_ms_per_token"] = {k: round(v / tokens * 1e3, 3) for k, v in sorted(cpu.items())}
                 row["served_over_engine"] = row["served"]["output_tok_s"] / row["engine"]["output_tok_s"]
-                logger.info("%s, round %d: %s; served / engine %.2f", name, r + 1, ", ".join(
+                logger.info("%s, round %d: %s; served / engine %.2f; CPU ms a token %s", name, r + 1, ", ".join(
                     f"{k} {p['output_tok_s']:.1f} tok/s (TTFT {p['p50_ttft_ms']:.0f} ms, TPOT {p['p50_tpot_ms']:.1f})"
-                    for k, p in row.items() if isinstance(p, dict)), row["served_over_engine"])
+                    for k, p in row.items() if k in runs), row["served_over_engine"], row["cpu_ms_per_token"])
                 rows.append(row)
         result["stacks"][name] = {"system": server.system, "up_args": list(server.up_args), "rounds": rows,
                                   "served_over_engine": statistics.median(row["served_over_engine"] for row in rows)}
@@ -172,7 +197,8 @@ def readme_table(results: Path) -> str:
     lines = ["One stream (256 in / 128 out, greedy), served against the same engine in-process, request by "
              "request in turn; tok/s are medians over rounds, the ratio the median of per-round ratios:", "",
              "| precision | stack | run | engine tok/s | served tok/s | served / engine (rounds) | TTFT engine / "
-             "served (ms) | TPOT engine / served (ms) |", "|---|---|---|---|---|---|---|---|"]
+             "served (ms) | TPOT engine / served (ms) | CPU a token: router / client (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for precision, run in sorted(latest.items()):
         for name, stack in run["stacks"].items():
             rows = stack["rounds"]
@@ -181,12 +207,15 @@ def readme_table(results: Path) -> str:
                 return statistics.median(row[system][key] for row in rows)
 
             ratios = " ".join(f"{r['served_over_engine']:.2f}" for r in rows)
+            cpu = [statistics.median(r.get("cpu_ms_per_token", {}).get(k, float("nan")) for r in rows)
+                   for k in ("router", "client")]
             lines.append(
                 f"| {precision} | {name} | `{run['file']}` (`{run['machine']['commit']}`) | "
                 f"{med('engine', 'output_tok_s'):.1f} | {med('served', 'output_tok_s'):.1f} | "
                 f"**{stack['served_over_engine']:.2f}** ({ratios}) | "
                 f"{med('engine', 'p50_ttft_ms'):.0f} / {med('served', 'p50_ttft_ms'):.0f} | "
-                f"{med('engine', 'p50_tpot_ms'):.1f} / {med('served', 'p50_tpot_ms'):.1f} |")
+                f"{med('engine', 'p50_tpot_ms'):.1f} / {med('served', 'p50_tpot_ms'):.1f} | "
+                f"{cpu[0]:.2f} / {cpu[1]:.2f} |")
     return "\n".join(lines)
 
 
