@@ -5,7 +5,8 @@
         `baton up` of that shape ─► warm up ─► for rate in rates:
             one fixed-seed trace (the chat workload, lengths capped for 2 cores) sent at its own arrival
             times as exact-length completions ─► measured TTFT / TPOT p50, p99, attainment, goodput
-            the same trace through the simulator (this host's cores shared, the router's kv policy) ─► predicted
+            the same trace through the simulator (this host's cores shared and lent between engines as
+            `baton up` does, the router's kv policy) ─► predicted; and with fixed shares, for comparison
     ─► JSON in bench/results/plan_validate-*.json, a table (and a plot with matplotlib) for bench/README.md
 
 The error of each figure is (predicted − measured) / measured. `--calibrate` adds a second prediction
@@ -130,9 +131,13 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
             measured = measured_summary(records, span, slo)
             options = SimOptions(cores=os.cpu_count())
             predicted = sim_summarize(simulate(profile, shape, trace, options), SimSLO(slo.ttft_s, slo.tpot_s))
+            # the simulator as it was before it modelled `baton up`'s lent cores: the same run's baseline
+            fixed = sim_summarize(simulate(profile, shape, trace, SimOptions(cores=os.cpu_count(), core_share=False)),
+                                  SimSLO(slo.ttft_s, slo.tpot_s))
             point = {"shape": name, "rate": rate, "num_failed": measured["num_failed"],
                      "measured_attainment": measured.get("slo_attainment"),
                      "predicted_attainment": predicted["slo_attainment"], "figures": compare(predicted, measured),
+                     "figures_fixed_shares": compare(fixed, measured),
                      "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok)}
             logger.info("%s at %.3g req/s: %s", name, rate, {k: v["error"] for k, v in point["figures"].items()})
             points.append(point)
@@ -183,6 +188,11 @@ def readme_table(result: dict[str, Any]) -> str:
         lines.append(f"| {p['shape']} | {p['rate']} | " + " | ".join(cells) + " |")
     within = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p["figures"].values() if f["error"] is not None]
     lines += ["", f"Points within 15%: {sum(within)} of {len(within)}."]
+    fixed = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p.get("figures_fixed_shares", {}).values()
+             if f["error"] is not None]
+    if fixed:
+        lines.append(f"The same measurements against the simulator with each engine on a fixed share of the cores "
+                     f"(no lent cores, `SimOptions(core_share=False)`): {sum(fixed)} of {len(fixed)} within 15%.")
     held_out = [abs(f["error"]) <= 0.15 for p in result.get("calibrated", []) if not p["fitted"]
                 for f in p["figures"].values() if f["error"] is not None]
     if held_out:

@@ -14,6 +14,10 @@ CPU contention (`Host`): engines sharing `cores` cores share them as the OS woul
 while the engines with work (queued or running) have more threads between them than there are cores,
 every step in progress runs at cores / those threads of its full speed, re-rated whenever an engine
 starts or runs out of work. A fleet of separate machines has no host and no contention.
+
+Lent cores (`baton up`'s core share, shared/engine/core_share.py): with `curves_at` given, each step runs
+on max(its share, cores // the host's engines with work) threads, timed by the profile's curves at that
+count, as the engine picks its thread count before each step.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Host:
     def __init__(self, cores: int | None) -> None:
         self.cores = cores
         self.active_threads = 0  # of the engines that have work
+        self.busy_engines = 0  # engines that have work
         self.stepping: set[simpy.Process] = set()  # engines in the middle of a step
 
     def speed(self) -> float:
@@ -98,9 +103,11 @@ class SimEngine:
     """An engine's step loop as a SimPy process (see the module docstring)."""
 
     def __init__(self, env: simpy.Environment, name: str, role: str, curves: EngineCurves, threads: int,
-                 host: Host, limits: tuple[int, int]) -> None:
+                 host: Host, limits: tuple[int, int],
+                 curves_at: Callable[[int], EngineCurves] | None = None) -> None:
         self.env, self.name, self.role, self.curves = env, name, role, curves
         self.threads, self.host = threads, host
+        self.curves_at = curves_at  # lent cores: the curves at each thread count (None: `threads` always)
         self.max_num_seqs, self.max_num_batched_tokens = limits
         self.waiting: deque[SimRequest] = deque()  # prompts still to compute
         self.running: list[SimRequest] = []  # decoding
@@ -109,7 +116,8 @@ class SimEngine:
         self.prefix_groups: dict[str, int] = {}  # group -> leading tokens this engine's prefix cache holds
         self._wake = env.event()
         self.busy_s = 0.0
-        host.active_threads += threads  # until the loop first finds nothing to do
+        self.held = 0  # threads this engine counts on the host now (0: no work)
+        self._hold(threads)  # until the loop first finds nothing to do
         self.process = env.process(self._loop())
 
     @property
@@ -147,20 +155,37 @@ class SimEngine:
             budget -= take
         return batch, chunks
 
+    def _hold(self, threads: int) -> None:
+        """Count `threads` of this engine on the host (0: it has no work)."""
+        if threads == self.held:
+            return
+        self.host.busy_engines += (threads > 0) - (self.held > 0)
+        held, self.held = self.held, threads
+        self.host.change(threads - held)
+
+    def _step_threads(self) -> int:
+        if self.curves_at is None or self.host.cores is None:
+            return self.threads
+        others = self.host.busy_engines - (self.held > 0)
+        return max(self.threads, self.host.cores // (1 + others))
+
     def _loop(self) -> Generator[Any, Any, None]:
         while True:
             if not self.waiting and not self.running:
-                self.host.change(-self.threads)
+                self._hold(0)
                 self._wake = self.env.event()
                 yield self._wake
-                self.host.change(self.threads)
+                self._hold(self.threads)
                 continue
+            threads = self._step_threads()
+            self._hold(threads)
+            curves = self.curves if self.curves_at is None else self.curves_at(threads)
             batch, chunks = self._plan()
             num_prefill = sum(n for _, n in chunks)
             context = sum(r.context_tokens for r in batch)
             started = self.env.now
             yield from self.host.run_step(self.env, self.process,
-                                          self.curves.mixed_step_s(num_prefill, len(batch), context))
+                                          curves.mixed_step_s(num_prefill, len(batch), context))
             self.busy_s += self.env.now - started
             self._finish_step(batch, chunks)
 

@@ -62,6 +62,9 @@ class SimOptions:
     policy: str = "kv"
     cores: int | None = None  # one host of this many cores shared by every engine; None: separate machines
     threads_per_engine: int | None = None  # None: cores // engines (as `baton up`), else the profile's largest
+    # on one host (cores set, threads_per_engine None): engines take every core while the others have no work,
+    # as `baton up` runs them (shared/engine/core_share.py); False: cores // engines always (--no-core-share)
+    core_share: bool = True
     local_prefill_max_tokens: int = 0  # the router's setting (-1: the cost model's break-even)
     router_overhead_s: float = 0.0  # added to every request's first token (HTTP, tokenization, gRPC)
     # None: the router's own CostModel() (what services/router scores with today). Profile.cost_model's measured
@@ -81,13 +84,17 @@ class Fleet:
         threads = options.threads_per_engine or (
             max(1, options.cores // shape.num_engines) if options.cores else max(profile.engines))
         curves = profile.curves(threads)
+        lend = options.core_share and options.cores is not None and options.threads_per_engine is None \
+            and shape.num_engines > 1
+        curves_at = profile.curves if lend else None
         self.cost_model = options.cost_model or CostModel()
         limits = (profile.max_num_seqs, profile.max_num_batched_tokens)
         role = "colocated" if shape.colocated else "decode"
-        self.decodes = [SimEngine(env, f"decode-{i}", role, curves, threads, host, limits)
+        self.decodes = [SimEngine(env, f"decode-{i}", role, curves, threads, host, limits, curves_at)
                         for i in range(shape.num_decode)]
         self.prefills = [] if shape.colocated else [
-            SimEngine(env, f"prefill-{i}", "prefill", curves, threads, host, limits) for i in range(shape.num_prefill)]
+            SimEngine(env, f"prefill-{i}", "prefill", curves, threads, host, limits, curves_at)
+            for i in range(shape.num_prefill)]
         for engine in self.decodes:
             engine.on_prefilled = self._first_token_on(engine)
         for engine in self.prefills:

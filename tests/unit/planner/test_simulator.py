@@ -115,3 +115,23 @@ def test_local_prefill_skips_the_handoff_for_short_prompts() -> None:
 
     fleet = Fleet(simpy.Environment(), profile, Shape(1, 1), SimOptions(local_prefill_max_tokens=-1))
     assert fleet._local_threshold() == CostModel().break_even_tokens(16)  # the router's own coefficients
+
+
+def test_lent_cores_run_an_engine_alone_on_every_core_and_busy_ones_on_their_share() -> None:
+    """`baton up`'s core share (shared/engine/core_share.py): on a 2-core host a prefill and a decode take
+    both cores while the other has no work, and one each while both have."""
+    from shared.planner.profile import EngineCurves
+
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.02, 0.0, 0.0))
+    profile.engines[2] = EngineCurves(prefill_fit=[0.0, 0.0005, 0.0], decode_fit=[0.01, 0.0, 0.0])  # 2x faster
+    one = [TraceRequest(0.0, 100, 3)]
+    [lent] = simulate(profile, Shape(1, 1), one, SimOptions(cores=2))
+    [fixed] = simulate(profile, Shape(1, 1), one, SimOptions(cores=2, core_share=False))
+    assert ttft_s(lent) == pytest.approx(0.05) and tpot_s(lent) == pytest.approx(0.01)  # both cores each phase
+    assert ttft_s(fixed) == pytest.approx(0.1) and tpot_s(fixed) == pytest.approx(0.02)  # one core each
+    # a second prompt arrives while the first decodes: both engines busy, one core each, no contention
+    a, b = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 100, 20), TraceRequest(0.06, 100, 1)],
+                    SimOptions(cores=2))
+    assert ttft_s(b) == pytest.approx(0.1)  # prefilled on its share while the decode works
+    assert a.token_times_s[2] - a.token_times_s[1] == pytest.approx(0.02)  # decode on one core meanwhile
+    assert a.token_times_s[-1] - a.token_times_s[-2] == pytest.approx(0.01)  # both cores again at the end
