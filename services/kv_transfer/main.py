@@ -113,7 +113,7 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
     server = make_server(settings.address, settings.max_message_bytes)
     encoder_cache = EncoderOutputCache(settings.encoder_cache_bytes)
     servicer = KVTransferServicer(store, metrics, address, settings.capacity_bytes, settings.max_claim_wait_s,
-                                  encoder_cache)
+                                  encoder_cache, transport.expect_traffic)
     kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, server.server)
     try:
         await server.start(SERVICE_NAME)

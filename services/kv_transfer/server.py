@@ -19,7 +19,7 @@ RESOURCE_EXHAUSTED, unknown handoff -> NOT_FOUND, bad request -> INVALID_ARGUMEN
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import grpc.aio
@@ -94,9 +94,13 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     def __init__(
         self, store: HandoffStore, metrics: KVTransferMetrics, address: AgentAddress, capacity_bytes: int,
         max_claim_wait_s: float, encoder_cache: EncoderOutputCache | None = None,
+        expect_traffic: Callable[[], None] = lambda: None,
     ) -> None:
-        """`address`: the slab's agent; its slot size is 0 until the first Reserve cuts the slab."""
+        """`address`: the slab's agent; its slot size is 0 until the first Reserve cuts the slab.
+        `expect_traffic`: the agent's `Transport.expect_traffic`, called before a peer moves data through
+        the slab (a reserved handoff is written, a claimed one read, an agent connects)."""
         self._store = store
+        self._expect_traffic = expect_traffic
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderOutputCache(0)
         metrics.encoder_bytes.set_function(lambda: self.encoder_cache.nbytes)
         self._metrics = metrics
@@ -110,6 +114,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         if request.kind and request.kind != self._address.kind:
             raise InvalidRequestError(f"this kv_transfer speaks {self._address.kind}, not {request.kind}",
                                       param="kind")
+        self._expect_traffic()  # the peer connects next
         return agent_to_proto(self._address)
 
     async def Reserve(  # noqa: N802
@@ -125,6 +130,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             except CapacityError:
                 self._metrics.failures.labels(reason="capacity").inc()
                 raise
+            self._expect_traffic()  # prefill writes the slots next
             num_tokens, bs = len(spec.prompt_token_ids), spec.layout.block_size
             hit_tokens = usable_pool_prefix(spec.layout, slots.present, num_tokens, num_tokens // bs) * bs
             self._metrics.hit_tokens.inc(hit_tokens)
@@ -147,6 +153,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     async def Renew(  # noqa: N802
         self, request: kv_transfer_pb2.RenewRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.RenewResponse:
+        self._expect_traffic()  # a lease still being written
         return kv_transfer_pb2.RenewResponse(found=self._store.renew(request.handoff_id, request.capability))
 
     async def Commit(  # noqa: N802
@@ -168,6 +175,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             except HandoffNotFoundError:
                 self._metrics.failures.labels(reason="claim_not_found").inc()
                 raise
+            self._expect_traffic()  # decode reads the slots next
             trace.get_current_span().set_attributes({REQUEST_ID: claimed.spec.request_id,
                                                      KV_NUM_BLOCKS: claimed.spec.num_blocks})
             return claimed_to_proto(claimed, self._address)

@@ -205,6 +205,11 @@ class Transport(Protocol):
         """
         ...
 
+    def expect_traffic(self) -> None:
+        """A peer is about to move data through this agent's registered memory (a passive target, such as
+        kv_transfer's slab, hears of it on the control path first): progress at full rate for a while."""
+        ...
+
     def close(self) -> None:
         """Abort in-flight transfers, deregister everything, stop internal threads (idempotent)."""
         ...

@@ -186,6 +186,9 @@ class TransportCore(abc.ABC):
                 f"transfer {handle.xfer_id} to {handle.remote_name!r} failed: {handle.error}")
         return handle
 
+    def expect_traffic(self) -> None:  # noqa: B027 (a hook: most backends need nothing)
+        """Backends whose peers need this side progressed (NIXL over tcp) speed up; the others need nothing."""
+
     def close(self) -> None:
         if self._closed:
             return
