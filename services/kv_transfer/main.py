@@ -110,6 +110,7 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
     if store.space is not None:
         address = AgentAddress(address.kind, address.metadata, store.space)
     metrics.watch(store)
+    transport.watch_traffic(store.data_moving)  # full-rate progress while a handoff is written or read
     server = make_server(settings.address, settings.max_message_bytes)
     encoder_cache = EncoderOutputCache(settings.encoder_cache_bytes)
     servicer = KVTransferServicer(store, metrics, address, settings.capacity_bytes, settings.max_claim_wait_s,

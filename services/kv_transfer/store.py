@@ -131,6 +131,11 @@ class HandoffStore:
     def active_leases(self) -> int:
         return len(self._leases)
 
+    def data_moving(self) -> bool:
+        """A lease is being written (prefill) or read (decode): peers move bytes through the slab now.
+        Safe from any thread: the leases are copied (one C call under the GIL) before they are read."""
+        return any(lease.state in (LeaseState.WRITING, LeaseState.CLAIMED) for lease in list(self._leases.values()))
+
     def stats(self) -> StoreStats:
         space = self.space
         return StoreStats(len(self._leases), self.pool.num_slots, self.pool.num_pinned, self.pool.num_cached,

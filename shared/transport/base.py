@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -208,6 +208,11 @@ class Transport(Protocol):
     def expect_traffic(self) -> None:
         """A peer is about to move data through this agent's registered memory (a passive target, such as
         kv_transfer's slab, hears of it on the control path first): progress at full rate for a while."""
+        ...
+
+    def watch_traffic(self, moving: Callable[[], bool]) -> None:
+        """`moving()` says whether peers move data through this agent now (any thread may call it): the
+        agent progresses at full rate while it is true."""
         ...
 
     def close(self) -> None:

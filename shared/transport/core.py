@@ -19,7 +19,7 @@ import abc
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -188,6 +188,9 @@ class TransportCore(abc.ABC):
 
     def expect_traffic(self) -> None:  # noqa: B027 (a hook: most backends need nothing)
         """Backends whose peers need this side progressed (NIXL over tcp) speed up; the others need nothing."""
+
+    def watch_traffic(self, moving: Callable[[], bool]) -> None:  # noqa: B027 (as expect_traffic)
+        """As `expect_traffic`, for as long as `moving()` is true."""
 
     def close(self) -> None:
         if self._closed:

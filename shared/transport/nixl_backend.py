@@ -14,7 +14,8 @@ to be progressed, which a small thread here does every
 It does so only while traffic is expected: for `ACTIVE_WINDOW_S` after the
 agent's own last call, a notification, or `expect_traffic()` (kv_transfer
 calls it when a handoff is reserved or claimed, before the peer moves the
-data); otherwise every `passive_idle_interval_s`. At 2 ms always, an idle
+data), and while `watch_traffic`'s probe says data moves (kv_transfer's: a
+handoff is being written or read); otherwise every `passive_idle_interval_s`. At 2 ms always, an idle
 kv_transfer woke ~500 times a second and took ~3% of a core (28 ms a second,
 measured on 2 cores), each wake-up preempting a thread of an engine's decode
 step on the same host.
@@ -38,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,7 @@ from shared.transport.regions import RegionTable
 logger = logging.getLogger(__name__)
 
 DEFAULT_UCX_TLS = "cma,tcp,self"
-ACTIVE_WINDOW_S = 5.0  # progress at full rate this long after the last sign of traffic (module docstring)
+ACTIVE_WINDOW_S = 1.0  # progress at full rate this long after the last sign of traffic (module docstring)
 _ENV_LOCK = threading.Lock()
 
 
@@ -141,6 +142,7 @@ class NixlTransport(TransportCore):
         self._wake = threading.Event()  # expect_traffic(): leave the idle interval now
         self._active_until = time.monotonic() + ACTIVE_WINDOW_S  # connection setup follows creation
         self.num_progress_calls = 0  # the progress thread's polls (tests read it)
+        self._moving: Callable[[], bool] = lambda: False  # watch_traffic()
         self._progress_thread: threading.Thread | None = None
         if passive_progress_interval_s is not None:
             self._progress_thread = threading.Thread(
@@ -153,10 +155,13 @@ class NixlTransport(TransportCore):
         self._active_until = time.monotonic() + ACTIVE_WINDOW_S
         self._wake.set()
 
+    def watch_traffic(self, moving: Callable[[], bool]) -> None:
+        self._moving = moving
+
     def _progress_loop(self, interval_s: float, idle_interval_s: float) -> None:
         """Progress the UCX worker so that peers' transfers over non-one-sided transports complete."""
         while not self._stop.is_set():
-            active = time.monotonic() < self._active_until
+            active = time.monotonic() < self._active_until or self._moving()
             self._wake.wait(interval_s if active else max(interval_s, idle_interval_s))
             self._wake.clear()
             if self._stop.is_set():

@@ -111,6 +111,19 @@ def test_committed_full_blocks_are_pool_hits_for_the_next_turn(store: HandoffSto
     store.release("t2")
 
 
+def test_data_moves_while_a_lease_is_written_or_read_not_while_it_waits(store: HandoffStore) -> None:
+    """What kv_transfer's agent watches to progress at full rate (shared/transport/nixl_backend.py)."""
+    assert not store.data_moving()
+    store.reserve(make_spec("m", [1, 2, 3, 4, 5]))
+    assert store.data_moving()  # prefill writes
+    store.commit("m", RESULT)
+    assert not store.data_moving()  # leased: waiting for a decode
+    claim(store, "m")
+    assert store.data_moving()  # decode reads
+    store.release("m")
+    assert not store.data_moving()
+
+
 def test_uncommitted_blocks_never_become_hits(store: HandoffStore) -> None:
     store.reserve(make_spec("a", [1, 2, 3, 4, 5]))
     store.release("a", failed=True)

@@ -62,3 +62,22 @@ def test_a_read_over_tcp_from_a_target_told_to_expect_it_completes(monkeypatch: 
     finally:
         reader.close()
         target.close()
+
+
+def test_an_agent_polls_at_full_rate_while_its_probe_says_data_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    _quiet(monkeypatch, 0.2)
+    agent = make_transport("nixl", "watched", passive_idle_interval_s=30.0)
+    moving = True
+    agent.watch_traffic(lambda: moving)
+    try:
+        time.sleep(0.6)  # the window since creation is over; the probe keeps the full rate
+        before = agent.num_progress_calls  # type: ignore[attr-defined]
+        time.sleep(0.3)
+        assert agent.num_progress_calls > before + 3  # type: ignore[attr-defined]
+        moving = False
+        time.sleep(0.1)  # the next poll sees the probe false and waits 30 s
+        quiet_from = agent.num_progress_calls  # type: ignore[attr-defined]
+        time.sleep(0.3)
+        assert agent.num_progress_calls == quiet_from  # type: ignore[attr-defined]
+    finally:
+        agent.close()
