@@ -63,7 +63,7 @@ from shared.transport.regions import RegionTable
 logger = logging.getLogger(__name__)
 
 DEFAULT_UCX_TLS = "cma,tcp,self"
-ACTIVE_WINDOW_S = 1.0  # progress at full rate this long after the last sign of traffic (module docstring)
+ACTIVE_WINDOW_S = 0.25  # progress at full rate this long after the last sign of traffic (module docstring)
 _ENV_LOCK = threading.Lock()
 
 
