@@ -15,10 +15,11 @@ It does so only while traffic is expected: for `ACTIVE_WINDOW_S` after the
 agent's own last call, a notification, or `expect_traffic()` (kv_transfer
 calls it when a handoff is reserved or claimed, before the peer moves the
 data), and while `watch_traffic`'s probe says data moves (kv_transfer's: a
-handoff is being written or read); otherwise every `passive_idle_interval_s`. At 2 ms always, an idle
-kv_transfer woke ~500 times a second and took ~3% of a core (28 ms a second,
-measured on 2 cores), each wake-up preempting a thread of an engine's decode
-step on the same host.
+handoff is being written or read); otherwise every `passive_idle_interval_s`.
+At 2 ms always, an idle kv_transfer woke ~500 times a second and took ~3% of
+a core (28 ms a second, measured on 2 cores), and every agent of a stack did
+so once it had moved data: each wake-up preempts a thread of an engine's step
+on the same host.
 Every agent call takes one lock, so the owner thread and that thread never
 race inside NIXL (whose agents are created with thread sync NONE).
 
