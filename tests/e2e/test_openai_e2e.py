@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.stack import BatonStack
+from tests.helpers.stack import BatonStack, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -201,6 +201,7 @@ def test_engines_lend_each_other_their_cores_while_idle(disagg_stack: BatonStack
     """`baton up`'s engines share the host's cores (shared/engine/core_share.py): one request alone is
     prefilled and decoded on every core, not on each engine's share (cores / 3 engines here)."""
     cores = len(os.sched_getaffinity(0))
+    wait_idle(disagg_stack)  # no earlier test's request still at work beside this one
     out = client(disagg_stack).completions.create(model=MODEL, prompt="The history of the printing press", max_tokens=24,
                                temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 24
