@@ -202,8 +202,8 @@ def test_engines_lend_each_other_their_cores_while_idle(disagg_stack: BatonStack
     prefilled and decoded on every core, not on each engine's share (cores / 3 engines here)."""
     cores = len(os.sched_getaffinity(0))
     wait_idle(disagg_stack)  # no earlier test's request still at work beside this one
-    out = client(disagg_stack).completions.create(model=MODEL, prompt="The history of the printing press", max_tokens=24,
-                               temperature=0, extra_body={"ignore_eos": True})
+    out = client(disagg_stack).completions.create(model=MODEL, prompt="The history of the printing press",
+                                                  max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 24
     # the decode's last steps ran while no prefill had work; the prefill that took the prompt had no
     # decode at work beside it (no other request is in flight in this module now)
