@@ -38,8 +38,8 @@ from shared.models.loader import ALIASES
 
 HOST = "127.0.0.1"
 MODEL_NAME = "smollm2-135m"
-SYSTEMS = ("baton", "baton-fixed-shares", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm", "vllm-allcores",
-           "llamacpp")
+SYSTEMS = ("baton", "baton-fixed-shares", "baton-colocated", "baton-pinned-colo", "baton-pinned-disagg", "vllm",
+           "vllm-allcores", "llamacpp")
 # a baton system may name its precision after an @ (baton-colocated@int8): the `baton up` flags it adds
 # (int8-bf16-kv: int8 projections beside a bf16 KV cache, which halves what decode attention reads)
 PRECISION_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"],

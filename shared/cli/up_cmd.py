@@ -176,7 +176,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     def core_share() -> dict[str, str]:
         if not share:
             return {}
-        return {"CORE_SHARE_FILE": str((args.state_dir / "core_share").resolve()), "CORE_SHARE_SLOT": str(next(slots))}
+        return {"CORE_SHARE_FILE": str((args.state_dir / "core_share").resolve()),
+                "CORE_SHARE_SLOT": str(next(slots))}
 
     # one random token per stack: its services answer only each other (shared/grpc_auth.py)
     token = secrets.token_urlsafe(24)
@@ -204,7 +205,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
                                                           **auth,
                                                           "CAPACITY_BYTES": str(args.kv_transfer_capacity_bytes)})
         for i in range(args.prefill):
-            add(f"prefill-{i}", "prefill", "PREFILL", {**engine_common, **core_share(), "INSTANCE_ID": f"prefill-{i}"})
+            add(f"prefill-{i}", "prefill", "PREFILL",
+                {**engine_common, **core_share(), "INSTANCE_ID": f"prefill-{i}"})
         for i in range(args.encoder):
             add(f"encoder-{i}", "encoder", "ENCODER", {**engine_common, "INSTANCE_ID": f"encoder-{i}"})
     role = "decode" if args.mode == "disagg" else "colocated"

@@ -149,7 +149,6 @@ class EngineCollector(Collector):
             per_pos.add_metric([self.role, str(position)], value)
         yield per_pos
 
-
     def _thread_metrics(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         cores = self.aengine.cores  # engines of one host lending each other cores (shared/engine/core_share.py)
         threads = GaugeMetricFamily("baton_engine_torch_threads", "Torch threads the engine's steps run with "

@@ -141,7 +141,8 @@ class NixlTransport(TransportCore):
         self._reg_descs: dict[MemoryRegion, Any] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()  # expect_traffic(): leave the idle interval now
-        self._active_until = time.monotonic() + ACTIVE_WINDOW_S  # connection setup follows creation
+        self._active_until = 0.0  # time.monotonic() until which the progress thread polls at full rate
+        self._mark_active()  # connection setup follows creation
         self.num_progress_calls = 0  # the progress thread's polls (tests read it)
         self._moving: Callable[[], bool] = lambda: False  # watch_traffic()
         self._progress_thread: threading.Thread | None = None
@@ -152,8 +153,11 @@ class NixlTransport(TransportCore):
             )
             self._progress_thread.start()
 
-    def expect_traffic(self) -> None:
+    def _mark_active(self) -> None:
         self._active_until = time.monotonic() + ACTIVE_WINDOW_S
+
+    def expect_traffic(self) -> None:
+        self._mark_active()
         self._wake.set()
 
     def watch_traffic(self, moving: Callable[[], bool]) -> None:
@@ -175,10 +179,10 @@ class NixlTransport(TransportCore):
                     logger.exception("agent %s: NIXL progress failed", self._name)
                     continue
             if notifications:  # a peer is at work here
-                self._active_until = time.monotonic() + ACTIVE_WINDOW_S
+                self._mark_active()
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
-        self._active_until = time.monotonic() + ACTIVE_WINDOW_S  # the owner is at work: so may its peers be
+        self._mark_active()  # the owner is at work: so may its peers be
         with self._lock:
             try:
                 return fn(*args)
