@@ -75,7 +75,8 @@ def load_towers(settings: EncoderSettings) -> tuple[MediaEncoder, str]:
     hf_dir = resolve_model(settings.model, settings.cache_dir)
     arch_name, _, config = read_config(hf_dir)
     dtype = resolve_precision(settings.dtype, "auto", settings.device).compute
-    found = load_media_encoder(hf_dir, arch_name, settings.device, dtype, settings.cache_items)
+    found = load_media_encoder(hf_dir, arch_name, settings.device, dtype, settings.cache_items,
+                               settings.cuda_graphs)
     if found is None:
         raise ConfigError(f"{settings.model} reads no images or audio: it has nothing for an encoder service")
     return found[0], encoder_outputs_key(model_identity(spec_from_config(config)), dtype)

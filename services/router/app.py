@@ -12,6 +12,7 @@ One module per endpoint family under endpoints/; this file wires them to routes.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -31,7 +32,7 @@ from services.router.endpoints.completions import CompletionFormat, prepare_comp
 from services.router.endpoints.tokenize import detokenize, tokenize
 from services.router.errors import REQUEST_ID_PREFIXES, ErrorBoundary, error_response, install_error_handlers
 from services.router.generation import GenerationRunner, PreparedRequest
-from services.router.media import RouterMedia, fetch_remote_images
+from services.router.media import RouterMedia, fetch_remote_media, has_video
 from services.router.metrics import RouterMetrics
 from services.router.model_context import ModelContext
 from services.router.openai_format import TokenStrings
@@ -160,8 +161,10 @@ class RouterService:
     async def tokenize(self, request: Request) -> Response:
         body = await read_body(request, TokenizeRequest, self.settings.max_request_body_bytes)
         self.check_model(body.model)
-        if body.messages is not None:
-            await fetch_remote_images(self.model.media, media_parts(body.messages))
+        parts = media_parts(body.messages) if body.messages is not None else []
+        await fetch_remote_media(self.model.media, parts)
+        if has_video(parts):  # decoding a video takes a while: off the event loop
+            return json_response(await asyncio.to_thread(tokenize, body, self.model))
         return json_response(tokenize(body, self.model))
 
     async def detokenize(self, request: Request) -> Response:
@@ -198,8 +201,12 @@ class RouterService:
         body = await read_body(request, body_type, self.settings.max_request_body_bytes)
         self.check_model(body.model)
         conversations = body.messages if isinstance(body, ChatBatchRequest) else [body.messages]
-        await fetch_remote_images(self.model.media, [p for c in conversations for p in media_parts(c)])
-        prepared, plan = prepare(body, request_id(request), self.model)
+        parts = [p for c in conversations for p in media_parts(c)]
+        await fetch_remote_media(self.model.media, parts)
+        if has_video(parts):  # decoding a video takes a while: off the event loop
+            prepared, plan = await asyncio.to_thread(prepare, body, request_id(request), self.model)
+        else:
+            prepared, plan = prepare(body, request_id(request), self.model)
         await self.model.grammar.check(prepared.params.structured, plan.grammar_param)
         fmt = ChatFormat(prepared, plan, self.model_name, self.token_strings)
         return await self.responder.respond(request, prepared, fmt, timer)

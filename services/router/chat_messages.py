@@ -118,6 +118,6 @@ def encode_rendered(model: ModelContext, text: str, pending: PendingMedia | None
 
 
 def media_parts(messages: Sequence[ChatMessage]) -> list[ContentPart]:
-    """Every media content part of a conversation (what `fetch_remote_images` looks at)."""
+    """Every media content part of a conversation (what `fetch_remote_media` looks at)."""
     return [part for m in messages if not isinstance(m.content, str | None) for part in m.content
             if part.type in MEDIA_PART_TYPES]

@@ -92,14 +92,18 @@ class RouterSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=10.0, ge=0, description="time requests in flight get on stop")
     media_url_allowlist: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="hosts (comma-separated; '.example.com' allows its subdomains) whose "
-        "http(s) image URLs the router fetches; empty: data: URLs only")
-    media_fetch_timeout_s: float = Field(default=10.0, gt=0, le=120, description="time allowed to fetch one image URL")
+        "http(s) image and video URLs the router fetches; empty: data: URLs only")
+    media_fetch_timeout_s: float = Field(default=10.0, gt=0, le=120, description="time allowed to fetch one image or video URL")
     media_max_image_bytes: int = Field(default=20 * 2**20, ge=1, description="largest image file accepted")
     media_max_image_pixels: int = Field(default=40_000_000, ge=1, description="most pixels an image may have")
     media_max_audio_bytes: int = Field(default=25 * 2**20, ge=1, description="largest audio file accepted")
     media_max_audio_seconds: float = Field(default=30.0, gt=0, le=30.0,
                                            description="longest audio clip accepted (the model reads at most 30 s)")
-    media_max_items: int = Field(default=8, ge=0, le=64, description="most images plus audio clips in one request")
+    media_max_items: int = Field(default=8, ge=0, le=64,
+                                 description="most images, audio clips and videos in one request")
+    media_max_video_bytes: int = Field(default=64 * 2**20, ge=1, description="largest video file accepted")
+    media_max_video_seconds: float = Field(default=600.0, gt=0, description="longest video accepted (the router "
+                                           "decodes every frame up to the last one it samples)")
     log_level: str = Field(default="INFO", description="logging level name")
     hide_internal_errors: bool = Field(default=False, description="5xx answers say only that an error happened "
                                        "(the log keeps the detail under the request id)")

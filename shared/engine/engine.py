@@ -53,7 +53,7 @@ from shared.errors import BatonError, ConfigError, ContextLengthExceededError, I
 from shared.kv.layout import kv_groups
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
 from shared.models.loader import LoadedModel, load_model
-from shared.multimodal.items import AUDIO, IMAGE, MediaInput, MediaItem, check_placement
+from shared.multimodal.items import AUDIO, IMAGE, VIDEO, MediaInput, MediaItem, check_placement
 from shared.ops.attention import paged_attention_ref
 from shared.spec.factory import build_speculator
 from shared.spec.speculator import Speculator
@@ -105,7 +105,7 @@ class LLMEngine:
                     config.kv_cache_dtype, config.quantization, self.precision.describe())
         self.loaded = loaded or load_model(
             config.model, attention, config.device, self.precision.compute, config.cache_dir, config.max_model_len,
-            decodes=config.role != "prefill", weight_format=config.weight_format,
+            decodes=config.role != "prefill", weight_format=config.weight_format, encoder_graphs=config.cuda_graphs,
         )
         if self.loaded.model.weight_format != config.weight_format:
             raise ConfigError(f"the model given holds {self.loaded.model.weight_format.describe()} weights; "
@@ -210,9 +210,12 @@ class LLMEngine:
         when it recomputes)."""
         encoder, mm = self.loaded.media_encoder, self.loaded.multimodal
         if encoder is None or mm is None:
-            raise InvalidRequestError("this model reads text only: images and audio cannot be given to it",
+            raise InvalidRequestError("this model reads text only: images, audio and video cannot be given to it",
                                       param="messages")
-        problem = check_placement(media, prompt, {IMAGE: mm.image_token_id, AUDIO: mm.audio_token_id})
+        placeholders = {IMAGE: mm.image_token_id, AUDIO: mm.audio_token_id}
+        if mm.video_token_id is not None:
+            placeholders[VIDEO] = mm.video_token_id
+        problem = check_placement(media, prompt, placeholders)
         if problem is not None:
             raise InvalidRequestError(problem, param="messages")
         inputs = [MediaInput(item) for item in media]

@@ -36,7 +36,7 @@ from shared.engine.scheduler import ScheduledChunk, SchedulerPlan, StepResult
 from shared.kv.layout import KVLayout, cdiv
 from shared.models.common import LayerDoneFn, PagedCausalLM
 from shared.multimodal.encoder import MediaEncoder
-from shared.multimodal.items import IMAGE
+from shared.multimodal.items import SEEN_BOTH_WAYS
 from shared.ops.attention import AttentionMetadata
 from shared.ops.host_copy import tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
@@ -353,7 +353,8 @@ class ModelRunner:
 
     def _media_rows(self, chunk: ScheduledChunk, index: int, lo: int, rows: list[int], values: list[torch.Tensor],
                     bidirectional: dict[int, list[tuple[int, int]]]) -> None:
-        """The soft tokens a prompt chunk covers (encoded by `_encode_media`), and its images seen both ways."""
+        """The soft tokens a prompt chunk covers (encoded by `_encode_media`), and its images (and video frames)
+        seen both ways."""
         start, end = chunk.start_pos, chunk.start_pos + chunk.num_tokens
         for media in chunk.media:
             item = media.item
@@ -361,7 +362,7 @@ class ModelRunner:
             first, last = max(start, item.offset), min(end, item.end)
             rows.extend(range(lo + first - start, lo + last - start))
             values.append(media.embeds[first - item.offset : last - item.offset])
-            if chunk.bidirectional_images and item.kind == IMAGE:
+            if chunk.bidirectional_images and item.kind in SEEN_BOTH_WAYS:  # each frame a block of its own
                 bidirectional.setdefault(index, []).append((item.offset, item.end))
 
     def _group_inputs(self, inputs: StepInputs, plan: SchedulerPlan, query_lens: list[int]) -> None:

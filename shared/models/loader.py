@@ -206,6 +206,7 @@ def load_model(
     max_model_len: int | None = None,
     decodes: bool = True,  # False for a prefill engine (see DecoderLM)
     weight_format: WeightFormat | None = None,  # how projections are stored (DecoderLM); None = as `dtype`
+    encoder_graphs: bool = False,  # CUDA: capture the vision tower's graphs (vision_graphs.py)
 ) -> LoadedModel:
     from transformers import AutoTokenizer
 
@@ -225,7 +226,7 @@ def load_model(
                         weight_format=weight_format)
     logger.info("loaded %s (%s, %s, %d layers) in %.2f s", spec, arch_name, decoder_spec.model_type,
                 decoder_spec.num_layers, time.monotonic() - t0)
-    media = load_media_encoder(hf_dir, arch_name, device, dtype)
+    media = load_media_encoder(hf_dir, arch_name, device, dtype, cuda_graphs=encoder_graphs)
     return LoadedModel(
         name=spec,
         hf_dir=hf_dir,

@@ -1,9 +1,9 @@
 """Media items to soft tokens in an engine: decode and preprocess at intake, encode in batches at the step.
 
-    MediaItem(bytes) ──prepare (intake: media.decode_*, MediaProcessor)──► PreparedMedia
+    MediaItem(bytes) ──prepare (intake: media.decode_*, MediaProcessor; a video frame: its PNG)──► PreparedMedia
                      (undecodable, or a count that differs from its placeholders: the caller's 400)
     [PreparedMedia of every request in a step] ──encode_batch (MediaTowers)──► [num_tokens, hidden] each
-                     images: one tower pass over all of them; each distinct content once
+                     images and video frames: one tower pass over all of them; each distinct content once
 
 (seams.py: Gemma 4's processor and towers, or gemma4_unified's encoder-free ones.)
 
@@ -25,10 +25,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from shared.errors import InvalidRequestError
-from shared.multimodal.items import AUDIO, IMAGE, MediaInput, MediaItem, PreparedMedia
+from shared.multimodal.items import AUDIO, IMAGE, VIDEO, MediaInput, MediaItem, PreparedMedia
 from shared.multimodal.media import MediaLimits, decode_audio, decode_image
 from shared.multimodal.processor import ProcessedAudio, ProcessedImage
 from shared.multimodal.seams import MediaProcessor, MediaTowers
@@ -53,7 +54,8 @@ class MediaEncoder:
 
     @property
     def reads(self) -> frozenset[str]:
-        return frozenset({IMAGE} if self.encoders.vision else set()) | (
+        vision = {IMAGE, VIDEO} if self.processor.video_rules is not None else {IMAGE}
+        return frozenset(vision if self.encoders.vision else set()) | (
             frozenset({AUDIO}) if self.encoders.audio else frozenset())
 
     @property
@@ -89,6 +91,8 @@ class MediaEncoder:
         features: ProcessedImage | ProcessedAudio
         if item.kind == IMAGE:
             features = self.processor.image(decode_image(item.data, self.limits, "messages"))
+        elif item.kind == VIDEO:  # a frame the router sampled and resized
+            features = self.processor.video_frame(np.asarray(decode_image(item.data, self.limits, "messages")))
         else:
             features = self.processor.audio(decode_audio(item.data, item.audio_format, self.limits, "messages"))
         if features.num_soft_tokens != item.num_tokens:

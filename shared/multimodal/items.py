@@ -21,15 +21,17 @@ from shared.multimodal.processor import ProcessedAudio, ProcessedImage
 
 IMAGE = "image"
 AUDIO = "audio"
+VIDEO = "video"  # one sampled frame of a video (video.py): a small image behind <video> placeholders
+SEEN_BOTH_WAYS = (IMAGE, VIDEO)  # kinds whose soft tokens may attend to each other (never split by a chunk)
 
 
 @dataclass(frozen=True)
 class MediaItem:
-    kind: str  # IMAGE | AUDIO
+    kind: str  # IMAGE | AUDIO | VIDEO
     offset: int  # prompt position of its first soft token
     num_tokens: int  # its soft tokens (placeholders in the prompt)
     content_hash: bytes  # media.content_hash(data)
-    data: bytes  # the file as sent (png, jpeg, ...; wav or mp3)
+    data: bytes  # the file as sent (png, jpeg, ...; wav or mp3); VIDEO: the frame, processed, as a PNG
     audio_format: str = ""  # AUDIO: "wav" | "mp3"
 
     @property
@@ -68,7 +70,7 @@ def fit_chunk_end(media: Sequence[MediaInput], start: int, end: int) -> int:
     """Where a prompt chunk [start, end) must end so that no image seen both ways is split: before the image
     the cut falls in, or after it when the chunk starts inside or at it (a chunk may then pass its budget)."""
     for m in media:
-        if m.item.kind == IMAGE and m.item.offset < end < m.item.end:
+        if m.item.kind in SEEN_BOTH_WAYS and m.item.offset < end < m.item.end:
             return m.item.offset if m.item.offset > start else m.item.end
     return end
 
@@ -86,6 +88,6 @@ def check_placement(media: Sequence[MediaItem], prompt: Sequence[int], placehold
         last = item.end
     num_placeholders = sum(1 for t in prompt if t in placeholder_ids.values())
     if num_placeholders != sum(item.num_tokens for item in media):
-        return (f"the prompt holds {num_placeholders} image/audio placeholder tokens, its media "
+        return (f"the prompt holds {num_placeholders} image/audio/video placeholder tokens, its media "
                 f"{sum(item.num_tokens for item in media)} soft tokens")
     return None

@@ -22,6 +22,7 @@ import torch
 from shared.models.checkpoint import read_prefixed_weights
 from shared.models.gemma4.multimodal import Gemma4Encoders, MultimodalConfig, multimodal_config
 from shared.models.gemma4.unified_media import Gemma4UnifiedEncoders
+from shared.models.gemma4.vision_graphs import budgets_up_to
 from shared.multimodal.encoder import MediaEncoder
 from shared.multimodal.processor import Gemma4MediaProcessor
 from shared.multimodal.seams import MediaProcessor, MediaTowers
@@ -55,9 +56,10 @@ def read_multimodal(hf_dir: Path, arch_name: str) -> tuple[MultimodalConfig, Med
     return mm, Gemma4MediaProcessor.from_dir(hf_dir), config
 
 
-def load_media_encoder(hf_dir: Path, arch_name: str, device: str, dtype: torch.dtype,
-                       cache_items: int = 64) -> tuple[MediaEncoder, MultimodalConfig] | None:
-    """The checkpoint's towers, ready to encode (None: a text-only checkpoint)."""
+def load_media_encoder(hf_dir: Path, arch_name: str, device: str, dtype: torch.dtype, cache_items: int = 64,
+                       cuda_graphs: bool = False) -> tuple[MediaEncoder, MultimodalConfig] | None:
+    """The checkpoint's towers, ready to encode (None: a text-only checkpoint); on CUDA with `cuda_graphs`, its
+    vision tower captured per image-size bucket (vision_graphs.py)."""
     found = read_multimodal(hf_dir, arch_name)
     if found is None:
         return None
@@ -69,4 +71,7 @@ def load_media_encoder(hf_dir: Path, arch_name: str, device: str, dtype: torch.d
     logger.info("loaded the media %s (%s) in %.2f s", "embedders" if _is_unified(config) else "towers",
                 ", ".join(k for k, on in (("vision", mm.has_vision), ("audio", mm.has_audio)) if on),
                 time.monotonic() - t0)
+    if cuda_graphs and device.startswith("cuda") and isinstance(towers, Gemma4Encoders) and towers.vision is not None:
+        assert isinstance(processor, Gemma4MediaProcessor)
+        towers.use_vision_graphs(budgets_up_to(processor.max_vision_soft_tokens), capture=True)
     return MediaEncoder(processor, towers, cache_items=cache_items), mm

@@ -33,7 +33,9 @@ class MediaLimits:
     max_image_pixels: int = 40_000_000
     max_audio_bytes: int = 25 * 1024 * 1024
     max_audio_seconds: float = 30.0  # Gemma 4's feature extractor reads at most 30 s
-    max_items: int = 8  # images plus audio clips in one request
+    max_items: int = 8  # images, audio clips and videos in one request
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_seconds: float = 600.0  # the router decodes every frame up to the last one sampled
 
 
 def content_hash(data: bytes) -> bytes:

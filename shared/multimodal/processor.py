@@ -8,9 +8,10 @@ padding and says how many soft tokens each item becomes::
     RGB image ──aspect-preserving resize (a multiple of patch * pool, <= max_soft_tokens * pool^2 patches)
               ──► patches [n, 3 * p * p], (col, row) [n, 2]      soft tokens = n / pool^2
     16 kHz wave ──mel frames [T, 128] + frame mask ──► soft tokens = valid frames after two /2 subsamplings
+    video frame (already sampled and resized by video.py) ──/255, cut into patches──► as an image's
 
 The placeholder run Gemma4Processor writes for each item: <boi> <image>*n <eoi>
-(or <boa> <audio>*n <eoa>).
+(or <boa> <audio>*n <eoa>; a video frame: "MM:SS <boi> <video>*n <eoi>").
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from shared.errors import ConfigError, InvalidRequestError
+from shared.multimodal.video import VideoRules
 
 MAX_AUDIO_SAMPLES = 480_000  # Gemma4AudioFeatureExtractor's max_length: 30 s at 16 kHz
 
@@ -69,10 +71,27 @@ class Gemma4MediaProcessor:
                  if k not in ("feature_extractor_type", "processor_class")}
         self.images = Gemma4ImageProcessorPil(**image)
         self.audio_features = Gemma4AudioFeatureExtractor(**audio)
+        video = config.get("video_processor", {})
+        # a config without a video section: Gemma4VideoProcessor's defaults, cut for this tower's patches
+        self.video_rules: VideoRules | None = VideoRules(
+            num_frames=int(video.get("num_frames", VideoRules.num_frames)),
+            max_soft_tokens=int(video.get("max_soft_tokens", VideoRules.max_soft_tokens)),
+            patch_size=int(video.get("patch_size", self.images.patch_size)),
+            pooling_kernel_size=int(video.get("pooling_kernel_size", self.images.pooling_kernel_size)))
+        if (self.video_rules.patch_size, self.video_rules.pooling_kernel_size) != (
+                self.images.patch_size, self.images.pooling_kernel_size):
+            raise ConfigError("the video processor cuts patches other than the image processor's: one vision tower "
+                              "reads both")
 
     @classmethod
     def from_dir(cls, hf_dir: Path) -> Gemma4MediaProcessor:
         return cls(read_processor_config(hf_dir))
+
+    @property
+    def max_vision_soft_tokens(self) -> int:
+        """The most soft tokens one image or video frame gets (the vision tower's largest input)."""
+        video = self.video_rules.max_soft_tokens if self.video_rules is not None else 0
+        return max(int(self.images.max_soft_tokens), video)
 
     def image_tokens(self, width: int, height: int) -> int:
         """Soft tokens of a `width` x `height` image, without processing it (the processor's resize rule)."""
@@ -108,3 +127,17 @@ class Gemma4MediaProcessor:
         out = self.audio_features([waveform], return_tensors="pt")
         mask = out["input_features_mask"][0].bool()
         return ProcessedAudio(out["input_features"][0].float(), mask, int(mask[::2][::2].sum()))
+
+    def video_frame(self, frame: np.ndarray) -> ProcessedImage:  # [h, w, 3] uint8, already at its processed size
+        """A sampled, resized frame (video.py) cut as Gemma4VideoProcessor cuts it: x / 255, patches row-major,
+        each patch's pixels (row, column, channel)."""
+        assert self.video_rules is not None
+        p, k = self.video_rules.patch_size, self.video_rules.pooling_kernel_size
+        h, w = frame.shape[0] // p, frame.shape[1] // p
+        if frame.shape[0] % (p * k) or frame.shape[1] % (p * k):
+            raise InvalidRequestError(f"a video frame of {frame.shape[1]}x{frame.shape[0]} pixels is not cut in "
+                                      f"{p * k}-pixel cells", param="messages")
+        x = torch.from_numpy(np.array(frame)).permute(2, 0, 1).float() / 255.0
+        patches = x.reshape(3, h, p, w, p).permute(1, 3, 2, 4, 0).reshape(h * w, p * p * 3)
+        grid = torch.stack(torch.meshgrid(torch.arange(w), torch.arange(h), indexing="xy"), dim=-1)
+        return ProcessedImage(patches, grid.reshape(h * w, 2).long(), h * w // k**2)

@@ -13,9 +13,15 @@ import torch
 
 if TYPE_CHECKING:
     from shared.multimodal.processor import ProcessedAudio, ProcessedImage
+    from shared.multimodal.video import VideoRules
 
 
 class MediaProcessor(Protocol):
+    @property
+    def video_rules(self) -> VideoRules | None:
+        """How videos are sampled and cut (None: the model reads no video)."""
+        ...
+
     def image_tokens(self, width: int, height: int) -> int:
         """Soft tokens of a `width` x `height` image, without processing it."""
         ...
@@ -28,6 +34,9 @@ class MediaProcessor(Protocol):
         ...
 
     def audio(self, waveform: np.ndarray) -> ProcessedAudio:  # [samples] float32 at 16 kHz
+        ...
+
+    def video_frame(self, frame: np.ndarray) -> ProcessedImage:  # [h, w, 3] uint8, sampled and resized
         ...
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from shared.errors import ConfigError, InvalidRequestError
 from shared.multimodal.media import AUDIO_SAMPLE_RATE
 from shared.multimodal.processor import ProcessedAudio, ProcessedImage, read_processor_config
+from shared.multimodal.video import VideoRules
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # what Gemma4UnifiedImageProcessor accepts
 _BICUBIC = 3  # PILImageResampling.BICUBIC, the processor's resample
@@ -89,6 +90,11 @@ class Gemma4UnifiedMediaProcessor:
                                                     self.pooling_kernel_size)
         except ValueError as e:  # too thin to resize
             raise InvalidRequestError(f"image of {width}x{height} pixels cannot be resized: {e}") from None
+
+    video_rules: VideoRules | None = None  # gemma4_unified reads no video
+
+    def video_frame(self, frame: np.ndarray) -> ProcessedImage:
+        raise InvalidRequestError("this model does not read video", param="messages")
 
     def image_tokens(self, width: int, height: int) -> int:
         """Soft tokens of a `width` x `height` image, without processing it."""

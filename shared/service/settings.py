@@ -89,8 +89,9 @@ class EngineServiceSettings(BaseSettings):
     async_scheduling: bool | None = Field(default=None, description="zero-bubble loop: plan step N+1 while "
                                           "step N runs (decode / colocated; draft and eagle keep the synchronous "
                                           "loop); unset = on with CUDA, off on the CPU")
-    cuda_graphs: bool = Field(default=True, description="CUDA: replay decode steps from captured CUDA graphs; "
-                              "false = launch kernels eagerly")
+    cuda_graphs: bool = Field(default=True, description="CUDA: replay decode steps and the vision "
+                              "encoder (per image-size bucket) from captured CUDA graphs; false = launch kernels "
+                              "eagerly")
     grammar_fast_forward: bool = Field(default=True, description="draft the tokens a request's grammar forces "
                                        "next and verify them in one pass (structured outputs)")
     grammar_fast_forward_max_batch: int = Field(default=2, ge=0, description="fast-forward only while at most "

@@ -21,6 +21,7 @@ from tests.helpers.gemma4 import tiny_gemma4_config
 
 IMAGE_ID = SMALL_VOCAB_TOKEN_IDS["image_token_id"]
 AUDIO_ID = SMALL_VOCAB_TOKEN_IDS["audio_token_id"]
+VIDEO_ID = SMALL_VOCAB_TOKEN_IDS["video_token_id"]
 BOI, EOI = SMALL_VOCAB_TOKEN_IDS["boi_token_id"], SMALL_VOCAB_TOKEN_IDS["eoi_token_id"]
 BOA, EOA = SMALL_VOCAB_TOKEN_IDS["boa_token_id"], SMALL_VOCAB_TOKEN_IDS["eoa_token_index"]
 
@@ -75,15 +76,52 @@ def wav_bytes(wave: np.ndarray, rate: int = 16_000, fmt: str = "WAV", subtype: s
     return buf.getvalue()
 
 
+def video_bytes(num_frames: int, width: int, height: int, fps: int = 4, seed: int = 0,
+                container: str = "mp4", codec: str = "mpeg4") -> bytes:
+    """A short video (PyAV/FFmpeg) of moving random blocks: frames that differ, compressed as any upload is."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height // 8 + 2, width // 8 + 2, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            blocks = np.roll(base, i, axis=1).repeat(8, axis=0).repeat(8, axis=1)[:height, :width]
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(blocks), format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def hf_video_inputs(frames: list[Any], max_soft_tokens: int = 70) -> dict[str, torch.Tensor]:
+    """transformers' video inputs (Gemma4VideoProcessor's layout: each frame's patches padded to the budget,
+    padding positions -1) for processed frames ([h, w, 3] uint8, as video.py leaves them)."""
+    proc = media_processor()
+    cut = [proc.video_frame(f) for f in frames]
+    k2 = proc.video_rules.pooling_kernel_size ** 2
+    width = max_soft_tokens * k2
+    pixels = torch.zeros(len(cut), width, cut[0].patches.shape[1])
+    positions = torch.full((len(cut), width, 2), -1, dtype=torch.long)
+    for i, c in enumerate(cut):
+        pixels[i, : c.patches.shape[0]] = c.patches
+        positions[i, : c.positions.shape[0]] = c.positions
+    return {"pixel_values_videos": pixels, "video_position_ids": positions,
+            "num_frames_per_video": torch.tensor([len(cut)])}
+
+
 def text_weights(hf: Any) -> dict[str, torch.Tensor]:
     """The text model's tensors of a ForConditionalGeneration, under the *ForCausalLM names baton reads."""
     prefix = "model.language_model."
     return {("model." + k[len(prefix):]) if k.startswith(prefix) else k: v for k, v in hf.state_dict().items()}
 
 
-def mm_token_type_ids(ids: list[int], image_id: int = IMAGE_ID, audio_id: int = AUDIO_ID) -> torch.Tensor:
-    """[1, n]: 1 at image tokens, 3 at audio tokens, as Gemma4Processor marks them."""
-    return torch.tensor([[1 if t == image_id else 3 if t == audio_id else 0 for t in ids]])
+def mm_token_type_ids(ids: list[int], image_id: int = IMAGE_ID, audio_id: int = AUDIO_ID,
+                      video_id: int = VIDEO_ID) -> torch.Tensor:
+    """[1, n]: 1 at image tokens, 2 at video tokens, 3 at audio tokens, as Gemma4Processor marks them."""
+    return torch.tensor([[1 if t == image_id else 2 if t == video_id else 3 if t == audio_id else 0 for t in ids]])
 
 
 def tiny_mm_loaded(variant: str = "all", bidirectional: bool = True, seed: int = 0,
@@ -122,11 +160,16 @@ def mm_prompt(text_before: list[int], media: list[tuple[str, bytes, int]], text_
     return ids + list(text_after), items
 
 
-def hf_mm_greedy(hf: Any, ids: list[int], images: list[Any], waves: list[Any], num_tokens: int) -> list[int]:
-    """transformers' greedy continuation of a prompt with these PIL images and 16 kHz waves."""
+def hf_mm_greedy(hf: Any, ids: list[int], images: list[Any], waves: list[Any], num_tokens: int,
+                 video_frames: list[Any] | None = None) -> list[int]:
+    """transformers' greedy continuation of a prompt with these PIL images, 16 kHz waves and one video's
+    processed frames."""
     proc = media_processor()
     kwargs: dict[str, Any] = {"mm_token_type_ids": mm_token_type_ids(ids, hf.config.image_token_id,
-                                                                      hf.config.audio_token_id)}
+                                                                      hf.config.audio_token_id,
+                                                                      hf.config.video_token_id)}
+    if video_frames:
+        kwargs |= hf_video_inputs(video_frames)
     if images:
         pix = proc.images(images=images, return_tensors="pt")
         kwargs |= dict(pixel_values=pix["pixel_values"], image_position_ids=pix["image_position_ids"])

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from services.router.chat_messages import media_parts
 from services.router.endpoints.chat import prepare_chat
-from services.router.media import fetch_remote_images
+from services.router.media import fetch_remote_media
 from services.router.metrics import RequestTimer
 from services.router.model_context import ModelContext
 from services.router.responses.format import ResponsesFormat
@@ -57,7 +57,7 @@ class ResponsesEndpoint:
 
     async def handle(self, request: Request, body: ResponsesRequest, timer: RequestTimer) -> Response:
         chat, conversation = to_chat(body, await self._history(body))
-        await fetch_remote_images(self.model.media, media_parts(chat.messages))
+        await fetch_remote_media(self.model.media, media_parts(chat.messages))
         prepared, plan = prepare_chat(chat, request_id(request), self.model)
         prepared = replace(prepared, include_usage=True)  # the last event (response.completed) carries it
         param = "text" if plan.grammar_param == "response_format" else plan.grammar_param

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from shared.models.gemma4.audio import AudioTower, audio_spec
 from shared.models.gemma4.encoder_common import TowerWeights, rms
 from shared.models.gemma4.vision import VisionTower, vision_spec
+from shared.models.gemma4.vision_graphs import VisionGraphs
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,16 @@ class Gemma4Encoders:
             self.embed_audio = Embedder(TowerWeights(weights, "model.embed_audio.", device, dtype),
                                         aspec.output_size, text_hidden, config.audio_config.rms_norm_eps)
         self.dtype, self.device = dtype, device
+        self.vision_graphs: VisionGraphs | None = None
+
+    def use_vision_graphs(self, cells: Sequence[int], capture: bool) -> VisionGraphs:
+        """Encode each image through a bucket of `cells` soft tokens (vision_graphs.py), replayed from a CUDA
+        graph when `capture` (CUDA only), else the same padded pass eagerly."""
+        assert self.vision is not None, "checked by the caller: the model reads images"
+        self.vision_graphs = VisionGraphs(self.vision, self.embed_vision, cells, self.dtype)
+        if capture:
+            self.vision_graphs.capture()
+        return self.vision_graphs
 
     @torch.inference_mode()
     def encode_image(
@@ -115,8 +126,12 @@ class Gemma4Encoders:
         self,
         images: Sequence[tuple[torch.Tensor, torch.Tensor]],  # (patches [n_i, 3 * p * p], positions [n_i, 2])
     ) -> list[torch.Tensor]:  # per image [num_soft_tokens_i, text hidden]
-        """Several images in one tower pass (its projections over all their patches at once)."""
+        """Several images in one tower pass (its projections over all their patches at once), or each through its
+        bucket when the tower has its graphs (`use_vision_graphs`)."""
         assert self.vision is not None, "checked by the caller: the model reads images"
+        graphs = self.vision_graphs
+        if graphs is not None and all(graphs.fits(p.shape[0]) for p, _ in images):
+            return [graphs.encode(p, q) for p, q in images]  # one bucket each
         pooled = self.vision.forward_many(images)
         soft = self.embed_vision(torch.cat(pooled).to(self.dtype))
         return list(soft.split([p.shape[0] for p in pooled]))

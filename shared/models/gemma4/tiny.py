@@ -66,6 +66,12 @@ class TinyGemma4:
 # the tiny towers' image processor: 4 px patches pooled 2 x 2, at most 70 soft tokens (the smallest budget
 # transformers' Gemma4ImageProcessor accepts), so an image of up to 280 patches
 TINY_IMAGE_PROCESSOR: dict[str, Any] = dict(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+# its video processor: Gemma4VideoProcessor's settings (transformers' class cannot be built without torchvision,
+# so they are written out), the same patches, 70 soft tokens a frame, at most 32 frames
+TINY_VIDEO_PROCESSOR: dict[str, Any] = dict(
+    TINY_IMAGE_PROCESSOR, video_processor_type="Gemma4VideoProcessor", num_frames=32, do_sample_frames=True,
+    do_resize=True, resample=3, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+    image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0], do_convert_rgb=True, return_metadata=True)
 # placeholder and delimiter ids inside a tiny vocabulary (the published ones lie past 256)
 SMALL_VOCAB_TOKEN_IDS: dict[str, int] = dict(video_token_id=249, image_token_id=250, audio_token_id=251,
                                              boi_token_id=252, eoi_token_id=253, boa_token_id=254,
@@ -110,6 +116,7 @@ def tiny_processor_config() -> dict[str, Any]:
     image = Gemma4ImageProcessorPil(**TINY_IMAGE_PROCESSOR).to_dict()
     audio = {k: v for k, v in Gemma4AudioFeatureExtractor().to_dict().items() if k not in ("mel_filters", "window")}
     return {"processor_class": "Gemma4Processor", "image_processor": image, "feature_extractor": audio,
+            "video_processor": dict(TINY_VIDEO_PROCESSOR),
             "image_seq_length": TINY_IMAGE_PROCESSOR["max_soft_tokens"], "audio_seq_length": 750,
             "audio_ms_per_token": 40}
 

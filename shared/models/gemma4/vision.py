@@ -21,7 +21,7 @@ second half by its row, each half a rotate-half RoPE over head_dim / 2 channels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from shared.errors import ConfigError
 from shared.models.gemma4.encoder_common import ClippedLinear, TowerWeights, rms
 
 PREFIX = "model.vision_tower."
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [n, heads, dim] -> same
 
 
 @dataclass(frozen=True)
@@ -145,23 +146,48 @@ class VisionTower:
         sizes = [p.shape[0] for p, _ in images]
         patches = torch.cat([p for p, _ in images]).to(self.device, self.dtype)
         positions = torch.cat([q for _, q in images]).to(self.device)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # each image on its own
+            return torch.cat([_sdpa(qi, ki, vi, None) for qi, ki, vi in
+                              zip(q.split(sizes), k.split(sizes), v.split(sizes), strict=True)])
+
+        x = self._encode(patches, positions, attend)
+        return [self._soft_tokens(_pool(xi, pi, k) if k > 1 else xi)
+                for xi, pi in zip(x.split(sizes), positions.split(sizes), strict=True)]
+
+    def forward_padded(
+        self,
+        patches: torch.Tensor,  # [N, 3 * p * p] one image, its real patches first, then padding
+        positions: torch.Tensor,  # [N, 2] (column, row); anything in the padding rows
+        key_mask: torch.Tensor,  # [N] bool: the real patches
+        cell_rows: torch.Tensor,  # [N / k**2, k**2] int64: each pooling cell's patch rows (padding cells: any)
+    ) -> torch.Tensor:  # [N / k**2, hidden] fp32; the first (real patches / k**2) rows are the soft tokens
+        """One image padded to a fixed size, without a host synchronization: what a CUDA graph captures
+        (vision_graphs.py). Padding keys are masked; padding rows feed no real cell."""
+        mask = key_mask[None, None, :]
+        x = self._encode(patches, positions, lambda q, k, v: _sdpa(q, k, v, mask))
+        pooled = x[cell_rows].float().mean(dim=1).to(x.dtype) if self.spec.pooling_kernel_size > 1 else x
+        return self._soft_tokens(pooled)
+
+    def _encode(self, patches: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:  # [n, hidden]
+        """The patch embedding and every layer; `attend(q, k, v)` over [n, heads, head_dim] rows."""
+        s = self.spec
         x = F.linear(2 * (patches - 0.5), self.input_proj)
         x = x + self.position_table[0][positions[:, 0]] + self.position_table[1][positions[:, 1]]
         cos_sin = self._rope(positions)
         for layer in self.layers:
-            x = x + rms(self._attention(layer, rms(x, layer.norm_in, s.rms_eps), cos_sin, sizes),
+            x = x + rms(self._attention(layer, rms(x, layer.norm_in, s.rms_eps), cos_sin, attend),
                         layer.norm_attn_out, s.rms_eps)
             h = rms(x, layer.norm_ffn_in, s.rms_eps)
             m = layer.down(F.gelu(layer.gate(h), approximate="tanh") * layer.up(h))
             x = x + rms(m, layer.norm_ffn_out, s.rms_eps)
-        outs = []
-        for xi, pi in zip(x.split(sizes), positions.split(sizes), strict=True):
-            pooled = _pool(xi, pi, k) if k > 1 else xi
-            out = pooled.float() * s.hidden_size**0.5
-            if self.std is not None:
-                out = (out - self.std[0]) * self.std[1]
-            outs.append(out)
-        return outs
+        return x
+
+    def _soft_tokens(self, pooled: torch.Tensor) -> torch.Tensor:  # [cells, hidden] fp32
+        out = pooled.float() * self.spec.hidden_size**0.5
+        if self.std is not None:
+            out = (out - self.std[0]) * self.std[1]
+        return out
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # each [n, 1, head_dim]
         """cos and sin per channel: [col, col, row, row] frequency blocks, as transformers lays them out."""
@@ -171,7 +197,7 @@ class VisionTower:
         return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
 
     def _attention(self, layer: _VisionLayer, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                   sizes: list[int]) -> torch.Tensor:  # [n, hidden]; each image's rows see only each other
+                   attend: Attend) -> torch.Tensor:  # [n, hidden]
         s = self.spec
         n = h.shape[0]
         q = _rope2d(rms(layer.q(h).view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_eps), cos_sin)
@@ -179,11 +205,13 @@ class VisionTower:
         v = rms(layer.v(h).view(n, s.num_kv_heads, s.head_dim), None, s.rms_eps)
         group = s.num_heads // s.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        a = torch.cat([
-            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
-                                           scale=1.0).transpose(0, 1)
-            for qi, ki, vi in zip(q.split(sizes), k.split(sizes), v.split(sizes), strict=True)])
-        return layer.o(a.reshape(n, s.num_heads * s.head_dim))
+        return layer.o(attend(q, k, v).reshape(n, s.num_heads * s.head_dim))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          mask: torch.Tensor | None) -> torch.Tensor:  # [n, heads, dim] each; bidirectional, scale 1.0
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=mask, scale=1.0).transpose(0, 1)
 
 
 def _rope2d(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [n, heads, dim]
@@ -206,3 +234,11 @@ def _pool(x: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
     num_cells = x.shape[0] // (k * k)
     weights = F.one_hot(cell, num_cells).float() / (k * k)  # [n, cells]
     return (weights.T @ x.float()).to(x.dtype)
+
+
+def cell_rows(positions: torch.Tensor, k: int) -> torch.Tensor:  # [n / k**2, k**2] int64
+    """The patch rows of each k x k pooling cell, cells in `_pool`'s order (what `forward_padded` gathers)."""
+    cells_per_row = (int(positions[:, 0].max()) + 1) // k
+    cell = torch.div(positions[:, 0], k, rounding_mode="floor") + cells_per_row * torch.div(
+        positions[:, 1], k, rounding_mode="floor")
+    return torch.argsort(cell, stable=True).view(-1, k * k)

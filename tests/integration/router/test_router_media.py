@@ -1,10 +1,11 @@
-"""Images and audio through the router (colocated engine, the official `openai` client on a real server).
+"""Images, audio and video through the router (colocated engine, the official `openai` client on a real server).
 
 A tiny random multimodal Gemma 4 over the byte-level test tokenizer: the prompt
 the router builds (placeholders expanded to Gemma4Processor's soft-token counts,
 counted in usage) and the greedy tokens served equal transformers' `generate` on
 the same inputs; `image_url` as a data URL and from an allowed http URL,
-`input_audio` wav and mp3, the Responses API's `input_image`. Bad media gets a
+`input_audio` wav and mp3, `video_url` (its frames sampled and stamped as
+Gemma4Processor writes them), the Responses API's `input_image`. Bad media gets a
 400 with OpenAI's error body and leaves no request or KV block behind.
 """
 
@@ -24,15 +25,20 @@ from services.router.app import create_app
 from services.router.media import RouterMedia
 from services.router.settings import RouterSettings
 from shared.multimodal.media import MediaLimits
+from shared.multimodal.video import decode_video, timestamp
 from tests.helpers.gemma4_mm import (
     AUDIO_ID,
+    BOI,
+    EOI,
     IMAGE_ID,
+    VIDEO_ID,
     hf_mm_greedy,
     image_bytes,
     media_processor,
     random_image,
     random_wave,
     tiny_mm_loaded,
+    video_bytes,
     wav_bytes,
 )
 from tests.helpers.models import tiny_engine
@@ -40,7 +46,7 @@ from tests.helpers.tokenizers import BYTE_VOCAB, byte_tokenizer
 from tests.integration.router.helpers import EngineUnderTest, engine_under_test, serve
 
 MODEL = "tiny-gemma4-mm"
-LIMITS = MediaLimits(max_image_bytes=60_000, max_items=2)
+LIMITS = MediaLimits(max_image_bytes=60_000, max_items=2, max_video_bytes=5_000, max_video_seconds=5.0)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +154,27 @@ def test_audio_chat_matches_transformers(mm, client, fmt: str) -> None:
     under_test.wait_idle()
 
 
+def test_video_chat_matches_transformers(mm, client) -> None:
+    """Five frames of a video: each "MM:SS <boi><video>*n<eoi>", joined by spaces, in the prompt; the tokens
+    served are transformers' on those frames (mm_token_type_ids 2: each frame's tokens see each other)."""
+    under_test, hf = mm
+    data = video_bytes(5, 40, 28, fps=2, seed=4)
+    r = _chat(client, [{"type": "text", "text": "What happens?"},
+                       {"type": "video_url", "video_url": {"url": data_url(data, "video/mp4")}}])
+    prompt = r.model_extra["prompt_token_ids"]
+    video = decode_video(data, media_processor().video_rules, LIMITS, "messages")
+    assert len(video.frames) == 5 and prompt.count(VIDEO_ID) == 5 * video.tokens_per_frame
+    assert r.usage.prompt_tokens == len(prompt)
+    starts = [i for i, t in enumerate(prompt) if t == BOI]
+    ends = [i for i, t in enumerate(prompt) if t == EOI]
+    tokenizer = under_test.engine.loaded.tokenizer
+    assert tokenizer.decode(prompt[: starts[0]]).endswith(f"What happens?\n{timestamp(video.seconds[0])} ")
+    for f in range(1, 5):
+        assert tokenizer.decode(prompt[ends[f - 1] + 1: starts[f]]) == f" {timestamp(video.seconds[f])} "
+    assert r.choices[0].model_extra["token_ids"] == hf_mm_greedy(hf, prompt, [], [], 6, video.frames)
+    under_test.wait_idle()
+
+
 def test_responses_input_image_equals_chat(mm, client) -> None:
     under_test, _ = mm
     url = data_url(image_bytes(30, 30, seed=8))
@@ -185,6 +212,14 @@ BAD: dict[str, tuple[list[dict[str, Any]], str]] = {
                                   "over the limit"),
     "url not allowed": ([{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}],
                         "not allowed"),
+    "undecodable video": ([{"type": "video_url", "video_url": {"url": data_url(b"no video" * 50, "video/mp4")}}],
+                          "video could not be decoded"),
+    "video past the size limit": ([{"type": "video_url", "video_url": {
+        "url": data_url(video_bytes(8, 160, 120, seed=1), "video/mp4")}}], "video of"),
+    "video too long": ([{"type": "video_url", "video_url": {"url": data_url(video_bytes(12, 16, 16, fps=2),
+                                                                            "video/mp4")}}], "6.0 s is over"),
+    "video url not allowed": ([{"type": "video_url", "video_url": {"url": "http://example.com/cat.mp4"}}],
+                              "video URL host 'example.com' is not allowed"),
 }
 
 
