@@ -14,24 +14,28 @@ soft tokens are checked against eager's first. JSON in bench/results/. Needs
 CUDA for the graph side (on the CPU it times the bucketed pass run eagerly).
 
     python -m bench.vision_graphs [--dtype bfloat16] [--repeats 30] [--out-dir bench/results]
+    python -m bench.vision_graphs --readme-from bench/results/vision_graphs-<stamp>.json [...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.results_file import write_results
+from bench.serve_report import write_block
+from shared.models.gemma4.encoder_common import TowerWeights
 from shared.models.gemma4.multimodal import Embedder
 from shared.models.gemma4.vision import PREFIX, VisionSpec, VisionTower
 from shared.models.gemma4.vision_graphs import SOFT_TOKEN_BUDGETS, VisionGraphs
-from shared.models.gemma4.encoder_common import TowerWeights
 
 SPEC = VisionSpec(hidden_size=768, intermediate_size=3072, num_layers=16, num_heads=12, num_kv_heads=12, head_dim=64,
                   rms_eps=1e-6, patch_size=16, pooling_kernel_size=3, position_embedding_size=10240,
@@ -83,6 +87,20 @@ def timed(fn: Any, device: str) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
+def readme_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """One row per run and budget: ms per image eager and replayed, and eager / graph."""
+    lines = ["The vision encoder per image, eager against replayed from its CUDA graph (`bench/vision_graphs.py`; "
+             "the published Gemma 4 tower with random weights; images up to 560 soft tokens replay, larger ones "
+             "run eagerly, `GRAPHED_UP_TO`):", "",
+             "| run | device | dtype | soft tokens | patches | eager ms | graph ms | eager / graph |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in runs:
+        for row in r["rows"]:
+            lines.append(f"| `{name}` | {r['device']} | {r['dtype']} | {row['soft_tokens']} | {row['patches']} | "
+                         f"{row['eager_ms_p50']:.2f} | {row['graph_ms_p50']:.2f} | {row['eager_over_graph']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -90,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--budgets", type=int, nargs="+", default=list(SOFT_TOKEN_BUDGETS))
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--readme-from", type=Path, nargs="+", default=None,
+                    help="write bench/README.md's table from these results files and exit")
     args = ap.parse_args(argv)
+    if args.readme_from:
+        write_block(Path(__file__).parent / "README.md", "vision_graphs",
+                    readme_table([(p.name, json.loads(p.read_text())) for p in args.readme_from]))
+        return 0
     dtype = getattr(torch, args.dtype)
     weights = random_weights(SPEC)
     tower = VisionTower(SPEC, weights, args.device, dtype)
@@ -119,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats + 3):
             order = ("eager", "graph") if i % 2 == 0 else ("graph", "eager")
             for way in order:
-                ms = timed(lambda w=way: eager(patches, positions) if w == "eager"
-                           else graphs.encode(patches, positions), args.device)
+                run = eager if way == "eager" else graphs.encode
+                ms = timed(partial(run, patches, positions), args.device)
                 if i >= 3:  # warm-up rounds dropped
                     times[way].append(ms)
         row = {"soft_tokens": cells, "patches": patches.shape[0], "max_abs_diff": max_err,

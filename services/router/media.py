@@ -180,13 +180,14 @@ def expand_markers(text: str, pending: PendingMedia, config: MultimodalConfig,
         k = int(pieces[i + 1])
         seen.add(k)
         kind, n = pending.kind[k], pending.num_tokens[k]
+        video_id = config.video_token_id or 0  # add_part admits video only where the model names its token
         begin, token, end = ((config.boi_token_id, config.image_token_id, config.eoi_token_id) if kind == IMAGE
-                             else (config.boi_token_id, config.video_token_id, config.eoi_token_id) if kind == VIDEO
+                             else (config.boi_token_id, video_id, config.eoi_token_id) if kind == VIDEO
                              else (config.boa_token_id, config.audio_token_id, config.eoa_token_id))
         data = pending.frames[k][int(pieces[i + 2])] if kind == VIDEO else pending.data[k]
         ids.append(begin)
         items.append(MediaItem(kind, len(ids), n, content_hash(data), data, pending.audio_format[k]))
-        ids += [token] * n + [end]  # type: ignore[list-item]  # video_token_id: checked by add_part
+        ids += [token] * n + [end]
     if len(seen) != len(pending.kind):
         raise InvalidRequestError("the chat template dropped an image, audio or video part", param="messages")
     return ids, items

@@ -3,9 +3,10 @@
     file bytes ──size limit──► PyAV (FFmpeg in its wheel): the first video stream, its frame count (its
       packets counted where the container keeps none: webm, mkv) and rate
       ──duration limit──► frame indices i * total // n, n = min(num_frames, total)  (default_sample_indices_fn)
-      ──decode in order, keep those frames (RGB)──► each resized as torchvision's v2 `resize` does for uint8
-        (bicubic, antialiased, in fp32, clamped and rounded back to uint8) to the largest size of at most
-        max_soft_tokens * k^2 patches whose sides are multiples of patch * k (the image rule)
+      ──decode in order, keep those frames (RGB)──► each resized as torchvision's v2 `resize` does a uint8
+        channels-first tensor on the CPU (torch's native uint8 bicubic antialias kernel: no float round trip)
+        to the largest size of at most max_soft_tokens * k^2 patches whose sides are multiples of patch * k
+        (the image rule)
       ──► frames [h, w, 3] uint8, each frame's time (index / fps) and soft tokens
 
 The prompt then holds, per frame, "MM:SS <boi><video> x n<eoi>" joined by spaces
@@ -77,13 +78,15 @@ def target_size(height: int, width: int, rules: VideoRules, param: str) -> tuple
 
 
 def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:  # [h, w, 3] uint8 -> [height, width, 3]
-    """torchvision.transforms.v2.functional.resize on a uint8 tensor, bicubic and antialiased: interpolated in
-    fp32, clamped to [0, 255], rounded."""
+    """torchvision.transforms.v2.functional.resize(BICUBIC, antialias=True) as Gemma4VideoProcessor calls it: on
+    a contiguous uint8 [frames, 3, h, w] CPU tensor torchvision hands the bytes to torch's own uint8 kernel
+    (`_do_native_uint8_resize_on_cpu`), whose fixed-point passes round between the two axes: a float round
+    trip differs from it by several levels."""
     if frame.shape[:2] == (height, width):
         return frame
-    x = torch.from_numpy(np.array(frame)).permute(2, 0, 1)[None].float()
+    x = torch.from_numpy(np.array(frame)).permute(2, 0, 1).contiguous()[None]
     y = F.interpolate(x, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
-    return y.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).contiguous().numpy()
+    return y[0].permute(1, 2, 0).contiguous().numpy()
 
 
 def frame_png(frame: np.ndarray) -> bytes:

@@ -164,6 +164,12 @@ def hf_mm_greedy(hf: Any, ids: list[int], images: list[Any], waves: list[Any], n
                  video_frames: list[Any] | None = None) -> list[int]:
     """transformers' greedy continuation of a prompt with these PIL images, 16 kHz waves and one video's
     processed frames."""
+    return hf_mm_greedy_logprobs(hf, ids, images, waves, num_tokens, video_frames)[0]
+
+
+def hf_mm_greedy_logprobs(hf: Any, ids: list[int], images: list[Any], waves: list[Any], num_tokens: int,
+                          video_frames: list[Any] | None = None) -> tuple[list[int], list[float]]:
+    """`hf_mm_greedy`'s tokens and the log-probability of each."""
     proc = media_processor()
     kwargs: dict[str, Any] = {"mm_token_type_ids": mm_token_type_ids(ids, hf.config.image_token_id,
                                                                       hf.config.audio_token_id,
@@ -177,8 +183,10 @@ def hf_mm_greedy(hf: Any, ids: list[int], images: list[Any], waves: list[Any], n
         feats = proc.audio_features(waves, return_tensors="pt")
         kwargs |= dict(input_features=feats["input_features"], input_features_mask=feats["input_features_mask"])
     out = hf.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
-                      output_hidden_states=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences[0, len(ids):].tolist()  # type: ignore[no-any-return]
+                      output_hidden_states=True, return_dict_in_generate=True, output_logits=True, **kwargs)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
 
 
 def whole_mm_prompt(num_image: int, num_audio: int) -> list[int]:

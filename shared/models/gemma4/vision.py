@@ -104,7 +104,7 @@ class VisionTower:
         self.std = (w.get("std_bias", (s.hidden_size,)).float(), w.get("std_scale", (s.hidden_size,)).float()) \
             if s.standardize else None
         half = s.head_dim // 2  # each axis rotates half of a head: inv_freq over half // 2 pairs
-        self.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+        self.inv_freq = (1.0 / (s.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))).to(self.device)
 
     def _layer(self, w: TowerWeights, i: int) -> _VisionLayer:
         s, p = self.spec, f"encoder.layers.{i}."
@@ -164,7 +164,7 @@ class VisionTower:
     ) -> torch.Tensor:  # [N / k**2, hidden] fp32; the first (real patches / k**2) rows are the soft tokens
         """One image padded to a fixed size, without a host synchronization: what a CUDA graph captures
         (vision_graphs.py). Padding keys are masked; padding rows feed no real cell."""
-        mask = key_mask[None, None, :]
+        mask = key_mask[None, None, None, :]
         x = self._encode(patches, positions, lambda q, k, v: _sdpa(q, k, v, mask))
         pooled = x[cell_rows].float().mean(dim=1).to(x.dtype) if self.spec.pooling_kernel_size > 1 else x
         return self._soft_tokens(pooled)
@@ -191,7 +191,7 @@ class VisionTower:
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # each [n, 1, head_dim]
         """cos and sin per channel: [col, col, row, row] frequency blocks, as transformers lays them out."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [n, 2, head_dim / 4]
+        freqs = positions[..., None].float() * self.inv_freq  # [n, 2, head_dim / 4]
         fx, fy = freqs[:, 0], freqs[:, 1]
         angles = torch.cat([fx, fx, fy, fy], dim=-1)
         return angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
@@ -210,8 +210,12 @@ class VisionTower:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           mask: torch.Tensor | None) -> torch.Tensor:  # [n, heads, dim] each; bidirectional, scale 1.0
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                          attn_mask=mask, scale=1.0).transpose(0, 1)
+    """As one 4-D batch ([1, heads, n, dim]): 3-D inputs keep SDPA off its fused CUDA kernels."""
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)[None]
+
+    out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), attn_mask=mask, scale=1.0)
+    return out[0].transpose(0, 1)
 
 
 def _rope2d(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [n, heads, dim]

@@ -10,7 +10,8 @@ this, per bucket of soft tokens (the image processor's budgets, 70 ... 1120):
         and read by no real cell ──replay──► [C, text hidden]; the first n / k^2 rows are the image's
 
 Each image replays on its own (the eager path batches several into one pass);
-an image larger than every bucket runs eagerly. The padded pass
+an image larger than every bucket runs eagerly, as do all above GRAPHED_UP_TO
+soft tokens, where the tower is compute-bound. The padded pass
 (`VisionTower.forward_padded`) has no host synchronization, so the same code runs
 eagerly on any device (the CPU tests) and is what CUDA captures.
 """
@@ -30,11 +31,17 @@ logger = logging.getLogger(__name__)
 
 # the soft-token budgets transformers' Gemma 4 image and video processors accept (max_soft_tokens)
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+# the largest bucket captured: past it the tower is compute-bound and a graph's masked attention loses to eager
+# flash attention (H100, bf16, the published tower: graph over eager 3.6x at 70 soft tokens, 3.4x at 280, 2.0x at
+# 560, 0.93x at 1120; bench/results/vision_graphs-20261126-185655.json)
+GRAPHED_UP_TO = 560
 
 
 def budgets_up_to(max_soft_tokens: int) -> list[int]:
-    """The buckets for a processor whose images get at most `max_soft_tokens`: every budget up to its own."""
-    return [b for b in SOFT_TOKEN_BUDGETS if b < max_soft_tokens] + [max_soft_tokens]
+    """The buckets for a processor whose images get at most `max_soft_tokens`: every budget up to its own, none
+    past GRAPHED_UP_TO (larger images run eagerly)."""
+    top = min(max_soft_tokens, GRAPHED_UP_TO)
+    return [b for b in SOFT_TOKEN_BUDGETS if b < top] + [top]
 
 
 class _Bucket:

@@ -43,6 +43,7 @@ def test_budgets_are_the_processors_up_to_its_own() -> None:
     assert budgets_up_to(70) == [70]
     assert budgets_up_to(280) == [70, 140, 280]
     assert budgets_up_to(100) == [70, 100]
+    assert budgets_up_to(1120) == [70, 140, 280, 560]  # the largest images run eagerly: compute-bound
 
 
 def test_each_image_takes_the_smallest_bucket_that_holds_it(hf: Any) -> None:

@@ -33,6 +33,7 @@ from tests.helpers.gemma4_mm import (
     IMAGE_ID,
     VIDEO_ID,
     hf_mm_greedy,
+    hf_mm_greedy_logprobs,
     image_bytes,
     media_processor,
     random_image,
@@ -159,8 +160,11 @@ def test_video_chat_matches_transformers(mm, client) -> None:
     served are transformers' on those frames (mm_token_type_ids 2: each frame's tokens see each other)."""
     under_test, hf = mm
     data = video_bytes(5, 40, 28, fps=2, seed=4)
-    r = _chat(client, [{"type": "text", "text": "What happens?"},
-                       {"type": "video_url", "video_url": {"url": data_url(data, "video/mp4")}}])
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What happens?"},
+            {"type": "video_url", "video_url": {"url": data_url(data, "video/mp4")}}]}],
+        max_tokens=6, temperature=0, logprobs=True, extra_body={"return_token_ids": True, "ignore_eos": True})
     prompt = r.model_extra["prompt_token_ids"]
     video = decode_video(data, media_processor().video_rules, LIMITS, "messages")
     assert len(video.frames) == 5 and prompt.count(VIDEO_ID) == 5 * video.tokens_per_frame
@@ -171,7 +175,10 @@ def test_video_chat_matches_transformers(mm, client) -> None:
     assert tokenizer.decode(prompt[: starts[0]]).endswith(f"What happens?\n{timestamp(video.seconds[0])} ")
     for f in range(1, 5):
         assert tokenizer.decode(prompt[ends[f - 1] + 1: starts[f]]) == f" {timestamp(video.seconds[f])} "
-    assert r.choices[0].model_extra["token_ids"] == hf_mm_greedy(hf, prompt, [], [], 6, video.frames)
+    tokens, logprobs = hf_mm_greedy_logprobs(hf, prompt, [], [], 6, video.frames)
+    assert r.choices[0].model_extra["token_ids"] == tokens
+    served = [t.logprob for t in r.choices[0].logprobs.content]
+    assert served == pytest.approx(logprobs, abs=2e-3)  # also what a frame's tokens see of each other
     under_test.wait_idle()
 
 
