@@ -18,7 +18,7 @@ from proto.baton.v1 import common_pb2
 from shared.engine.choices import FirstToken
 from shared.engine.request import SamplingParams, TokenLogprobs
 from shared.errors import InvalidRequestError
-from shared.multimodal.items import AUDIO, IMAGE, MediaItem
+from shared.multimodal.items import AUDIO, IMAGE, VIDEO, MediaItem
 from shared.multimodal.media import content_hash
 from shared.registry.base import Load
 from shared.registry.kv_summary import MAX_SUMMARY_BLOCKS, KVSummary
@@ -194,8 +194,8 @@ def media_from_proto(msgs: Sequence[common_pb2.MediaItem]) -> list[MediaItem]:
     """A request's media; the engine checks them against the prompt's placeholders."""
     items = []
     for m in msgs:
-        if m.kind not in (IMAGE, AUDIO):
-            raise InvalidRequestError(f"media kind {m.kind!r} is not image or audio", param="media")
+        if m.kind not in (IMAGE, AUDIO, VIDEO):
+            raise InvalidRequestError(f"media kind {m.kind!r} is not image, audio or video", param="media")
         if m.content_hash != content_hash(m.data):  # the prefix cache trusts the digest: it must name the data
             raise InvalidRequestError("a media item's content_hash does not match its data", param="media")
         items.append(MediaItem(m.kind, m.offset, m.num_tokens, m.content_hash, m.data, m.audio_format))

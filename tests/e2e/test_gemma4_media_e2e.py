@@ -1,4 +1,4 @@
-"""Images and audio through `baton up` on a tiny Gemma 4 checkpoint with both towers, through the official
+"""Images, audio and video through `baton up` on a tiny Gemma 4 checkpoint with both towers, through the official
 `openai` client: the disaggregated stack (an encoder instance encodes, its outputs and the KV go through
 kv_transfer, decode generates) answers exactly as the colocated one, the media are counted in usage, and a bad image is a 400 that leaves
 every engine's blocks and kv_transfer's leases at their totals. (Fidelity against transformers on the same
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.helpers.gemma4 import tiny_gemma4_checkpoint
-from tests.helpers.gemma4_mm import image_bytes, media_processor, random_wave, wav_bytes
+from tests.helpers.gemma4_mm import image_bytes, media_processor, random_wave, video_bytes, wav_bytes
 from tests.helpers.stack import BatonStack, disagg_and_colocated, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -46,6 +46,11 @@ def audio_part(seed: int) -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
 
 
+def video_part(seed: int) -> dict[str, Any]:
+    url = "data:video/mp4;base64," + base64.b64encode(video_bytes(3, 40, 28, fps=2, seed=seed)).decode()
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
 def chat(stack: BatonStack, model: str, parts: list[dict[str, Any]]) -> Any:
     c = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
     content = [{"type": "text", "text": "Describe:"}, *parts]
@@ -60,6 +65,7 @@ def test_image_and_audio_disaggregated_equal_colocated(checkpoint: Path, stacks:
         ([image_part(1)], processor.image_tokens(40, 28)),
         ([audio_part(2)], processor.audio_tokens(8000)),
         ([image_part(3), audio_part(4)], processor.image_tokens(40, 28) + processor.audio_tokens(8000)),
+        ([video_part(6)], 3 * processor.image_tokens(40, 28)),  # three frames, each as an image of its size
     ):
         out = {mode: chat(stack, str(checkpoint), parts) for mode, stack in stacks.items()}
         assert out["disagg"].choices[0].message.content == out["colocated"].choices[0].message.content
@@ -68,9 +74,10 @@ def test_image_and_audio_disaggregated_equal_colocated(checkpoint: Path, stacks:
             # each item: its soft tokens plus begin/end markers (and the template's spacing) beyond the text
             assert o.usage.prompt_tokens >= text_only + media_tokens
         assert out["disagg"].usage.prompt_tokens == out["colocated"].usage.prompt_tokens
-    # the four items went through the encoder, and the prefill found each output in kv_transfer
-    assert stacks["disagg"].metric("encoder-0", "baton_encoder_items_total") == 4
-    assert stacks["disagg"].metric("kv_transfer", "baton_encoder_cache_lookups_total", 'result="hit"') >= 4
+    # the seven items (four, and the video's three frames) went through the encoder, and the prefill found each
+    # output in kv_transfer
+    assert stacks["disagg"].metric("encoder-0", "baton_encoder_items_total") == 7
+    assert stacks["disagg"].metric("kv_transfer", "baton_encoder_cache_lookups_total", 'result="hit"') >= 7
     for stack in stacks.values():
         wait_idle(stack)
 
