@@ -93,7 +93,8 @@ class RouterSettings(BaseSettings):
     media_url_allowlist: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="hosts (comma-separated; '.example.com' allows its subdomains) whose "
         "http(s) image and video URLs the router fetches; empty: data: URLs only")
-    media_fetch_timeout_s: float = Field(default=10.0, gt=0, le=120, description="time allowed to fetch one image or video URL")
+    media_fetch_timeout_s: float = Field(default=10.0, gt=0, le=120,
+                                         description="time allowed to fetch one image or video URL")
     media_max_image_bytes: int = Field(default=20 * 2**20, ge=1, description="largest image file accepted")
     media_max_image_pixels: int = Field(default=40_000_000, ge=1, description="most pixels an image may have")
     media_max_audio_bytes: int = Field(default=25 * 2**20, ge=1, description="largest audio file accepted")
