@@ -9,9 +9,15 @@
             `baton up` does, the router's kv policy) ─► predicted; and with fixed shares, for comparison
     ─► JSON in bench/results/plan_validate-*.json, a table (and a plot with matplotlib) for bench/README.md
 
-The error of each figure is (predicted − measured) / measured. `--calibrate` adds a second prediction
-(calibrated()): each shape's prefill and decode curves scaled to what its lowest rate measured, the other
-rates held out; reported beside the uncalibrated one, never instead of it.
+The error of each figure is (predicted − measured) / measured. Two further predictions are reported beside
+the plain one, never instead of it:
+  probed (probe_stack(), every run): before its trace, each stack serves a few probe requests alone (fresh
+      prompts of two lengths, none of them the trace's); the served TTFT against the simulator's for the same
+      requests gives a fixed serving overhead (HTTP, tokenization, gRPC, the stream's first hop: the
+      simulator's `router_overhead_s`) and the machine's prefill speed now against the profile's; their TPOT
+      its decode speed. Every trace point stays held out.
+  calibrated (`--calibrate`, calibrated()): each shape's prefill and decode curves scaled to what its lowest
+      rate measured, the other rates held out.
 
     .venv/bin/python -m bench.plan_validate [--quick] [--profile P] [--shapes colocated,1P1D,1P2D,2P1D]
                                             [--rates 0.25,0.5,1.0] [--requests 20] [--calibrate]
@@ -113,6 +119,59 @@ def measured_summary(records: list[RequestRecord], span_s: float, slo: SLO) -> d
     return summary
 
 
+PROBE_LENGTHS = (64, 256)  # prompt tokens of the probe requests: two, to tell a fixed cost from a per-token one
+PROBE_REPEATS = 3
+PROBE_OUTPUT = 16
+
+
+def alone(profile: Profile, shape: Shape, prompt_tokens: int, output_tokens: int,
+          options: SimOptions) -> tuple[float, float]:
+    """(TTFT, TPOT) the simulator predicts for one request alone on the fleet."""
+    request = simulate(profile, shape, [TraceRequest(0.0, prompt_tokens, output_tokens)], options)[0]
+    times = request.token_times_s
+    return request.first_token_s - request.arrival_s, (times[-1] - times[0]) / max(1, len(times) - 1)
+
+
+def probe_stack(base_url: str, vocab: Sequence[int], profile: Profile, shape: Shape, seed: int,
+                timeout_s: float) -> dict[str, Any]:
+    """Probe requests one at a time (fresh prompts) against the simulator's prediction for each alone: the
+    serving overhead (s) and the prefill and decode speed of the machine now, as multiples of the profile's."""
+    rng = random.Random(seed)
+    options = SimOptions(cores=os.cpu_count())
+    rows = []
+    for length in PROBE_LENGTHS:
+        for _ in range(PROBE_REPEATS):
+            spec = RequestSpec("/v1/completions", {"prompt": [rng.choice(vocab) for _ in range(length)],
+                                                   "max_tokens": PROBE_OUTPUT, "min_tokens": PROBE_OUTPUT,
+                                                   "ignore_eos": True, "temperature": 0.0})
+
+            async def send(spec: RequestSpec = spec) -> RequestRecord:
+                async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
+                    return await send_one(client, MODEL_NAME, spec, timeout_s)
+            record = asyncio.run(send())
+            if not record.ok:
+                raise RuntimeError(f"probe request failed: {record.error}")
+            times = record.token_times_s
+            rows.append({"prompt_tokens": length, "ttft_s": record.ttft_s,
+                         "tpot_s": (times[-1] - times[0]) / max(1, len(times) - 1)})
+    predicted = {n: alone(profile, shape, n, PROBE_OUTPUT, options) for n in PROBE_LENGTHS}
+    return {"rows": rows, **fit_probe(rows, predicted)}
+
+
+def fit_probe(rows: Sequence[dict[str, float]], predicted: dict[int, tuple[float, float]]) -> dict[str, float]:
+    """Measured TTFT(n) = overhead + prefill_scale × predicted TTFT(n), solved on the medians of the two probe
+    lengths (the scale held to 0.5 .. 2, the overhead to >= 0); decode_scale = median measured / predicted
+    TPOT."""
+    short, long = sorted(predicted)
+    ttft = {n: statistics.median(r["ttft_s"] for r in rows if r["prompt_tokens"] == n) for n in (short, long)}
+    prefill_scale = (ttft[long] - ttft[short]) / max(predicted[long][0] - predicted[short][0], 1e-9)
+    prefill_scale = min(max(prefill_scale, 0.5), 2.0)
+    overhead = max(0.0, ttft[short] - prefill_scale * predicted[short][0])
+    decode_scale = statistics.median(r["tpot_s"] / predicted[int(r["prompt_tokens"])][1] for r in rows)
+    return {"router_overhead_s": round(overhead, 4), "prefill_scale": round(prefill_scale, 3),
+            "decode_scale": round(decode_scale, 3)}
+
+
 def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.Namespace,
               vocab: Sequence[int]) -> list[dict[str, Any]]:
     shape = SHAPES[name]
@@ -122,6 +181,10 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
     points = []
     with Server("baton", config, up_args=up_args, name=f"plan-{name}") as server:
         asyncio.run(warm_up(server.base_url, MODEL_NAME, vocab))
+        probe = probe_stack(server.base_url, vocab, profile, shape, args.seed * 1000 + 999, args.timeout)
+        logger.info("%s probe: serving overhead %.1f ms, prefill x%.2f, decode x%.2f of the profile", name,
+                    probe["router_overhead_s"] * 1e3, probe["prefill_scale"], probe["decode_scale"])
+        probed_profile = scaled(profile, probe["prefill_scale"], probe["decode_scale"])
         for i, rate in enumerate(args.rates):
             trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
             logger.info("%s at %.3g req/s: %d requests ...", name, rate, len(trace))
@@ -134,12 +197,17 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
             # the simulator as it was before it modelled `baton up`'s lent cores: the same run's baseline
             fixed = sim_summarize(simulate(profile, shape, trace, SimOptions(cores=os.cpu_count(), core_share=False)),
                                   SimSLO(slo.ttft_s, slo.tpot_s))
+            probed = sim_summarize(simulate(probed_profile, shape, trace, SimOptions(
+                cores=os.cpu_count(), router_overhead_s=probe["router_overhead_s"])), SimSLO(slo.ttft_s, slo.tpot_s))
             point = {"shape": name, "rate": rate, "num_failed": measured["num_failed"],
                      "measured_attainment": measured.get("slo_attainment"),
                      "predicted_attainment": predicted["slo_attainment"], "figures": compare(predicted, measured),
-                     "figures_fixed_shares": compare(fixed, measured),
+                     "figures_fixed_shares": compare(fixed, measured), "figures_probed": compare(probed, measured),
+                     "probe": probe if i == 0 else None,
                      "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok)}
-            logger.info("%s at %.3g req/s: %s", name, rate, {k: v["error"] for k, v in point["figures"].items()})
+            logger.info("%s at %.3g req/s: %s; probed %s", name, rate,
+                        {k: v["error"] for k, v in point["figures"].items()},
+                        {k: v["error"] for k, v in point["figures_probed"].items()})
             points.append(point)
     return points
 
@@ -193,6 +261,12 @@ def readme_table(result: dict[str, Any]) -> str:
     if fixed:
         lines.append(f"The same measurements against the simulator with each engine on a fixed share of the cores "
                      f"(no lent cores, `SimOptions(core_share=False)`): {sum(fixed)} of {len(fixed)} within 15%.")
+    probed = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p.get("figures_probed", {}).values()
+              if f["error"] is not None]
+    if probed:
+        lines.append(f"Probed (each stack's serving overhead and the machine's prefill and decode speed, from probe "
+                     f"requests served alone before its trace; every trace point held out): {sum(probed)} of "
+                     f"{len(probed)} within 15%.")
     held_out = [abs(f["error"]) <= 0.15 for p in result.get("calibrated", []) if not p["fitted"]
                 for f in p["figures"].values() if f["error"] is not None]
     if held_out:

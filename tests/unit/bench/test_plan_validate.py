@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.plan_validate import FIGURES, capped_trace, compare, readme_table, trace_specs
+from bench.plan_validate import FIGURES, capped_trace, compare, fit_probe, readme_table, trace_specs
 
 
 def test_trace_specs_have_exact_lengths_and_shared_prefixes() -> None:
@@ -30,3 +30,14 @@ def test_compare_and_table() -> None:
     table = readme_table(result)
     assert "| 1P1D | 0.2 | 110 / 100 (+10%)" in table
     assert "Points within 15%: 5 of 5." in table
+
+
+def test_the_probe_separates_a_fixed_overhead_from_the_speeds() -> None:
+    """Served probes at 64 and 256 tokens that took 40 ms more than 1.2x the prediction, decoding 1.1x slower."""
+    predicted = {64: (0.100, 0.020), 256: (0.400, 0.021)}
+    rows = [{"prompt_tokens": n, "ttft_s": 0.040 + 1.2 * predicted[n][0] + jitter, "tpot_s": 1.1 * predicted[n][1]}
+            for n in (64, 256) for jitter in (-0.002, 0.0, 0.003)]
+    fit = fit_probe(rows, predicted)
+    assert fit == {"router_overhead_s": 0.04, "prefill_scale": 1.2, "decode_scale": 1.1}
+    slower = [{**r, "ttft_s": 10 * r["ttft_s"]} for r in rows]
+    assert fit_probe(slower, predicted)["prefill_scale"] == 2.0  # held to 2x: a probe is no licence to refit
