@@ -14,7 +14,12 @@ second), and the router's calls per instance. Over the rates: goodput as DistSer
 highest rate with >= 90% attainment, bench/serve_stats.py). Ratios are against round_robin, round by
 round. `kv-local` is the KV policy with local prefill at the cost model's break-even length.
 
-    .venv/bin/python -m bench.serve_kvroute [--quick | --heavy] [--policies round_robin,least_loaded,kv,kv-local]
+`--pool-bound`: more shared templates (12 of 600 words) than kv_transfer's pool (192 MiB, about 4 of them)
+or any engine's own cache (256 MiB, about 5) holds, so prefixes are evicted and routing decides which
+instance still has one.
+
+    .venv/bin/python -m bench.serve_kvroute [--quick | --heavy | --pool-bound]
+                                            [--policies round_robin,least_loaded,kv,kv-local]
 """
 
 from __future__ import annotations
@@ -52,10 +57,17 @@ POLICIES: dict[str, dict[str, str]] = {
 }
 
 
-def plan(quick: bool, heavy: bool = False) -> dict[str, Any]:
+def plan(quick: bool, heavy: bool = False, pool_bound: bool = False) -> dict[str, Any]:
     """Workload, rates and rounds; --quick shrinks everything to a smoke test, --heavy takes long shared
     templates (8 of 600 words) through the machine's knee (0.2 conv/s was past it for every policy in
-    serve_kvroute-20261126-101545.json, which ran 0.2-0.8)."""
+    serve_kvroute-20261126-101545.json, which ran 0.2-0.8); --pool-bound bounds the caches below the
+    templates (SmolLM2 fp32: ~46 KiB of KV a token, ~37 MiB a 600-word template)."""
+    if pool_bound:
+        workload = MultiTurnPlan(num_conversations=16, num_turns=3, num_templates=12, template_words=600,
+                                 user_words=24, output_tokens=32)
+        return {"workload": asdict(workload), "rates": [0.1, 0.2], "rounds": 1, "timeout_s": 420.0,
+                "prefill": 2, "decode": 2, "env": {"BATON_KV_TRANSFER_CAPACITY_BYTES": str(192 << 20)},
+                "up_args": ["--kv-cache-bytes", str(256 << 20)]}
     if heavy:
         workload = MultiTurnPlan(num_conversations=16, num_turns=4, num_templates=8, template_words=600,
                                  user_words=24, output_tokens=32)
@@ -134,7 +146,10 @@ def readme_table(result: dict[str, Any]) -> str:
              f"`{result['file']}`: {p['workload']['num_conversations']} conversations x "
              f"{p['workload']['num_turns']} turns on {p['workload']['num_templates']} shared templates of "
              f"{p['workload']['template_words']} words, {p['prefill']} prefill + {p['decode']} decode, medians over "
-             f"the rounds that ran of {p['rounds']} alternating ones; SLO TTFT {result['slo']['ttft_ms']:.0f} ms, "
+             f"the rounds that ran of {p['rounds']} alternating ones"
+             + (f"; kv_transfer's pool {int(p['env']['BATON_KV_TRANSFER_CAPACITY_BYTES']) >> 20} MiB and each "
+                f"engine's cache {int(p['up_args'][1]) >> 20} MiB, below the templates" if p.get("env") else "")
+             + f"; SLO TTFT {result['slo']['ttft_ms']:.0f} ms, "
              f"TPOT {result['slo']['tpot_ms']:.0f} ms)" + (f"; failed to run: {'; '.join(failed)}" if failed else "")
              + ":", "",
              "| policy | rounds | rate (conv/s) | prefix hit rate | p50 TTFT ms | p99 TTFT ms | p99 TTFT / round_robin "
@@ -155,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated of {list(POLICIES)}")
     parser.add_argument("--quick", action="store_true", help="tiny loads: a smoke test of the whole pipeline")
     parser.add_argument("--heavy", action="store_true", help="long templates, rates through the machine's knee")
+    parser.add_argument("--pool-bound", action="store_true", help="more templates than the pool and caches hold")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -176,21 +192,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.serve import vocab_ids
 
     ids = vocab_ids(config.hf_dir)
-    p = plan(args.quick, args.heavy)
+    p = plan(args.quick, args.heavy, args.pool_bound)
     slo = SLO(ttft_s=args.ttft_slo_ms / 1e3, tpot_s=args.tpot_slo_ms / 1e3)
     result: dict[str, Any] = {"bench": "serve_kvroute", "model": MODEL_NAME, "quick": args.quick,
-                              "heavy": args.heavy, "plan": p,
+                              "heavy": args.heavy, "pool_bound": args.pool_bound, "plan": p,
                               "machine": machine_info(Path("/nonexistent")), "env": BATON_ENV, "policies": POLICIES,
                               "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms, "attainment": 0.9},
                               "runs": []}
     started = time.monotonic()
-    up_args = ("--prefill", str(p["prefill"]), "--decode", str(p["decode"]))
+    up_args = ("--prefill", str(p["prefill"]), "--decode", str(p["decode"]), *p.get("up_args", []))
     for rnd in range(p["rounds"]):
         for policy in policies if rnd % 2 == 0 else list(reversed(policies)):
             logger.info("round %d/%d: %s ...", rnd + 1, p["rounds"], policy)
             run: dict[str, Any] = {"policy": policy, "round": rnd}
             try:
-                with Server("baton", config, up_args=up_args, env=POLICIES[policy], name=f"kvroute-{policy}") as srv:
+                env = {**POLICIES[policy], **p.get("env", {})}
+                with Server("baton", config, up_args=up_args, env=env, name=f"kvroute-{policy}") as srv:
                     run.update(bench_policy(srv, ids, p, slo, args.seed))
             except (RuntimeError, TimeoutError) as exc:
                 logger.error("%s failed: %s", policy, exc)
@@ -201,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = write_results(result, args.out, "serve_kvroute", indent=None, record_name=True)
     logger.info("wrote %s", path)
     if not args.quick and not args.no_readme:
-        block = "serve_kvroute_heavy" if args.heavy else "serve_kvroute"
+        block = "serve_kvroute_pool_bound" if args.pool_bound else "serve_kvroute_heavy" if args.heavy \
+            else "serve_kvroute"
         write_block(Path(__file__).parent / "README.md", block, readme_table(result))
     print(json.dumps({"bench": "serve_kvroute", "file": path.name, "commit": result["machine"]["commit"],
                       "summary": result["summary"]}))
