@@ -22,6 +22,8 @@ the plain one, never instead of it:
     .venv/bin/python -m bench.plan_validate [--quick] [--profile P] [--shapes colocated,1P1D,1P2D,2P1D]
                                             [--rates 0.25,0.5,1.0] [--requests 20] [--calibrate]
                                             [--quick-profile]
+    .venv/bin/python -m bench.plan_validate --resimulate bench/results/plan_validate-<stamp>.json
+        (that run's measurements against the simulator as it is now: a changed model, judged on the same runs)
 """
 
 from __future__ import annotations
@@ -184,7 +186,6 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
         probe = probe_stack(server.base_url, vocab, profile, shape, args.seed * 1000 + 999, args.timeout)
         logger.info("%s probe: serving overhead %.1f ms, prefill x%.2f, decode x%.2f of the profile", name,
                     probe["router_overhead_s"] * 1e3, probe["prefill_scale"], probe["decode_scale"])
-        probed_profile = scaled(profile, probe["prefill_scale"], probe["decode_scale"])
         for i, rate in enumerate(args.rates):
             trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
             logger.info("%s at %.3g req/s: %d requests ...", name, rate, len(trace))
@@ -192,17 +193,12 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
             specs = trace_specs(trace, vocab, args.seed * 1000 + i + 1)
             records, span = asyncio.run(replay(server.base_url, trace, specs, args.timeout))
             measured = measured_summary(records, span, slo)
-            options = SimOptions(cores=os.cpu_count())
-            predicted = sim_summarize(simulate(profile, shape, trace, options), SimSLO(slo.ttft_s, slo.tpot_s))
-            # the simulator as it was before it modelled `baton up`'s lent cores: the same run's baseline
-            fixed = sim_summarize(simulate(profile, shape, trace, SimOptions(cores=os.cpu_count(), core_share=False)),
-                                  SimSLO(slo.ttft_s, slo.tpot_s))
-            probed = sim_summarize(simulate(probed_profile, shape, trace, SimOptions(
-                cores=os.cpu_count(), router_overhead_s=probe["router_overhead_s"])), SimSLO(slo.ttft_s, slo.tpot_s))
+            # plain; on fixed shares (the simulator before it modelled `baton up`'s lent cores); probed
+            predicted = predictions(profile, name, rate, args, probe)
             point = {"shape": name, "rate": rate, "num_failed": measured["num_failed"],
                      "measured_attainment": measured.get("slo_attainment"),
-                     "predicted_attainment": predicted["slo_attainment"], "figures": compare(predicted, measured),
-                     "figures_fixed_shares": compare(fixed, measured), "figures_probed": compare(probed, measured),
+                     "predicted_attainment": predicted["figures"]["slo_attainment"],
+                     **{key: compare(figures, measured) for key, figures in predicted.items()},
                      "probe": probe if i == 0 else None,
                      "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok)}
             logger.info("%s at %.3g req/s: %s; probed %s", name, rate,
@@ -247,8 +243,9 @@ def readme_table(result: dict[str, Any]) -> str:
     lines = [f"Predicted (simulator, profile `{result['profile_file']}`) against measured (`baton up`), chat "
              f"workload capped at {result['max_prompt']}/{result['max_output']} tokens, {result['requests']} "
              f"requests per point, SLO TTFT {result['slo']['ttft_s']} s / TPOT {result['slo']['tpot_s']} s; "
-             f"run `{result['file']}` (load average at start {result['machine'].get('loadavg_at_start', '?')}). "
-             "Each cell: predicted / measured (error).", "",
+             f"run `{result['file']}` (load average at start {result['machine'].get('loadavg_at_start', '?')})"
+             + (f", the measurements of `{result['resimulated_from']}` against the simulator as it is now"
+                if result.get("resimulated_from") else "") + ". Each cell: predicted / measured (error).", "",
              "| shape | rate | " + " | ".join(FIGURES) + " |", "|---|---|" + "---|" * len(FIGURES)]
     for p in result["points"]:
         cells = [f"{f['predicted']:.3g} / {f['measured']:.3g} ({f['error']:+.0%})" if f["error"] is not None
@@ -301,6 +298,41 @@ def plot(result: dict[str, Any], png: Path) -> bool:
     return True
 
 
+def predictions(profile: Profile, shape_name: str, rate: float, args: argparse.Namespace,
+                probe: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """The simulator's figures for one point: plain, on fixed core shares, and probed (when a probe ran)."""
+    shape = SHAPES[shape_name]
+    slo = SimSLO(args.ttft_slo, args.tpot_slo)
+    trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
+    out = {"figures": sim_summarize(simulate(profile, shape, trace, SimOptions(cores=os.cpu_count())), slo),
+           "figures_fixed_shares": sim_summarize(simulate(profile, shape, trace, SimOptions(
+               cores=os.cpu_count(), core_share=False)), slo)}
+    if probe is not None:
+        out["figures_probed"] = sim_summarize(simulate(
+            scaled(profile, probe["prefill_scale"], probe["decode_scale"]), shape, trace,
+            SimOptions(cores=os.cpu_count(), router_overhead_s=probe["router_overhead_s"])), slo)
+    return out
+
+
+def resimulate(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A results file's measured points against the simulator as it is now."""
+    old = json.loads(path.read_text())
+    profile = Profile.from_json(old["profile"])
+    args.requests, args.max_prompt, args.max_output = old["requests"], old["max_prompt"], old["max_output"]
+    args.ttft_slo, args.tpot_slo = old["slo"]["ttft_s"], old["slo"]["tpot_s"]
+    result = {**old, "resimulated_from": path.name, "points": []}
+    result.pop("calibrated", None)
+    probes: dict[str, dict[str, Any]] = {p["shape"]: p["probe"] for p in old["points"] if p.get("probe")}
+    for point in old["points"]:
+        measured = {k: v["measured"] for k, v in point["figures"].items()}
+        new = {**point}
+        for key, predicted in predictions(profile, point["shape"], point["rate"], args,
+                                          probes.get(point["shape"])).items():
+            new[key] = compare(predicted, measured)
+        result["points"].append(new)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8 requests per point, short outputs")
@@ -320,8 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/baton/bench-plan")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-readme", action="store_true")
+    parser.add_argument("--resimulate", type=Path, default=None,
+                        help="a results file: its measurements against the simulator as it is now")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
+    if args.resimulate is not None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+        return finish(resimulate(args.resimulate, args), args)
     if args.quick:
         args.requests, args.max_output = min(args.requests, 8), min(args.max_output, 16)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -354,9 +391,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             result.setdefault("errors", {})[name] = str(exc)
     if args.calibrate and result["points"]:
         result["calibrated"] = calibrated(result["points"], profile, args)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    return finish(result, args)
+
+
+def finish(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Score, write and report a run (or a resimulated one)."""
     errors = [abs(f["error"]) for p in result["points"] for f in p["figures"].values() if f["error"] is not None]
     result["median_abs_error"] = statistics.median(errors) if errors else None
-    result["wall_s"] = round(time.monotonic() - started, 1)
     path = write_results(result, args.out, "plan_validate", indent=None, record_name=True)
     logger.info("wrote %s", path)
     if result["points"] and not args.no_readme:
@@ -365,7 +407,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.info("plotted %s", path.name.replace(".json", ".png"))
     print(json.dumps({"bench": "plan_validate", "file": path.name, "median_abs_error": result["median_abs_error"]}))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

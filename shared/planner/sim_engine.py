@@ -13,7 +13,10 @@
 CPU contention (`Host`): engines sharing `cores` cores share them as the OS would (processor sharing):
 while the engines with work (queued or running) have more threads between them than there are cores,
 every step in progress runs at cores / those threads of its full speed, re-rated whenever an engine
-starts or runs out of work. A fleet of separate machines has no host and no contention.
+starts or runs out of work. A step on a team of several threads runs slower still (`team_speed` of that):
+each of its ops ends at an OpenMP barrier that waits for the team's descheduled thread (bench/
+omp_contention.py: a 2-thread team beside a 1-thread process ran at 0.28 of alone where processor sharing
+gives 0.67). A fleet of separate machines has no host and no contention.
 
 Lent cores (`baton up`'s core share, shared/engine/core_share.py): with `curves_at` given, each step runs
 on max(its share, cores // the host's engines with work) threads, timed by the profile's curves at that
@@ -64,17 +67,19 @@ class SimRequest:
 class Host:
     """Cores shared by the engines of one machine; `None` cores: each engine has its own."""
 
-    def __init__(self, cores: int | None) -> None:
+    def __init__(self, cores: int | None, team_speed: float = 1.0) -> None:
         self.cores = cores
+        self.team_speed = team_speed  # of processor sharing's speed, for a team of 2+ threads oversubscribed
         self.active_threads = 0  # of the engines that have work
         self.busy_engines = 0  # engines that have work
         self.stepping: set[simpy.Process] = set()  # engines in the middle of a step
 
-    def speed(self) -> float:
-        """The share of full speed a step runs at now."""
+    def speed(self, threads: int = 1) -> float:
+        """The share of full speed a step on `threads` threads runs at now."""
         if self.cores is None or self.active_threads <= self.cores:
             return 1.0
-        return self.cores / self.active_threads
+        shared = self.cores / self.active_threads
+        return shared * self.team_speed if threads > 1 else shared
 
     def change(self, threads: int) -> None:
         """An engine with `threads` threads got work (> 0) or ran out of it (< 0): re-rate running steps."""
@@ -83,13 +88,13 @@ class Host:
             for process in list(self.stepping):
                 process.interrupt("re-rate")
 
-    def run_step(self, env: simpy.Environment, process: simpy.Process,
-                 work_s: float) -> Generator[Any, Any, None]:
+    def run_step(self, env: simpy.Environment, process: simpy.Process, work_s: float,
+                 threads: int = 1) -> Generator[Any, Any, None]:
         """Hold the caller for `work_s` seconds of full-speed work at the speed of the moment."""
         self.stepping.add(process)
         try:
             while work_s > 1e-12:
-                speed, started = self.speed(), env.now
+                speed, started = self.speed(threads), env.now
                 try:
                     yield env.timeout(work_s / speed)
                     work_s = 0.0
@@ -185,7 +190,7 @@ class SimEngine:
             context = sum(r.context_tokens for r in batch)
             started = self.env.now
             yield from self.host.run_step(self.env, self.process,
-                                          curves.mixed_step_s(num_prefill, len(batch), context))
+                                          curves.mixed_step_s(num_prefill, len(batch), context), threads)
             self.busy_s += self.env.now - started
             self._finish_step(batch, chunks)
 

@@ -67,6 +67,9 @@ class SimOptions:
     core_share: bool = True
     local_prefill_max_tokens: int = 0  # the router's setting (-1: the cost model's break-even)
     router_overhead_s: float = 0.0  # added to every request's first token (HTTP, tokenization, gRPC)
+    # an oversubscribed host: a multi-thread step's speed against processor sharing's (sim_engine.py `Host`);
+    # 0.42 = 0.28 / 0.67, a 2-thread team beside a 1-thread one (bench/results/omp_contention-20261126-200252.json)
+    team_speed: float = 0.42
     # None: the router's own CostModel() (what services/router scores with today). Profile.cost_model's measured
     # coefficients are not the default: on the H100 profile a decode request's measured step cost is ~0, so
     # prefix affinity outweighs load and every request of a system prompt lands on one decode (4 of 11 busy)
@@ -80,7 +83,7 @@ class Fleet:
         if options.policy not in POLICIES:
             raise ConfigError(f"routing policy must be one of {POLICIES}, got {options.policy!r}")
         self.env, self.profile, self.shape, self.options = env, profile, shape, options
-        host = Host(options.cores)
+        host = Host(options.cores, options.team_speed)
         threads = options.threads_per_engine or (
             max(1, options.cores // shape.num_engines) if options.cores else max(profile.engines))
         curves = profile.curves(threads)

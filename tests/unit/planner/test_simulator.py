@@ -135,3 +135,25 @@ def test_lent_cores_run_an_engine_alone_on_every_core_and_busy_ones_on_their_sha
     assert ttft_s(b) == pytest.approx(0.1)  # prefilled on its share while the decode works
     assert a.token_times_s[2] - a.token_times_s[1] == pytest.approx(0.02)  # decode on one core meanwhile
     assert a.token_times_s[-1] - a.token_times_s[-2] == pytest.approx(0.01)  # both cores again at the end
+
+
+def test_an_oversubscribed_thread_team_runs_below_processor_sharing() -> None:
+    """A 2-thread engine stepping beside a 1-thread one on 2 cores: processor sharing would give each thread
+    2/3 of a core; the 2-thread team's barriers make it `team_speed` of that (bench/omp_contention.py)."""
+    from shared.planner.sim_engine import Host
+
+    host = Host(2, team_speed=0.42)
+    host.change(2)
+    assert host.speed(2) == 1.0 and host.speed(1) == 1.0  # not oversubscribed
+    host.change(1)
+    assert host.speed(1) == pytest.approx(2 / 3)
+    assert host.speed(2) == pytest.approx(2 / 3 * 0.42)
+    profile = make_profile(prefill=(0.0, 0.001, 0.0))
+    trace = [TraceRequest(0.0, 100, 1), TraceRequest(0.0, 100, 1)]
+    # two engines of 2 threads each on 2 cores: 4 threads, each team at 1/2 x team_speed
+    teams = simulate(profile, Shape(0, 2, colocated=True), trace,
+                     SimOptions(policy="round_robin", cores=2, threads_per_engine=2, team_speed=0.5))
+    assert [ttft_s(r) for r in teams] == pytest.approx([0.4, 0.4])
+    shared = simulate(profile, Shape(0, 2, colocated=True), trace,
+                      SimOptions(policy="round_robin", cores=2, threads_per_engine=2, team_speed=1.0))
+    assert [ttft_s(r) for r in shared] == pytest.approx([0.2, 0.2])
