@@ -66,8 +66,7 @@ def plan(quick: bool, heavy: bool = False, pool_bound: bool = False) -> dict[str
         workload = MultiTurnPlan(num_conversations=16, num_turns=3, num_templates=12, template_words=600,
                                  user_words=24, output_tokens=32)
         return {"workload": asdict(workload), "rates": [0.1, 0.2], "rounds": 1, "timeout_s": 420.0,
-                "prefill": 2, "decode": 2, "env": {"BATON_KV_TRANSFER_CAPACITY_BYTES": str(192 << 20)},
-                "up_args": ["--kv-cache-bytes", str(256 << 20)]}
+                "prefill": 2, "decode": 2, "kv_transfer_capacity_bytes": 192 << 20, "kv_cache_bytes": 256 << 20}
     if heavy:
         workload = MultiTurnPlan(num_conversations=16, num_turns=4, num_templates=8, template_words=600,
                                  user_words=24, output_tokens=32)
@@ -147,8 +146,8 @@ def readme_table(result: dict[str, Any]) -> str:
              f"{p['workload']['num_turns']} turns on {p['workload']['num_templates']} shared templates of "
              f"{p['workload']['template_words']} words, {p['prefill']} prefill + {p['decode']} decode, medians over "
              f"the rounds that ran of {p['rounds']} alternating ones"
-             + (f"; kv_transfer's pool {int(p['env']['BATON_KV_TRANSFER_CAPACITY_BYTES']) >> 20} MiB and each "
-                f"engine's cache {int(p['up_args'][1]) >> 20} MiB, below the templates" if p.get("env") else "")
+             + (f"; kv_transfer's pool {p['kv_transfer_capacity_bytes'] >> 20} MiB and each engine's cache "
+                f"{p['kv_cache_bytes'] >> 20} MiB, below the templates" if "kv_cache_bytes" in p else "")
              + f"; SLO TTFT {result['slo']['ttft_ms']:.0f} ms, "
              f"TPOT {result['slo']['tpot_ms']:.0f} ms)" + (f"; failed to run: {'; '.join(failed)}" if failed else "")
              + ":", "",
@@ -200,14 +199,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms, "attainment": 0.9},
                               "runs": []}
     started = time.monotonic()
-    up_args = ("--prefill", str(p["prefill"]), "--decode", str(p["decode"]), *p.get("up_args", []))
+    up_args: tuple[str, ...] = ("--prefill", str(p["prefill"]), "--decode", str(p["decode"]))
+    for flag in ("kv_cache_bytes", "kv_transfer_capacity_bytes"):  # `baton up`'s own flags: it sets its
+        if flag in p:  # children's environment from them, over anything inherited
+            up_args += (f"--{flag.replace('_', '-')}", str(p[flag]))
     for rnd in range(p["rounds"]):
         for policy in policies if rnd % 2 == 0 else list(reversed(policies)):
             logger.info("round %d/%d: %s ...", rnd + 1, p["rounds"], policy)
             run: dict[str, Any] = {"policy": policy, "round": rnd}
             try:
-                env = {**POLICIES[policy], **p.get("env", {})}
-                with Server("baton", config, up_args=up_args, env=env, name=f"kvroute-{policy}") as srv:
+                with Server("baton", config, up_args=up_args, env=POLICIES[policy], name=f"kvroute-{policy}") as srv:
                     run.update(bench_policy(srv, ids, p, slo, args.seed))
             except (RuntimeError, TimeoutError) as exc:
                 logger.error("%s failed: %s", policy, exc)

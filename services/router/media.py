@@ -168,6 +168,7 @@ def expand_markers(text: str, pending: PendingMedia, config: MultimodalConfig,
     frames each with its time before it, tokenized with the text around it, as Gemma4Processor writes them)."""
     text = _MARKER_RE.sub(lambda m: _frames_text(int(m[1]), pending) if pending.kind[int(m[1])] == VIDEO
                           else m[0], text)
+    video_id = config.video_token_id or 0  # add_part admits video only where the model names its token
     ids: list[int] = []
     items: list[MediaItem] = []
     seen: set[int] = set()
@@ -180,7 +181,6 @@ def expand_markers(text: str, pending: PendingMedia, config: MultimodalConfig,
         k = int(pieces[i + 1])
         seen.add(k)
         kind, n = pending.kind[k], pending.num_tokens[k]
-        video_id = config.video_token_id or 0  # add_part admits video only where the model names its token
         begin, token, end = ((config.boi_token_id, config.image_token_id, config.eoi_token_id) if kind == IMAGE
                              else (config.boi_token_id, video_id, config.eoi_token_id) if kind == VIDEO
                              else (config.boa_token_id, config.audio_token_id, config.eoa_token_id))

@@ -96,13 +96,13 @@ def video_bytes(num_frames: int, width: int, height: int, fps: int = 4, seed: in
     return buf.getvalue()
 
 
-def hf_video_inputs(frames: list[Any], max_soft_tokens: int = 70) -> dict[str, torch.Tensor]:
+def hf_video_inputs(frames: list[Any]) -> dict[str, torch.Tensor]:
     """transformers' video inputs (Gemma4VideoProcessor's layout: each frame's patches padded to the budget,
     padding positions -1) for processed frames ([h, w, 3] uint8, as video.py leaves them)."""
     proc = media_processor()
     cut = [proc.video_frame(f) for f in frames]
-    k2 = proc.video_rules.pooling_kernel_size ** 2
-    width = max_soft_tokens * k2
+    rules = proc.video_rules
+    width = rules.max_soft_tokens * rules.pooling_kernel_size**2
     pixels = torch.zeros(len(cut), width, cut[0].patches.shape[1])
     positions = torch.full((len(cut), width, 2), -1, dtype=torch.long)
     for i, c in enumerate(cut):
