@@ -14,9 +14,13 @@ second), and the router's calls per instance. Over the rates: goodput as DistSer
 highest rate with >= 90% attainment, bench/serve_stats.py). Ratios are against round_robin, round by
 round. `kv-local` is the KV policy with local prefill at the cost model's break-even length.
 
-`--pool-bound`: more shared templates (12 of 600 words) than kv_transfer's pool (192 MiB, about 4 of them)
-or any engine's own cache (256 MiB, about 5) holds, so prefixes are evicted and routing decides which
-instance still has one.
+`--pool-bound`: more shared templates (16 of 300 words, drawn at random per conversation) than
+kv_transfer's pool (192 MiB, about 7 of them) or any engine's own cache (256 MiB, about 9) holds, so
+prefixes are evicted and routing decides which instance still has one: a policy that keeps each template
+on one prefill instance lets the two caches hold half the templates each, where spreading them makes
+both churn through all 16. Its first version (12 templates of 600 words, 16 conversations, template
+c % 12) reused a template in at most 4 first turns, so routing could move only a few percent of the
+prompt tokens (serve_kvroute-20261126-210410.json: 63-66% hits for every policy).
 
     .venv/bin/python -m bench.serve_kvroute [--quick | --heavy | --pool-bound]
                                             [--policies round_robin,least_loaded,kv,kv-local]
@@ -63,9 +67,9 @@ def plan(quick: bool, heavy: bool = False, pool_bound: bool = False) -> dict[str
     serve_kvroute-20261126-101545.json, which ran 0.2-0.8); --pool-bound bounds the caches below the
     templates (SmolLM2 fp32: ~46 KiB of KV a token, ~37 MiB a 600-word template)."""
     if pool_bound:
-        workload = MultiTurnPlan(num_conversations=16, num_turns=3, num_templates=12, template_words=600,
-                                 user_words=24, output_tokens=32)
-        return {"workload": asdict(workload), "rates": [0.1, 0.2], "rounds": 1, "timeout_s": 420.0,
+        workload = MultiTurnPlan(num_conversations=40, num_turns=2, num_templates=16, template_words=300,
+                                 user_words=24, output_tokens=32, random_templates=True)
+        return {"workload": asdict(workload), "rates": [0.2, 0.4], "rounds": 1, "timeout_s": 420.0,
                 "prefill": 2, "decode": 2, "kv_transfer_capacity_bytes": 192 << 20, "kv_cache_bytes": 256 << 20}
     if heavy:
         workload = MultiTurnPlan(num_conversations=16, num_turns=4, num_templates=8, template_words=600,
@@ -117,7 +121,8 @@ def bench_policy(server: Server, ids: list[int], p: dict[str, Any], slo: SLO, se
 
 def aggregate(runs: list[dict[str, Any]], baseline: str = "round_robin") -> dict[str, Any]:
     """Per policy: medians over rounds of each rate's figures; ratios to the baseline of the same round."""
-    figures = ("prefix_hit_rate", "p50_ttft_ms", "p99_ttft_ms", "slo_attainment", "good_req_s")
+    figures = ("prefix_hit_rate", "prefix_hit_rate_first_turns", "p50_ttft_ms", "p99_ttft_ms", "slo_attainment",
+               "good_req_s")
     out: dict[str, Any] = {}
     for policy in dict.fromkeys(r["policy"] for r in runs):
         mine = [r for r in runs if r["policy"] == policy and "rates" in r]
@@ -125,7 +130,8 @@ def aggregate(runs: list[dict[str, Any]], baseline: str = "round_robin") -> dict
             continue
         per_rate = {}
         for i, point in enumerate(mine[0]["rates"]):
-            entry: dict[str, Any] = {f: statistics.median(r["rates"][i][f] for r in mine) for f in figures}
+            entry: dict[str, Any] = {f: statistics.median(r["rates"][i].get(f, float("nan")) for r in mine)
+                                     for f in figures}
             ratios = [r["rates"][i]["p99_ttft_ms"] / b["rates"][i]["p99_ttft_ms"] for r in mine for b in runs
                       if b["policy"] == baseline and b["round"] == r["round"] and "rates" in b]
             if ratios and policy != baseline:
@@ -151,14 +157,15 @@ def readme_table(result: dict[str, Any]) -> str:
              + f"; SLO TTFT {result['slo']['ttft_ms']:.0f} ms, "
              f"TPOT {result['slo']['tpot_ms']:.0f} ms)" + (f"; failed to run: {'; '.join(failed)}" if failed else "")
              + ":", "",
-             "| policy | rounds | rate (conv/s) | prefix hit rate | p50 TTFT ms | p99 TTFT ms | p99 TTFT / round_robin "
-             "| SLO attainment | good req/s | goodput (req/s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| policy | rounds | rate (conv/s) | prefix hit rate | first turns' | p50 TTFT ms | p99 TTFT ms | p99 TTFT / round_robin "
+             "| SLO attainment | good req/s | goodput (req/s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for policy, s in result["summary"].items():
         rounds = sum(1 for r in result["runs"] if r["policy"] == policy and "rates" in r)
         for rate, e in s["rates"].items():
             ratio = e.get("p99_ttft_ratio_to_baseline")
             ratio_text = f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-"
-            lines.append(f"| {policy} | {rounds} | {rate} | {e['prefix_hit_rate']:.1%} | {e['p50_ttft_ms']:.0f} | "
+            lines.append(f"| {policy} | {rounds} | {rate} | {e['prefix_hit_rate']:.1%} | "
+                         f"{e['prefix_hit_rate_first_turns']:.1%} | {e['p50_ttft_ms']:.0f} | "
                          f"{e['p99_ttft_ms']:.0f} | {ratio_text} | {e['slo_attainment']:.2f} | "
                          f"{e['good_req_s']:.2f} | {s['goodput_req_s']:.2f} |")
     return "\n".join(lines)

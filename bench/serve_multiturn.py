@@ -35,6 +35,9 @@ class MultiTurnPlan:
     template_words: int
     user_words: int  # words per user message
     output_tokens: int  # tokens per reply
+    # False: conversation c uses template c % num_templates. True: a seeded uniform draw, so the order in
+    # which templates recur has no cycle (a cycle longer than an LRU cache misses on every reuse)
+    random_templates: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,13 @@ def _words(rng: random.Random, n: int) -> str:
 
 
 def conversations(plan: MultiTurnPlan, seed: int) -> list[Conversation]:
-    """Fixed-seed conversations; conversation c uses template c % num_templates."""
+    """Fixed-seed conversations; conversation c uses template c % num_templates, or a seeded draw."""
     rng = random.Random(seed)
     templates = [f"You are assistant {i}. " + _words(rng, plan.template_words) for i in range(plan.num_templates)]
-    return [Conversation(templates[c % plan.num_templates],
-                         tuple(_words(rng, plan.user_words) for _ in range(plan.num_turns)))
-            for c in range(plan.num_conversations)]
+    chosen = [rng.randrange(plan.num_templates) if plan.random_templates else c % plan.num_templates
+              for c in range(plan.num_conversations)]
+    return [Conversation(templates[t], tuple(_words(rng, plan.user_words) for _ in range(plan.num_turns)))
+            for t in chosen]
 
 
 async def _run_conversation(client: httpx.AsyncClient, model: str, index: int, conv: Conversation,
@@ -105,7 +109,8 @@ def summarize_turns(turns: Sequence[TurnRecord], duration_s: float, slo: SLO) ->
     records = [t.record for t in turns]
     out = summarize(records, duration_s, slo)
     ok = [t for t in turns if t.record.ok]
-    for name, subset in (("prefix_hit_rate", ok), ("prefix_hit_rate_later_turns", [t for t in ok if t.turn > 0])):
+    for name, subset in (("prefix_hit_rate", ok), ("prefix_hit_rate_first_turns", [t for t in ok if t.turn == 0]),
+                         ("prefix_hit_rate_later_turns", [t for t in ok if t.turn > 0])):
         prompt = sum(t.record.prompt_tokens for t in subset)
         out[name] = sum(t.record.cached_tokens for t in subset) / prompt if prompt else 0.0
     out["good_req_s"] = sum(slo.met_by(r) for r in records) / duration_s if duration_s > 0 else 0.0

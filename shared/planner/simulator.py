@@ -30,6 +30,7 @@ from shared.planner.sim_engine import Host, SimEngine, SimRequest
 from shared.planner.workload import TraceRequest
 from shared.registry.base import Load
 from shared.registry.cost_model import CostModel, uncached_tokens
+from shared.registry.kv_picker import rendezvous_weight
 
 POLICIES = ("kv", "least_loaded", "round_robin")
 
@@ -117,12 +118,17 @@ class Fleet:
     def _load(self, engine: SimEngine) -> Load:
         return Load(num_running=len(engine.running), num_waiting=len(engine.waiting))
 
-    def _pick(self, service: str, engines: Sequence[SimEngine], cost: object) -> SimEngine:
+    def _pick(self, service: str, engines: Sequence[SimEngine], cost: object, request: SimRequest) -> SimEngine:
         if self.options.policy == "round_robin":
             return engines[next(self._turns[service]) % len(engines)]
         if self.options.policy == "least_loaded":
             return min(engines, key=lambda e: (e.num_requests, e.name))
-        return min(engines, key=lambda e: (cost(e), e.name))  # type: ignore[operator]
+        # equal costs as the router breaks them (kv_picker.py): rendezvous on the prompt's opening
+        return min(engines, key=lambda e: (cost(e), -self._affinity(e, request), e.name))  # type: ignore[operator]
+
+    @staticmethod
+    def _affinity(engine: SimEngine, request: SimRequest) -> int:
+        return rendezvous_weight(request.prefix_group, engine.name) if request.prefix_group else 0
 
     def _pick_decode(self, request: SimRequest, pulls: bool) -> SimEngine:
         model, block = self.cost_model, self.profile.block_size
@@ -133,15 +139,17 @@ class Fleet:
                 return model.local_prefill_s(uncached_tokens(request.prompt_tokens, hits // block, block),
                                              self._load(engine))
             return model.decode_s(self._load(engine), 0, max(0, (request.prompt_tokens - hits) // block))
-        return self._pick("decode", self.decodes, cost)
+        return self._pick("decode", self.decodes, cost, request)
 
     def _pick_prefill(self, request: SimRequest) -> SimEngine:
         model, block = self.cost_model, self.profile.block_size
 
         def cost(engine: SimEngine) -> float:
-            hits = max(self._hit_tokens(engine.prefix_groups, request), self._hit_tokens(self.pool_groups, request))
-            return model.prefill_s(uncached_tokens(request.prompt_tokens, hits // block, block), self._load(engine))
-        return self._pick("prefill", self.prefills, cost)
+            own = self._hit_tokens(engine.prefix_groups, request)
+            pooled = self._hit_tokens(self.pool_groups, request)
+            return model.prefill_s(uncached_tokens(request.prompt_tokens, max(own, pooled) // block, block),
+                                   self._load(engine), 0, max(0, pooled - own) // block)
+        return self._pick("prefill", self.prefills, cost, request)
 
     def _local_threshold(self) -> int:
         setting = self.options.local_prefill_max_tokens

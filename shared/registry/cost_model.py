@@ -10,8 +10,10 @@ in-flight assignments since (`inflight`), which a burst raises before any report
    hit_blocks(p)      = max(leading prompt blocks p's prefix cache holds,
                             leading prompt blocks the kv_transfer pool holds)   (prefill imports the pool's)
    uncached_tokens(p) = T − B × hit_blocks(p)
+   import_blocks(p)   = max(0, pool's leading blocks − p's own)                (read from the pool first)
    queue(p)           = running + waiting + inflight                           (requests)
    prefill_s(p)       = prefill_s_per_token × (uncached_tokens(p) + queued_tokens_per_request × queue(p))
+                        + transfer_s_per_block × import_blocks(p)
 
  decode instance d:
    load(d)            = running + waiting + inflight                           (requests)
@@ -55,10 +57,16 @@ class CostModel:
     kv_pressure_s: float = 1.0  # added as a decode instance's free KV falls to nothing
     kv_low_watermark: float = 0.1  # free KV fraction below which pressure starts
 
-    def prefill_s(self, num_uncached_tokens: int, load: Load, num_inflight: int = 0) -> float:
-        """Seconds until a prefill instance has computed this prompt: its queue, then the uncached tokens."""
+    def prefill_s(self, num_uncached_tokens: int, load: Load, num_inflight: int = 0,
+                  num_import_blocks: int = 0) -> float:
+        """Seconds until a prefill instance has computed this prompt: its queue, the prefix blocks it reads
+        from kv_transfer's pool first (`num_import_blocks`: those the pool holds beyond its own cache),
+        then the uncached tokens. Charging the import is what keeps a prefix on the instance that already
+        caches it when the pool holds it too: without it every instance scores the same hit, load alone
+        decides, and with bounded caches each instance ends up caching (and evicting) every prefix."""
         queue = load.num_running + load.num_waiting + num_inflight
-        return self.prefill_s_per_token * (num_uncached_tokens + self.queued_tokens_per_request * queue)
+        return (self.prefill_s_per_token * (num_uncached_tokens + self.queued_tokens_per_request * queue)
+                + self.transfer_s_per_block * num_import_blocks)
 
     def decode_s(self, load: Load, num_inflight: int = 0, num_pull_blocks: int = 0) -> float:
         """Seconds a decode instance's load, KV pressure and the blocks to pull add to a request."""

@@ -2,18 +2,25 @@
 
 ```
  request ─► PromptBlocks (its block keys, hashed once per (block size, salt) the fleet uses)
-   ├─ prefill: min over p of CostModel.prefill_s(uncached tokens given p's cache and the pool, queue(p))
+   ├─ prefill: min over p of CostModel.prefill_s(uncached tokens given p's cache and the pool, queue(p),
+   │                                             pool blocks p would import beyond its own)
    ├─ decode:  min over d of CostModel.decode_s(load(d) + in flight, blocks d would still pull)
    └─ local?   min over d of CostModel.local_prefill_s(what d's cache lacks, load(d) + in flight);
                its uncached tokens <= threshold  →  prefill there, no handoff
 ```
 
-Pure functions over registry listings, like picker.py: draining and excluded instances are skipped,
-ties go to the smallest instance_id, and nothing left raises `UnavailableError`.
+Pure functions over registry listings, like picker.py: draining and excluded instances are skipped, and
+nothing left raises `UnavailableError`. Equal costs (typically a prefix no instance holds yet, on an idle
+fleet) go to the instance with the highest rendezvous weight for the prompt's first `AFFINITY_BLOCKS`
+blocks, then the smallest instance_id. Ties to the smallest id alone sent every new prefix to one
+instance, which then cached all of them while its peers cached none; by rendezvous, prompts that share
+their opening share an instance, and distinct openings spread evenly, so bounded caches each hold a
+part of the working set instead of churning through all of it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -22,6 +29,15 @@ from shared.registry.base import InstanceInfo
 from shared.registry.cost_model import CostModel, uncached_tokens
 from shared.registry.kv_summary import KVSummary, leading_hits, prompt_block_keys
 from shared.registry.picker import NO_INFLIGHT, candidates
+
+AFFINITY_BLOCKS = 4  # the opening a tie is broken by: long enough to get past a chat template's fixed header
+
+
+def rendezvous_weight(opening: str, instance_id: str) -> int:
+    """Highest-random-weight hashing: every router (and the planner's simulator) ranks the instances for
+    one opening the same way, and removing an instance moves only the openings it ranked first."""
+    digest = hashlib.blake2b(f"{opening}/{instance_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 @dataclass
@@ -53,6 +69,15 @@ class PromptBlocks:
     def num_blocks(self, block_size: int) -> int:
         return self.num_tokens // block_size if block_size > 0 else 0
 
+    def affinity(self, info: InstanceInfo) -> int:
+        """`info`'s rendezvous weight for this prompt: a hash of the prompt's opening (the chained key of
+        its block AFFINITY_BLOCKS, or its last full block if it has fewer) with the instance id. 0 for a
+        prompt without a full block or an instance that hashes no prompts."""
+        keys = self.keys(info.kv.block_size, info.kv.hash_salt) if info.kv.block_size > 0 else []
+        if not keys:
+            return 0
+        return rendezvous_weight(keys[min(len(keys), AFFINITY_BLOCKS) - 1], info.instance_id)
+
 
 @dataclass(frozen=True)
 class Scored:
@@ -61,21 +86,31 @@ class Scored:
     info: InstanceInfo
     cost_s: float
     num_hit_blocks: int
+    affinity: int = 0  # PromptBlocks.affinity: breaks equal costs
+
+    def order(self) -> tuple[float, int, str]:
+        return self.cost_s, -self.affinity, self.info.instance_id
+
+
+def _cheapest(scored: Sequence[Scored]) -> Scored:
+    assert scored  # candidates() raised if there were none
+    return min(scored, key=Scored.order)
 
 
 def score_prefill(instances: Sequence[InstanceInfo], prompt: PromptBlocks, pool: KVSummary,
                   model: CostModel, exclude: AbstractSet[str] = frozenset(),
                   inflight: Mapping[str, int] = NO_INFLIGHT) -> Scored:
-    """The cheapest prefill instance, counting the prefix its own cache or the kv_transfer pool holds."""
-    best: Scored | None = None
+    """The cheapest prefill instance, counting the prefix its own cache or the kv_transfer pool holds
+    (the pool's at the cost of importing what its own cache lacks)."""
+    scored = []
     for info in candidates(instances, exclude, "prefill"):
-        hits = max(prompt.hit_blocks(info.kv), prompt.hit_blocks(pool, hashed_like=info.kv))
+        own = prompt.hit_blocks(info.kv)
+        pooled = prompt.hit_blocks(pool, hashed_like=info.kv)
+        hits = max(own, pooled)
         todo = uncached_tokens(prompt.num_tokens, hits, info.kv.block_size)
-        scored = Scored(info, model.prefill_s(todo, info.load, inflight.get(info.instance_id, 0)), hits)
-        if best is None or (scored.cost_s, info.instance_id) < (best.cost_s, best.info.instance_id):
-            best = scored
-    assert best is not None  # candidates() raised if there were none
-    return best
+        cost_s = model.prefill_s(todo, info.load, inflight.get(info.instance_id, 0), max(0, pooled - own))
+        scored.append(Scored(info, cost_s, hits, prompt.affinity(info)))
+    return _cheapest(scored)
 
 
 def score_decode(instances: Sequence[InstanceInfo], prompt: PromptBlocks, model: CostModel,
@@ -84,7 +119,7 @@ def score_decode(instances: Sequence[InstanceInfo], prompt: PromptBlocks, model:
     """The cheapest decode instance: its load (in flight included) and KV pressure, plus either the prompt
     blocks its own prefix cache lacks and it would pull (`pulls`: the KV comes by handoff) or, for a prompt
     it computes itself, the prefill of what its cache lacks."""
-    best: Scored | None = None
+    scored = []
     for info in candidates(instances, exclude, "decode"):
         hits = prompt.hit_blocks(info.kv)
         num_inflight = inflight.get(info.instance_id, 0)
@@ -94,11 +129,8 @@ def score_decode(instances: Sequence[InstanceInfo], prompt: PromptBlocks, model:
         else:
             todo = uncached_tokens(prompt.num_tokens, hits, info.kv.block_size)
             cost_s = model.local_prefill_s(todo, info.load, num_inflight)
-        scored = Scored(info, cost_s, hits)
-        if best is None or (scored.cost_s, info.instance_id) < (best.cost_s, best.info.instance_id):
-            best = scored
-    assert best is not None
-    return best
+        scored.append(Scored(info, cost_s, hits, prompt.affinity(info)))
+    return _cheapest(scored)
 
 
 def local_prefill_tokens(decode: InstanceInfo, prompt: PromptBlocks) -> int:

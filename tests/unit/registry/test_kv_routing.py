@@ -121,3 +121,38 @@ def test_local_prefill_tokens_count_what_the_decode_cache_lacks() -> None:
     assert local_prefill_tokens(with_kv(make_instance("d0"), holding(PROMPT, 3)), prompt) == 6
     assert local_prefill_tokens(with_kv(make_instance("d0"), holding(PROMPT, 4)), prompt) == 2
     assert local_prefill_tokens(make_instance("d0"), prompt) == 18  # published nothing: all of it
+
+
+def test_score_prefill_charges_a_pool_import_so_the_own_cache_wins_a_tie() -> None:
+    model = CostModel(prefill_s_per_token=1e-3, transfer_s_per_block=5e-4)
+    cold = with_kv(make_instance("p0", "prefill"), holding(PROMPT, 0))
+    warm = with_kv(make_instance("p1", "prefill"), holding(PROMPT, 4))
+    pool = summarize(hash_prefix_blocks(PROMPT, BS, SALT.encode()), 0, "")
+    prompt = PromptBlocks(PROMPT)
+    best = score_prefill([cold, warm], prompt, pool, model)
+    assert best.info.instance_id == "p1"  # 2 tokens computed either way; p0 would first import 4 blocks
+    assert best.cost_s == pytest.approx(2e-3)
+    imported = score_prefill([cold], prompt, pool, model)
+    assert imported.num_hit_blocks == 4 and imported.cost_s == pytest.approx(2e-3 + 4 * 5e-4)
+
+
+def test_equal_costs_go_by_rendezvous_on_the_prompt_opening() -> None:
+    model = CostModel()
+    fleet = [with_kv(make_instance(f"p{i}", "prefill"), KVSummary(BS, SALT)) for i in range(3)]
+    # distinct openings on an idle fleet that caches none of them: spread over every instance
+    picks = [score_prefill(fleet, PromptBlocks([1000 * n + t for t in range(40)]), KVSummary(), model).info
+             for n in range(60)]
+    counts = {i.instance_id: sum(p.instance_id == i.instance_id for p in picks) for i in fleet}
+    assert min(counts.values()) >= 10, counts  # smallest-id ties sent all 60 to p0
+    # a shared opening (the first AFFINITY_BLOCKS blocks) with different tails: one instance, the same
+    # for decode picks of the same prompts, whatever order the listing comes in
+    opening = list(range(500, 500 + BS * 4))
+    same = {score_prefill(fleet[::step], PromptBlocks(opening + [n, n + 1, n + 2]), KVSummary(), model)
+            .info.instance_id for n in range(10) for step in (1, -1)}
+    assert len(same) == 1
+    decodes = [with_kv(make_instance(f"d{i}", load=decode_load(free=100)), KVSummary(BS, SALT)) for i in range(3)]
+    assert len({score_decode(decodes, PromptBlocks(opening + [n]), model).info.instance_id for n in range(10)}) == 1
+    # the weight only breaks ties: a loaded instance still loses
+    chosen = next(iter(same))
+    busy = [dataclasses.replace(i, load=Load(num_running=1)) if i.instance_id == chosen else i for i in fleet]
+    assert score_prefill(busy, PromptBlocks(opening), KVSummary(), model).info.instance_id != chosen
