@@ -42,10 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.results_file import write_results
-from bench.serve_load import RequestSpec, send_one, warm_up
+from bench.serve_load import RequestSpec, client_session, send_one, warm_up
 from bench.serve_machine import machine_info
 from bench.serve_report import write_block
 from bench.serve_stats import SLO, RequestRecord, summarize
@@ -89,8 +87,7 @@ async def replay(base_url: str, trace: Sequence[TraceRequest], specs: Sequence[R
                  timeout_s: float) -> tuple[list[RequestRecord], float]:
     """Send each request at its trace time; the run's records and its span (first send to last token)."""
     records = [RequestRecord(sent_s=0.0, error="unfinished at the run timeout") for _ in specs]
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s,
-                                 limits=httpx.Limits(max_connections=len(specs) + 1)) as client:
+    async with client_session(base_url, len(specs) + 1, timeout_s) as client:
         start = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -148,7 +145,7 @@ def probe_stack(base_url: str, vocab: Sequence[int], profile: Profile, shape: Sh
                                                    "ignore_eos": True, "temperature": 0.0})
 
             async def send(spec: RequestSpec = spec) -> RequestRecord:
-                async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
+                async with client_session(base_url, 1, timeout_s) as client:
                     return await send_one(client, MODEL_NAME, spec, timeout_s)
             record = asyncio.run(send())
             if not record.ok:
@@ -362,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.requests, args.max_output = min(args.requests, 8), min(args.max_output, 16)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     if args.profile is None:

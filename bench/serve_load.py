@@ -10,6 +10,11 @@ every server; the chat set goes to `/v1/chat/completions` and stops where the
 model stops (at most `max_tokens`). Every run is bounded: a request count and
 a wall-clock timeout, after which requests still open are cancelled and
 counted as failed.
+
+The client is aiohttp (its HTTP parser is C; vLLM's benchmark_serving uses it too) because it runs on
+the cores it measures: with httpx (pure-Python HTTP/1.1 framing and line splitting) this client spent
+0.6-0.75 ms of CPU per streamed token at one stream, 8% of an int8 decode step, and every peer served
+through it paid that on its own cores (bench/client_cost.py measures both clients).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from bench.serve_stats import RequestRecord
 
@@ -119,21 +124,28 @@ def _read_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
     record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, timeout_s: float) -> RequestRecord:
+def client_session(base_url: str, connections: int, timeout_s: float) -> aiohttp.ClientSession:
+    """A session for `send_one`: `connections` at most open at once, every request bounded by `timeout_s`."""
+    return aiohttp.ClientSession(base_url=base_url, connector=aiohttp.TCPConnector(limit=max(connections, 1)),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def send_one(session: aiohttp.ClientSession, model: str, spec: RequestSpec,
+                   timeout_s: float) -> RequestRecord:
     """Stream one request, timing every chunk that carries text."""
     body = {**spec.body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
     record = RequestRecord(sent_s=time.perf_counter())
     num_chunks = 0
     try:
-        async with client.stream("POST", spec.path, json=body, timeout=timeout_s) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with session.post(spec.path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in response.content:  # one SSE line at a time
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 text = _chunk_text(chunk)
@@ -143,7 +155,7 @@ async def send_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, tim
                     num_chunks += 1
                 if chunk.get("usage"):
                     _read_usage(record, chunk["usage"])
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     if not record.error and record.output_tokens == 0:
         record.output_tokens = num_chunks
@@ -162,12 +174,11 @@ async def run_load(
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency or len(specs))
     records = [RequestRecord(sent_s=0.0, error="unfinished at the run timeout") for _ in specs]
-    limits = httpx.Limits(max_connections=max(concurrency or len(specs), 1), max_keepalive_connections=64)
 
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout_s) as client:
+    async with client_session(base_url, concurrency or len(specs), timeout_s) as session:
         async def one(i: int, spec: RequestSpec) -> None:
             async with limit:
-                records[i] = await send_one(client, model, spec, timeout_s)
+                records[i] = await send_one(session, model, spec, timeout_s)
 
         start = time.perf_counter()
         await launch_arrivals([functools.partial(one, i, spec) for i, spec in enumerate(specs)], rate, rng,

@@ -19,9 +19,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
-from bench.serve_load import RequestSpec, launch_arrivals, send_one
+from bench.serve_load import RequestSpec, client_session, launch_arrivals, send_one
 from bench.serve_stats import SLO, RequestRecord, percentile, summarize
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "pe", "da", "zu", "ho", "ri", "mo", "te", "bi")
@@ -67,7 +67,7 @@ def conversations(plan: MultiTurnPlan, seed: int) -> list[Conversation]:
             for t in chosen]
 
 
-async def _run_conversation(client: httpx.AsyncClient, model: str, index: int, conv: Conversation,
+async def _run_conversation(client: aiohttp.ClientSession, model: str, index: int, conv: Conversation,
                             output_tokens: int, timeout_s: float, records: list[TurnRecord]) -> None:
     messages = [{"role": "system", "content": conv.system}]
     for turn, user in enumerate(conv.user_turns):
@@ -89,9 +89,8 @@ async def run_conversations(base_url: str, model: str, convs: Sequence[Conversat
     Returns every turn's record (failed and never-sent turns included) and the wall time."""
     rng = random.Random(seed)
     records: list[TurnRecord] = []
-    limits = httpx.Limits(max_connections=max(len(convs), 1), max_keepalive_connections=64)
     loop = asyncio.get_running_loop()
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout_s) as client:
+    async with client_session(base_url, len(convs), timeout_s) as client:
         start = loop.time()
         await launch_arrivals([functools.partial(_run_conversation, client, model, i, conv, output_tokens, timeout_s,
                                                  records) for i, conv in enumerate(convs)], rate, rng, timeout_s)

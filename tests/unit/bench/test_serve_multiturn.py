@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bench.serve_multiturn import MultiTurnPlan, TurnRecord, conversations, summarize_turns
@@ -31,5 +33,16 @@ def test_summary_counts_prefix_hits_and_goodput() -> None:
     out = summarize_turns(turns, duration_s=2.0, slo=SLO(ttft_s=1.0, tpot_s=0.1))
     assert out["prefix_hit_rate"] == pytest.approx(200 / 400)
     assert out["prefix_hit_rate_later_turns"] == pytest.approx(150 / 200)
+    assert out["prefix_hit_rate_first_turns"] == pytest.approx(50 / 200)
     assert out["num_failed"] == 1 and out["slo_attainment"] == pytest.approx(2 / 4)
     assert out["good_req_s"] == pytest.approx(1.0)
+
+
+def test_random_templates_draw_by_seed_and_leave_cycled_plans_as_they_were() -> None:
+    drawn = dataclasses.replace(PLAN, num_conversations=40, num_templates=8, random_templates=True)
+    convs = conversations(drawn, seed=3)
+    assert convs == conversations(drawn, seed=3)
+    systems = [c.system for c in convs]
+    assert 1 < len(set(systems)) <= 8
+    assert systems != [systems[c % 8] for c in range(40)]  # not the cycle
+    assert conversations(PLAN, seed=3) == conversations(dataclasses.replace(PLAN, random_templates=False), seed=3)
