@@ -174,9 +174,11 @@ def server_span(
 ) -> Iterator[Span]:
     """A SERVER span around a servicer method, continuing the caller's trace.
 
-    Works in unary methods and in server-streaming async generators alike (grpc.aio
-    runs each call's generator in one task). An exception marks the span as an error
-    with the gRPC status it will be sent as; a cancelled call just ends the span.
+    For unary methods, and for server-streaming ones written as a coroutine that calls
+    `context.write`: an async generator holding the span across a `yield` is closed, when
+    its call is cancelled, by the event loop's finalizer in another context, and the span's
+    context cannot be detached there. An exception marks the span as an error with the gRPC
+    status it will be sent as; a cancelled call just ends the span.
     """
     attrs = {"rpc.system": "grpc", **(attributes or {})}
     with tracer.start_as_current_span(name, context=extract_context(grpc_context), kind=SpanKind.SERVER,

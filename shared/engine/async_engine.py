@@ -181,10 +181,10 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
                 num_open -= item.finished
-                if num_open == 0:
-                    stream.finished = True
+                stream.finished = num_open == 0  # before the yield: a consumer may stop once it has the last
+                yield item
+                if stream.finished:
                     return
         finally:
             if not stream.finished:

@@ -68,6 +68,32 @@ def test_leaving_a_stream_early_aborts_and_frees() -> None:
     engine.check_no_leaks()
 
 
+def test_a_consumer_that_stops_at_the_last_output_aborts_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """The decode service's caller (the router) closes its stream as soon as the finished output is in:
+    that is not leaving early, and nothing is aborted."""
+    engine = tiny_engine(tiny_loaded("llama")[0])
+    aengine = AsyncEngine(engine)
+    aengine.start()
+
+    async def main() -> int:
+        stream = await aengine.generate("whole", [3, 4, 5, 6], greedy(5))
+        tokens = 0
+        async for out in stream:
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                break  # stop at the last output, the generator still suspended at its yield
+        await stream.aclose()
+        return tokens
+
+    try:
+        with caplog.at_level("INFO", logger="shared.engine.async_engine"):
+            assert asyncio.run(main()) == 5
+    finally:
+        aengine.stop()
+    assert "left early" not in caplog.text
+    engine.check_no_leaks()
+
+
 def test_a_caller_cancelled_while_its_request_waits_to_be_added_leaves_nothing_and_kills_nothing() -> None:
     """Found by the chaos soak: a stream cancelled while its add command was queued (the router gave up on
     it) made the engine thread set a cancelled future's result, which killed the thread. Now the command
