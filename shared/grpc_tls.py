@@ -17,6 +17,7 @@ sees UNAVAILABLE and the server's gRPC core logs the failed handshake.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -128,7 +129,19 @@ def _checking_peer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             async for item in behaviour(request, context):
                 yield item
 
-        return streaming if handler.response_streaming else unary
+        async def writing(request: object, context: grpc.aio.ServicerContext) -> None:
+            """A streaming method written as a coroutine that calls `context.write` (decode's Generate)."""
+            if not _peer_is_a_service(context):
+                count_refusal("not a service certificate")
+                async for _ in refused(request, context):
+                    pass  # pragma: no cover (the refusal aborts)
+                return
+            await behaviour(request, context)
+
+        if not handler.response_streaming:
+            return unary
+        # grpc.aio drives a handler by its function type (iterate a generator, await a coroutine): keep it
+        return streaming if inspect.isasyncgenfunction(behaviour) else writing
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(

@@ -140,6 +140,16 @@ class FailingDecode(decode_pb2_grpc.DecodeServiceServicer):
         raise FailingServicer.ERRORS[request.handoff_id]
 
 
+class WritingFailingDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """The same, written as baton's decode service is: a coroutine that streams with `context.write`."""
+
+    async def Generate(  # type: ignore[override]
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await context.write(decode_pb2.DecodeResponse(token_ids=[1]))
+        raise FailingServicer.ERRORS[request.handoff_id]
+
+
 async def _rpc_error(call: object) -> grpc.aio.AioRpcError:
     try:
         if hasattr(call, "__aiter__"):
@@ -153,11 +163,12 @@ async def _rpc_error(call: object) -> grpc.aio.AioRpcError:
 
 
 @contextlib.asynccontextmanager
-async def failing_server() -> AsyncIterator[GrpcServer]:
+async def failing_server(decode: type[decode_pb2_grpc.DecodeServiceServicer] = FailingDecode
+                         ) -> AsyncIterator[GrpcServer]:
     """A real grpc.aio server (make_server's interceptors) with the failing kv_transfer and decode servicers."""
     handle = make_server("127.0.0.1:0")
     kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(FailingServicer(), handle.server)
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(FailingDecode(), handle.server)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(decode(), handle.server)
     await handle.start("baton.v1.KVTransferService")
     try:
         yield handle
@@ -165,9 +176,10 @@ async def failing_server() -> AsyncIterator[GrpcServer]:
         await handle.stop(0)
 
 
-def test_interceptor_maps_errors_from_every_rpc_kind(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("servicer", [FailingDecode, WritingFailingDecode])
+def test_interceptor_maps_errors_from_every_rpc_kind(caplog: pytest.LogCaptureFixture, servicer: type) -> None:
     async def scenario() -> None:
-        async with failing_server() as handle:
+        async with failing_server(servicer) as handle:
             async with channel(handle.address) as ch:
                 stub = kv_transfer_pb2_grpc.KVTransferServiceStub(ch)
                 ok = await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="fine"))

@@ -18,7 +18,7 @@ from shared.grpc_auth import unauthenticated_calls
 from shared.grpc_common import channel, check_health
 from shared.grpc_tls import TlsFiles, channel_credentials, load_tls, set_tls, target_name_options
 from shared.tls_certs import make_ca, make_dev_certs, make_leaf, write_pair
-from tests.unit.test_grpc_errors import _rpc_error, failing_server
+from tests.unit.test_grpc_errors import FailingDecode, WritingFailingDecode, _rpc_error, failing_server
 
 
 @pytest.fixture
@@ -38,12 +38,15 @@ def _secure(address: str, files: TlsFiles) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, channel_credentials(files), options=target_name_options())
 
 
-def test_services_talk_over_mutual_tls_and_strangers_are_refused(certs: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", [FailingDecode, WritingFailingDecode])
+def test_services_talk_over_mutual_tls_and_strangers_are_refused(certs: Path, tmp_path: Path, decode: type) -> None:
+    """Both ways of writing a streaming method pass the peer check as such (a coroutine that calls
+    context.write, as decode's Generate is, once failed inside a generator wrapper with a TypeError)."""
     ca = load_tls(certs, "prefill").ca
     make_dev_certs(tmp_path / "other")  # a stack with another CA
 
     async def scenario() -> None:
-        async with failing_server() as handle:
+        async with failing_server(decode) as handle:
             async with channel(handle.address) as ch:  # ours: the kv_transfer pair, checked against ca.pem
                 assert (await _release(ch)).found
                 stream = decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(handoff_id="context"))
@@ -64,7 +67,9 @@ def test_services_talk_over_mutual_tls_and_strangers_are_refused(certs: Path, tm
     asyncio.run(scenario())
 
 
-def test_a_certificate_of_the_ca_that_is_not_a_services_is_unauthenticated_and_counted(certs: Path) -> None:
+@pytest.mark.parametrize("decode", [FailingDecode, WritingFailingDecode])
+def test_a_certificate_of_the_ca_that_is_not_a_services_is_unauthenticated_and_counted(certs: Path,
+                                                                                        decode: type) -> None:
     """Signed by the stack's CA, but without the SAN baton-internal (say, one issued to a person)."""
     ca_cert, ca_key = make_ca()
     write_pair(certs, "ca", ca_cert, ca_key)  # re-issue the stack under a CA whose key this test holds
@@ -74,7 +79,7 @@ def test_a_certificate_of_the_ca_that_is_not_a_services_is_unauthenticated_and_c
     set_tls(certs, "kv_transfer")
 
     async def scenario() -> None:
-        async with failing_server() as handle:
+        async with failing_server(decode) as handle:
             before = unauthenticated_calls()
             alice = load_tls(certs, "alice")
             async with grpc.aio.secure_channel(handle.address, channel_credentials(alice),
