@@ -23,7 +23,7 @@ import grpc.aio
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["AuthCollector", "TokenAuthInterceptor", "client_interceptors", "count_refusal", "internal_token",
+__all__ = ["AuthCollector", "TokenAuthInterceptor", "client_interceptors", "token_metadata", "count_refusal", "internal_token",
            "refusing_handler", "set_internal_token", "unauthenticated_calls"]
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,13 @@ class _StreamUnaryToken(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
 
 class _StreamStreamToken(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
     intercept_stream_stream = _BearerToken._forward
+
+
+def token_metadata() -> list[tuple[str, str]]:
+    """The internal token as call metadata, for callers that send it on every call themselves (a channel
+    made with `token_interceptor=False`: an intercepted stream costs an extra await for each message)."""
+    token = internal_token()
+    return [("authorization", f"Bearer {token}")] if token else []
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:

@@ -105,16 +105,22 @@ def make_server(
     return GrpcServer(server=server, health=health_servicer, host=host, port=port)
 
 
-def channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+def channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
+            token_interceptor: bool = True) -> grpc.aio.Channel:
     """A grpc.aio channel to `address` with the same message limits as the servers, sending the process's
-    internal token (shared/grpc_auth.py) on every call, over mutual TLS when configured (grpc_tls.py)."""
+    internal token (shared/grpc_auth.py) on every call, over mutual TLS when configured (grpc_tls.py).
+
+    `token_interceptor=False`: no interceptor adds the token; the caller puts `token_metadata()` in every
+    call's metadata itself. The router's backend does, for its token streams: grpc.aio reads an
+    intercepted stream's messages through an extra async iterator, and that is per token."""
     tls = tls_files()
+    interceptors = client_interceptors() if token_interceptor else []
     if tls is None:
         return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                         interceptors=client_interceptors())
+                                         interceptors=interceptors)
     return grpc.aio.secure_channel(address, channel_credentials(tls),
                                    options=[*channel_options(max_message_bytes), *target_name_options()],
-                                   interceptors=client_interceptors())
+                                   interceptors=interceptors)
 
 
 async def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:

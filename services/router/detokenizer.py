@@ -19,11 +19,33 @@ streaming, any tail that could be the start of a stop string is held back:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def fast_decode(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
+    """The Rust tokenizer's own decode when transformers' `decode` would return exactly its result.
+
+    A streamed token is decoded twice; transformers' wrapper around the Rust call (argument conversion,
+    batch checks, the clean-up rule) was most of the router's detokenizing time. It adds nothing when the
+    tokenizer class keeps TokenizersBackend's `_decode` and no clean-up applies; otherwise (a subclass
+    that decodes its own way, a WordPiece tokenizer that cleans up spaces) None: use `tokenizer.decode`."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, TokenizersBackend) or type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    backend = tokenizer._tokenizer
+
+    def decode(token_ids: list[int], skip_special_tokens: bool) -> str:
+        return backend.decode(token_ids, skip_special_tokens=skip_special_tokens)  # type: ignore[no-any-return]
+    return decode
 
 
 class IncrementalDetokenizer:
@@ -32,12 +54,15 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._fast = fast_decode(tokenizer)
         self.token_ids: list[int] = []
         self._prefix_offset = 0  # window start: context so that tokens decode as they do in the middle
         self._read_offset = 0  # tokens before this have been emitted as text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        if self._fast is not None:
+            return self._fast(token_ids, self._skip_special_tokens)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)  # type: ignore[no-any-return]
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the text that is now complete (possibly "")."""

@@ -59,6 +59,7 @@ from services.router.migration import (
 from services.router.routing import Router
 from shared.engine.choices import split_choice_id
 from shared.errors import BatonError, InvalidRequestError, UnavailableError
+from shared.grpc_auth import token_metadata
 from shared.grpc_common import channel
 from shared.grpc_errors import error_from_rpc
 from shared.registry.base import InstanceInfo
@@ -96,7 +97,8 @@ class _InFlight:
     handoff_id: str | None = None
     handoff_capability: str = ""  # the handoff's secret: kv_transfer wants it on every call about the handoff
     done: bool = False
-    metadata: list[tuple[str, str]] = field(default_factory=list)  # W3C trace context of the request
+    # every call's metadata: the request's W3C trace context and the internal token (the channels add none)
+    metadata: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -134,7 +136,8 @@ class GrpcBackend:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address, self.max_message_bytes)
+            # no interceptor on the token streams: each call carries the token in state.metadata
+            ch = self._channels[address] = channel(address, self.max_message_bytes, token_interceptor=False)
         return ch
 
     def instance_counts(self) -> dict[str, int]:
@@ -146,7 +149,7 @@ class GrpcBackend:
         return all(self.cache.get(s) for s in ("prefill", "decode", "kv_transfer"))
 
     async def generate(self, req: BackendRequest) -> AsyncIterator[BackendChunk]:
-        state = self._inflight[req.request_id] = _InFlight(metadata=inject_metadata())
+        state = self._inflight[req.request_id] = _InFlight(metadata=[*inject_metadata(), *token_metadata()])
         prompt = PromptBlocks(req.prompt_token_ids)
         try:
             local = self._local_prefill_decode(prompt)

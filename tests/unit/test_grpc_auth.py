@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proto.baton.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
-from shared.grpc_auth import AuthCollector, set_internal_token, unauthenticated_calls
+from shared.grpc_auth import AuthCollector, set_internal_token, token_metadata, unauthenticated_calls
 from shared.grpc_common import channel, check_health
 from tests.unit.test_grpc_errors import _rpc_error, failing_server
 
@@ -53,6 +53,18 @@ def test_calls_without_the_token_are_unauthenticated_and_counted(token: str) -> 
                     decode_pb2.DecodeRequest(handoff_id="context"), metadata=(("x-request-id", "req-2"),))
                 assert (await _rpc_error(stream)).code() is grpc.StatusCode.INVALID_ARGUMENT  # served, then failed
             assert unauthenticated_calls() - before == 4
+            # the router's channels: no interceptor, the token in each call's own metadata
+            async with channel(handle.address, token_interceptor=False) as ch:
+                stub = kv_transfer_pb2_grpc.KVTransferServiceStub(ch)
+                exc = await _rpc_error(stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="x")))
+                assert exc.code() is grpc.StatusCode.UNAUTHENTICATED  # it adds nothing by itself
+                ok = await stub.Release(kv_transfer_pb2.ReleaseRequest(handoff_id="fine"),
+                                        metadata=[("x-request-id", "req-3"), *token_metadata()])
+                assert ok.found
+                stream = decode_pb2_grpc.DecodeServiceStub(ch).Generate(
+                    decode_pb2.DecodeRequest(handoff_id="context"), metadata=token_metadata())
+                assert (await _rpc_error(stream)).code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert unauthenticated_calls() - before == 5
 
     asyncio.run(scenario())
 
@@ -63,5 +75,6 @@ def test_without_a_token_servers_are_open() -> None:
             ok = await kv_transfer_pb2_grpc.KVTransferServiceStub(ch).Release(
                 kv_transfer_pb2.ReleaseRequest(handoff_id="fine"))
             assert ok.found
+            assert token_metadata() == []  # no token: nothing to send
 
     asyncio.run(scenario())

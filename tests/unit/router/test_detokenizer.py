@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream
+from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream, fast_decode
 from shared.models.loader import resolve_model
 from shared.tokenizer import decode, token_bytes
 
@@ -49,6 +49,22 @@ def test_random_token_soup_equals_full_decode(tokenizer: Any) -> None:
     for _ in range(20):
         ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
         assert "".join(stream(tokenizer, ids)) == decode(tokenizer, ids)
+
+
+def test_the_rust_decode_is_used_where_it_equals_transformers_decode(tokenizer: Any) -> None:
+    fast = fast_decode(tokenizer)
+    assert fast is not None  # SmolLM2: TokenizersBackend's own _decode, no clean-up
+    rng = random.Random(1)
+    for skip in (True, False):
+        for _ in range(50):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 12))]
+            assert fast(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+    class Decodes(type(tokenizer)):  # type: ignore[misc]  # a class with its own _decode keeps it
+        def _decode(self, *args: Any, **kwargs: Any) -> str:
+            return "x"
+    assert fast_decode(Decodes.__new__(Decodes)) is None
+    assert fast_decode(object()) is None
 
 
 def test_split_character_is_held_until_complete(tokenizer: Any) -> None:

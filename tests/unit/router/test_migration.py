@@ -42,6 +42,38 @@ def test_a_slow_first_message_is_not_a_stall_but_a_silence_after_one_is() -> Non
     assert asyncio.run(_drain(_Call([0.0, 0.3]), stall_timeout_s=0)) == 2  # 0: no stall rule
 
 
+def test_only_the_wait_for_a_message_counts_as_silence() -> None:
+    # messages that keep coming for longer than the timeout in all: no stall
+    assert asyncio.run(_drain(_Call([0.0] + [0.03] * 10), stall_timeout_s=0.1)) == 11
+
+    async def slow_consumer() -> int:  # the router busy between messages (a slow client) is not the stream
+        n = 0
+        async for _ in read_stream(_Call([0.0, 0.02, 0.02]), 0.1):  # type: ignore[arg-type]
+            n += 1
+            await asyncio.sleep(0.25)
+        return n
+    assert asyncio.run(slow_consumer()) == 3
+
+    async def stalled_then_caller_goes_on() -> tuple[str, bool]:
+        with pytest.raises(DecodeStalledError):
+            await _drain(_Call([0.0, 0.02, 0.5]), stall_timeout_s=0.1)
+        await asyncio.sleep(0.01)  # the stall's cancellation was taken back: the caller's task runs on
+        task = asyncio.current_task()
+        assert task is not None
+        return "went on", task.cancelling() == 0
+    assert asyncio.run(stalled_then_caller_goes_on()) == ("went on", True)
+
+
+def test_a_cancelled_reader_stays_cancelled() -> None:
+    async def main() -> None:
+        reader = asyncio.ensure_future(_drain(_Call([0.0, 5.0]), stall_timeout_s=0.1))
+        await asyncio.sleep(0.05)
+        reader.cancel()  # the client went away before the stall: a cancellation, not a stall
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+    asyncio.run(main())
+
+
 def test_a_resumed_message_drops_the_handoff_and_carries_the_streamed_tokens() -> None:
     message = decode_pb2.DecodeRequest(
         request=common_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
