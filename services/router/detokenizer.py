@@ -41,10 +41,10 @@ def fast_decode(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
-    backend = tokenizer._tokenizer
+    backend: Any = tokenizer._tokenizer
 
     def decode(token_ids: list[int], skip_special_tokens: bool) -> str:
-        return backend.decode(token_ids, skip_special_tokens=skip_special_tokens)  # type: ignore[no-any-return]
+        return str(backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
     return decode
 
 
