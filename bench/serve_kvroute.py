@@ -22,8 +22,8 @@ both churn through all 16. Its first version (12 templates of 600 words, 16 conv
 c % 12) reused a template in at most 4 first turns, so routing could move only a few percent of the
 prompt tokens (serve_kvroute-20261126-210410.json: 63-66% hits for every policy).
 
-    .venv/bin/python -m bench.serve_kvroute [--quick | --heavy | --pool-bound]
-                                            [--policies round_robin,least_loaded,kv,kv-local]
+    .venv/bin/python -m bench.serve_kvroute [--quick | --heavy | --pool-bound | --burst]
+                                            [--policies round_robin,least_loaded,kv,kv-local,kv-no-memory]
 """
 
 from __future__ import annotations
@@ -58,14 +58,23 @@ POLICIES: dict[str, dict[str, str]] = {
     "least_loaded": {"BATON_ROUTER_ROUTING_POLICY": "least_loaded"},
     "kv": {"BATON_ROUTER_ROUTING_POLICY": "kv"},
     "kv-local": {"BATON_ROUTER_ROUTING_POLICY": "kv", "BATON_ROUTER_LOCAL_PREFILL_MAX_TOKENS": "-1"},
+    # the KV policy reading the instances' reports only, without its memory of what it sent where
+    "kv-no-memory": {"BATON_ROUTER_ROUTING_POLICY": "kv", "BATON_ROUTER_ROUTED_PREFIX_TTL_S": "0"},
 }
 
 
-def plan(quick: bool, heavy: bool = False, pool_bound: bool = False) -> dict[str, Any]:
+def plan(quick: bool, heavy: bool = False, pool_bound: bool = False, burst: bool = False) -> dict[str, Any]:
     """Workload, rates and rounds; --quick shrinks everything to a smoke test, --heavy takes long shared
     templates (8 of 600 words) through the machine's knee (0.2 conv/s was past it for every policy in
     serve_kvroute-20261126-101545.json, which ran 0.2-0.8); --pool-bound bounds the caches below the
-    templates (SmolLM2 fp32: ~46 KiB of KV a token, ~37 MiB a 600-word template)."""
+    templates (SmolLM2 fp32: ~46 KiB of KV a token, ~37 MiB a 600-word template); --burst sends the first
+    turns of a few templates within seconds of each other, faster than the instances report what they
+    hold."""
+    if burst:
+        workload = MultiTurnPlan(num_conversations=16, num_turns=1, num_templates=4, template_words=300,
+                                 user_words=24, output_tokens=16)
+        return {"workload": asdict(workload), "rates": [2.0, 4.0], "rounds": 2, "timeout_s": 300.0,
+                "prefill": 2, "decode": 1}
     if pool_bound:
         workload = MultiTurnPlan(num_conversations=40, num_turns=2, num_templates=16, template_words=300,
                                  user_words=24, output_tokens=32, random_templates=True)
@@ -177,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny loads: a smoke test of the whole pipeline")
     parser.add_argument("--heavy", action="store_true", help="long templates, rates through the machine's knee")
     parser.add_argument("--pool-bound", action="store_true", help="more templates than the pool and caches hold")
+    parser.add_argument("--burst", action="store_true", help="templates' first turns faster than KV reports")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -198,10 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.serve import vocab_ids
 
     ids = vocab_ids(config.hf_dir)
-    p = plan(args.quick, args.heavy, args.pool_bound)
+    p = plan(args.quick, args.heavy, args.pool_bound, args.burst)
     slo = SLO(ttft_s=args.ttft_slo_ms / 1e3, tpot_s=args.tpot_slo_ms / 1e3)
     result: dict[str, Any] = {"bench": "serve_kvroute", "model": MODEL_NAME, "quick": args.quick,
-                              "heavy": args.heavy, "pool_bound": args.pool_bound, "plan": p,
+                              "heavy": args.heavy, "pool_bound": args.pool_bound, "burst": args.burst, "plan": p,
                               "machine": machine_info(Path("/nonexistent")), "env": BATON_ENV, "policies": POLICIES,
                               "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms, "attainment": 0.9},
                               "runs": []}
@@ -226,8 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = write_results(result, args.out, "serve_kvroute", indent=None, record_name=True)
     logger.info("wrote %s", path)
     if not args.quick and not args.no_readme:
-        block = "serve_kvroute_pool_bound" if args.pool_bound else "serve_kvroute_heavy" if args.heavy \
-            else "serve_kvroute"
+        block = "serve_kvroute_burst" if args.burst else "serve_kvroute_pool_bound" if args.pool_bound \
+            else "serve_kvroute_heavy" if args.heavy else "serve_kvroute"
         write_block(Path(__file__).parent / "README.md", block, readme_table(result))
     print(json.dumps({"bench": "serve_kvroute", "file": path.name, "commit": result["machine"]["commit"],
                       "summary": result["summary"]}))

@@ -236,6 +236,7 @@ class GrpcBackend:
             # refuses every call about it
             state.handoff_id = message.handoff_id = f"handoff-{req.request_id}-{len(tried)}-{secrets.token_hex(4)}"
             state.handoff_capability = message.handoff_capability = secrets.token_urlsafe(24)
+            self.router.sent(instance, prompt)
             try:
                 stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(instance.address))
                 with self.router.hold("prefill", instance.instance_id):
@@ -277,6 +278,7 @@ class GrpcBackend:
             instance = first_choice if first_choice is not None and not leg.tried else \
                 self.router.pick_decode(live, prompt, leg.tried_ids(live), pulls=bool(leg.message.handoff_id))
             state.decode = instance.address
+            self.router.sent(instance, prompt)
             received = False
             num_open = req.params.n  # choices not finished yet: each ends with its own finished message
             try:

@@ -68,7 +68,8 @@ async def build(settings: RouterSettings) -> RouterParts:
         raise ConfigError("the router needs BATON_ROUTER_REDIS_URL or BATON_ROUTER_STATIC_INSTANCES")
     cache = InstanceCache(registry)
     await cache.start()
-    router = Router(settings.routing_policy, local_prefill_max_tokens=settings.local_prefill_max_tokens)
+    router = Router(settings.routing_policy, local_prefill_max_tokens=settings.local_prefill_max_tokens,
+                    routed_prefix_ttl_s=settings.routed_prefix_ttl_s)
     migration = MigrationPolicy(settings.migration_limit, settings.decode_stall_timeout_s, settings.migration_wait_s)
     backend = GrpcBackend(cache, settings.mode, router=router, migration=migration)
     media = await asyncio.to_thread(RouterMedia.from_checkpoint, hf_dir, settings)

@@ -26,6 +26,7 @@ from shared.registry.cost_model import CostModel
 from shared.registry.kv_picker import PromptBlocks, local_prefill_tokens, score_decode, score_prefill
 from shared.registry.kv_summary import KVSummary
 from shared.registry.picker import candidates, pick_decode, pick_encoder, pick_prefill
+from shared.registry.routed_prefixes import DEFAULT_TTL_S, RoutedPrefixes
 
 ROUTING_POLICIES: tuple[str, ...] = ("kv", "least_loaded", "round_robin")
 LOCAL_PREFILL_AUTO = -1  # local_prefill_max_tokens: take the threshold from the cost model
@@ -59,7 +60,7 @@ class Router:
     """Picks instances for one request at a time under a policy (see the module docstring)."""
 
     def __init__(self, policy: str = "kv", cost_model: CostModel | None = None,
-                 local_prefill_max_tokens: int = 0) -> None:
+                 local_prefill_max_tokens: int = 0, routed_prefix_ttl_s: float = DEFAULT_TTL_S) -> None:
         if policy not in ROUTING_POLICIES:
             raise ConfigError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         if local_prefill_max_tokens < LOCAL_PREFILL_AUTO:
@@ -67,6 +68,7 @@ class Router:
         self.policy = policy
         self.cost_model = cost_model or CostModel()
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.routed = RoutedPrefixes(routed_prefix_ttl_s)  # kv policy: prefixes sent since the last reports
         self.inflight = {"prefill": InflightCounts(), "decode": InflightCounts(), "encoder": InflightCounts()}
         self.assignments: collections.Counter[tuple[str, str]] = collections.Counter()  # (role, instance_id)
         self.num_local_prefills = 0  # requests whose decode instance computed the prompt (no handoff)
@@ -90,7 +92,7 @@ class Router:
                      exclude: AbstractSet[str] = frozenset()) -> InstanceInfo:
         if self.policy == "kv":
             return score_prefill(instances, prompt, pool, self.cost_model, exclude,
-                                 self.inflight["prefill"].counts).info
+                                 self.inflight["prefill"].counts, self.routed).info
         if self.policy == "least_loaded":
             return pick_prefill(instances, exclude, self.inflight["prefill"].counts)
         return self._next_in_turn("prefill", instances, exclude)
@@ -100,10 +102,16 @@ class Router:
         """`pulls`: the request's KV comes by handoff (False: the decode instance prefills it)."""
         if self.policy == "kv":
             return score_decode(instances, prompt, self.cost_model, exclude, self.inflight["decode"].counts,
-                                pulls=pulls).info
+                                pulls=pulls, routed=self.routed).info
         if self.policy == "least_loaded":
             return pick_decode(instances, exclude, self.inflight["decode"].counts)
         return self._next_in_turn("decode", instances, exclude)
+
+    def sent(self, instance: InstanceInfo, prompt: PromptBlocks) -> None:
+        """The prompt goes to `instance`, which will hold its blocks (computing or pulling them): under the
+        kv policy, counted as its own until its KV report can show them (routed_prefixes.py)."""
+        if self.policy == "kv" and instance.kv.block_size > 0:
+            self.routed.remember(instance.instance_id, prompt.keys(instance.kv.block_size, instance.kv.hash_salt))
 
     def pick_encoder(self, instances: Sequence[InstanceInfo], exclude: AbstractSet[str] = frozenset()
                      ) -> InstanceInfo:
@@ -119,7 +127,8 @@ class Router:
         """Whether `decode` should compute the prompt itself: what its prefix cache lacks is short enough."""
         if not self.local_prefill_enabled:
             return False
-        return local_prefill_tokens(decode, prompt) <= self.local_prefill_threshold_tokens(decode.kv.block_size)
+        routed = self.routed if self.policy == "kv" else None
+        return local_prefill_tokens(decode, prompt, routed) <= self.local_prefill_threshold_tokens(decode.kv.block_size)
 
     def _next_in_turn(self, service: str, instances: Sequence[InstanceInfo],
                       exclude: AbstractSet[str]) -> InstanceInfo:

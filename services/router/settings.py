@@ -45,6 +45,10 @@ class RouterSettings(BaseSettings):
         default=0, ge=-1, description="disagg: a request whose chosen decode instance lacks at most this many "
         "of its prompt tokens (short prompt, or a long prefix hit there) is prefilled on that decode instance, "
         "with no handoff; 0 = never, -1 = the cost model's break-even length")
+    routed_prefix_ttl_s: float = Field(
+        default=10.0, ge=0, description="kv policy: how long the router counts a prompt's prefix as held by "
+        "the instance it sent it to, before that instance's KV report can show it "
+        "(shared/registry/routed_prefixes.py); 0 = reports only")
     migration_limit: int = Field(default=3, ge=0, description="times one request may move to another "
                                  "instance when its decode stream breaks (it resumes from the tokens already "
                                  "streamed); past it the client gets the error; 0 = never")

@@ -29,6 +29,7 @@ from shared.registry.base import InstanceInfo
 from shared.registry.cost_model import CostModel, uncached_tokens
 from shared.registry.kv_summary import KVSummary, leading_hits, prompt_block_keys
 from shared.registry.picker import NO_INFLIGHT, candidates
+from shared.registry.routed_prefixes import RoutedPrefixes
 
 AFFINITY_BLOCKS = 4  # the opening a tie is broken by: long enough to get past a chat template's fixed header
 
@@ -69,6 +70,14 @@ class PromptBlocks:
     def num_blocks(self, block_size: int) -> int:
         return self.num_tokens // block_size if block_size > 0 else 0
 
+    def own_hit_blocks(self, info: InstanceInfo, routed: RoutedPrefixes | None) -> int:
+        """Leading prompt blocks `info`'s own cache holds: what it reported, or what this router sent it
+        since (routed_prefixes.py), whichever is longer."""
+        reported = self.hit_blocks(info.kv)
+        if routed is None or info.kv.block_size <= 0:
+            return reported
+        return max(reported, routed.hit_blocks(info.instance_id, self.keys(info.kv.block_size, info.kv.hash_salt)))
+
     def affinity(self, info: InstanceInfo) -> int:
         """`info`'s rendezvous weight for this prompt: a hash of the prompt's opening (the chained key of
         its block AFFINITY_BLOCKS, or its last full block if it has fewer) with the instance id. 0 for a
@@ -99,12 +108,13 @@ def _cheapest(scored: Sequence[Scored]) -> Scored:
 
 def score_prefill(instances: Sequence[InstanceInfo], prompt: PromptBlocks, pool: KVSummary,
                   model: CostModel, exclude: AbstractSet[str] = frozenset(),
-                  inflight: Mapping[str, int] = NO_INFLIGHT) -> Scored:
-    """The cheapest prefill instance, counting the prefix its own cache or the kv_transfer pool holds
-    (the pool's at the cost of importing what its own cache lacks)."""
+                  inflight: Mapping[str, int] = NO_INFLIGHT, routed: RoutedPrefixes | None = None) -> Scored:
+    """The cheapest prefill instance, counting the prefix its own cache (as reported, or as `routed`
+    remembers sending it) or the kv_transfer pool holds (the pool's at the cost of importing what its
+    own cache lacks)."""
     scored = []
     for info in candidates(instances, exclude, "prefill"):
-        own = prompt.hit_blocks(info.kv)
+        own = prompt.own_hit_blocks(info, routed)
         pooled = prompt.hit_blocks(pool, hashed_like=info.kv)
         hits = max(own, pooled)
         todo = uncached_tokens(prompt.num_tokens, hits, info.kv.block_size)
@@ -115,13 +125,13 @@ def score_prefill(instances: Sequence[InstanceInfo], prompt: PromptBlocks, pool:
 
 def score_decode(instances: Sequence[InstanceInfo], prompt: PromptBlocks, model: CostModel,
                  exclude: AbstractSet[str] = frozenset(), inflight: Mapping[str, int] = NO_INFLIGHT,
-                 *, pulls: bool = True) -> Scored:
+                 *, pulls: bool = True, routed: RoutedPrefixes | None = None) -> Scored:
     """The cheapest decode instance: its load (in flight included) and KV pressure, plus either the prompt
     blocks its own prefix cache lacks and it would pull (`pulls`: the KV comes by handoff) or, for a prompt
     it computes itself, the prefill of what its cache lacks."""
     scored = []
     for info in candidates(instances, exclude, "decode"):
-        hits = prompt.hit_blocks(info.kv)
+        hits = prompt.own_hit_blocks(info, routed)
         num_inflight = inflight.get(info.instance_id, 0)
         if pulls:
             num_pull = max(0, prompt.num_blocks(info.kv.block_size) - hits)
@@ -133,6 +143,6 @@ def score_decode(instances: Sequence[InstanceInfo], prompt: PromptBlocks, model:
     return _cheapest(scored)
 
 
-def local_prefill_tokens(decode: InstanceInfo, prompt: PromptBlocks) -> int:
+def local_prefill_tokens(decode: InstanceInfo, prompt: PromptBlocks, routed: RoutedPrefixes | None = None) -> int:
     """Prompt tokens a decode instance would compute itself (what its own prefix cache does not hold)."""
-    return uncached_tokens(prompt.num_tokens, prompt.hit_blocks(decode.kv), decode.kv.block_size)
+    return uncached_tokens(prompt.num_tokens, prompt.own_hit_blocks(decode, routed), decode.kv.block_size)

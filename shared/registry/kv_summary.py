@@ -19,8 +19,7 @@ token ids on every real hit).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from shared.engine.block_pool import hash_prefix_blocks
@@ -65,7 +64,7 @@ def prompt_block_keys(prompt_token_ids: Sequence[int], block_size: int, hash_sal
     return [block_key(h) for h in hash_prefix_blocks(prompt_token_ids, block_size, hash_salt.encode())]
 
 
-def leading_hits(prompt_keys: Sequence[str], held: AbstractSet[str]) -> int:
+def leading_hits(prompt_keys: Sequence[str], held: Container[str]) -> int:
     """How many of the prompt's first blocks are held, counted until the first one that is not."""
     num_blocks = 0
     for key in prompt_keys:
