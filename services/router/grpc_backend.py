@@ -291,7 +291,7 @@ class GrpcBackend:
                         if num_open == 0:
                             state.done = True
                         leg.emitted.extend(msg.token_ids)
-                        yield _chunk(msg, req, prompt_logprobs=not leg.message.handoff_id)
+                        yield _chunk(msg, req, computed_prompt=not leg.message.handoff_id)
                 return
             except (grpc.RpcError, DecodeStalledError) as e:
                 if state.done:  # every choice had finished: what broke was the stream's end
@@ -399,14 +399,17 @@ class GrpcBackend:
             await ch.close()
 
 
-def _chunk(msg: decode_pb2.DecodeResponse, req: BackendRequest, prompt_logprobs: bool) -> BackendChunk:
-    """`prompt_logprobs`: the decode instance computed the prompt, so its scores come with the stream."""
+def _chunk(msg: decode_pb2.DecodeResponse, req: BackendRequest, computed_prompt: bool) -> BackendChunk:
+    """`computed_prompt`: the decode instance computed the prompt (colocated, a local prefill, a migrated
+    request), so its prompt scores come with the stream and its prefix-cache hit is the request's. After a
+    handoff the prefill's hit is (the first chunk's): what the decode found in its own cache only saved
+    pulling those blocks, not computing them, and usage's cached_tokens counts prompt tokens not computed."""
     return BackendChunk(
         token_ids=list(msg.token_ids), logprobs=[token_logprobs_from_proto(lp) for lp in msg.logprobs],
         finished=msg.finished, finish_reason=msg.finish_reason or None,
-        num_cached_tokens=msg.num_cached_tokens, index=msg.index,
+        num_cached_tokens=msg.num_cached_tokens if computed_prompt else 0, index=msg.index,
         prompt_logprobs=[None, *(token_logprobs_from_proto(lp) for lp in msg.prompt_logprobs)]
-        if prompt_logprobs and req.params.prompt_logprobs is not None and msg.prompt_logprobs else None,
+        if computed_prompt and req.params.prompt_logprobs is not None and msg.prompt_logprobs else None,
     )
 
 

@@ -68,6 +68,9 @@ class SimOptions:
     core_share: bool = True
     local_prefill_max_tokens: int = 0  # the router's setting (-1: the cost model's break-even)
     router_overhead_s: float = 0.0  # added to every request's first token (HTTP, tokenization, gRPC)
+    # kv policy: a prompt's prefix counts as held by the engine it was sent to from that moment on, as the
+    # router remembers what it sent where (shared/registry/routed_prefixes.py); False: once computed there
+    routed_memory: bool = True
     # an oversubscribed host: a multi-thread step's speed against processor sharing's (sim_engine.py `Host`);
     # 0.42 = 0.28 / 0.67, a 2-thread team beside a 1-thread one (bench/results/omp_contention-20261126-200252.json)
     team_speed: float = 0.42
@@ -105,6 +108,7 @@ class Fleet:
             engine.on_prefilled = self._handoff
         self.kv = simpy.Resource(env, capacity=max(1, shape.num_kv))
         self.pool_groups: dict[str, int] = {}  # kv_transfer's prefix pool: group -> leading tokens committed
+        self.sent_groups: dict[str, dict[str, int]] = {}  # engine -> group -> leading tokens the router sent it
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self.num_local_prefills = 0
 
@@ -114,6 +118,19 @@ class Fleet:
             return 0
         held = min(groups.get(request.prefix_group, 0), request.prefix_tokens)
         return held // self.profile.block_size * self.profile.block_size
+
+    def _own_hit_tokens(self, engine: SimEngine, request: SimRequest) -> int:
+        """What the router counts as held by `engine`'s own cache: what it computed, or was sent."""
+        held = self._hit_tokens(engine.prefix_groups, request)
+        if not self.options.routed_memory:
+            return held
+        return max(held, self._hit_tokens(self.sent_groups.get(engine.name, {}), request))
+
+    def _sent(self, engine: SimEngine, request: SimRequest) -> SimEngine:
+        if request.prefix_group:
+            groups = self.sent_groups.setdefault(engine.name, {})
+            groups[request.prefix_group] = max(groups.get(request.prefix_group, 0), request.prompt_tokens)
+        return engine
 
     def _load(self, engine: SimEngine) -> Load:
         return Load(num_running=len(engine.running), num_waiting=len(engine.waiting))
@@ -134,18 +151,18 @@ class Fleet:
         model, block = self.cost_model, self.profile.block_size
 
         def cost(engine: SimEngine) -> float:
-            hits = self._hit_tokens(engine.prefix_groups, request)
+            hits = self._own_hit_tokens(engine, request)
             if not pulls:
                 return model.local_prefill_s(uncached_tokens(request.prompt_tokens, hits // block, block),
                                              self._load(engine))
             return model.decode_s(self._load(engine), 0, max(0, (request.prompt_tokens - hits) // block))
-        return self._pick("decode", self.decodes, cost, request)
+        return self._pick("decode", self.decodes, cost, request)  # the caller records it when it sends
 
     def _pick_prefill(self, request: SimRequest) -> SimEngine:
         model, block = self.cost_model, self.profile.block_size
 
         def cost(engine: SimEngine) -> float:
-            own = self._hit_tokens(engine.prefix_groups, request)
+            own = self._own_hit_tokens(engine, request)
             pooled = self._hit_tokens(self.pool_groups, request)
             return model.prefill_s(uncached_tokens(request.prompt_tokens, max(own, pooled) // block, block),
                                    self._load(engine), 0, max(0, pooled - own) // block)
@@ -167,7 +184,7 @@ class Fleet:
                 self.num_local_prefills += 1
                 self._prefill_on(decode, request)
                 return
-        prefill = self._pick_prefill(request)
+        prefill = self._sent(self._pick_prefill(request), request)
         own = self._hit_tokens(prefill.prefix_groups, request)
         pooled = self._hit_tokens(self.pool_groups, request)
         request.cached_tokens = min(max(own, pooled), request.prompt_tokens - 1)
@@ -177,6 +194,7 @@ class Fleet:
             prefill.add_prompt(request)
 
     def _prefill_on(self, engine: SimEngine, request: SimRequest) -> None:
+        self._sent(engine, request)
         request.cached_tokens = min(self._hit_tokens(engine.prefix_groups, request), request.prompt_tokens - 1)
         engine.add_prompt(request)
 
@@ -210,7 +228,7 @@ class Fleet:
             self.pool_groups[request.prefix_group] = max(held, request.prompt_tokens)
         if request.done:
             return
-        decode = self._pick_decode(request, pulls=True)  # as the router: the decode is bound after prefill
+        decode = self._sent(self._pick_decode(request, pulls=True), request)  # bound after prefill, as the router
         missing = request.prompt_tokens - self._hit_tokens(decode.prefix_groups, request)
         with self.kv.request() as channel:
             yield channel
