@@ -23,8 +23,8 @@ import grpc.aio
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["AuthCollector", "TokenAuthInterceptor", "client_interceptors", "token_metadata", "count_refusal", "internal_token",
-           "refusing_handler", "set_internal_token", "unauthenticated_calls"]
+__all__ = ["AuthCollector", "TokenAuthInterceptor", "client_interceptors", "count_refusal", "internal_token",
+           "refusing_handler", "set_internal_token", "token_metadata", "unauthenticated_calls"]
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 An instance publishes the prefix blocks it holds with its load report, every few seconds (kv_summary.py).
 A prompt routed to it shows up there only after its prefill and the next report; until then the prompts
 that share its prefix are scored as misses on every instance and spread by load, each computing the
-prefix again. SGLang's cache-aware router keeps, per worker, an approximate tree of the prompts it sent
+prefix again (or, once it is committed, importing it from kv_transfer's pool). SGLang's cache-aware router keeps, per worker, an approximate tree of the prompts it sent
 there and never hears back from the workers; baton hears back, so its memory only has to bridge the gap:
 
 ```
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from shared.registry.kv_summary import leading_hits
 
 DEFAULT_TTL_S = 10.0  # a few of the registry's report intervals: long enough for a prefill and its report
-DEFAULT_MAX_BLOCKS = 16384  # per instance: ~1 MB of keys, more than one instance's published summary
+DEFAULT_MAX_BLOCKS = 16384  # per instance (a few MB): 8x the summary an instance publishes
 
 
 class _Unexpired:
