@@ -3,8 +3,11 @@
 An instance publishes the prefix blocks it holds with its load report, every few seconds (kv_summary.py).
 A prompt routed to it shows up there only after its prefill and the next report; until then the prompts
 that share its prefix are scored as misses on every instance and spread by load, each computing the
-prefix again (or, once it is committed, importing it from kv_transfer's pool). SGLang's cache-aware router keeps, per worker, an approximate tree of the prompts it sent
-there and never hears back from the workers; baton hears back, so its memory only has to bridge the gap:
+prefix again (or, once it is committed, importing it from kv_transfer's pool). Sent to the instance that
+is computing it, a follower instead waits for those blocks (the scheduler's share_planned_prefixes) and
+computes only its own tail. SGLang's cache-aware router keeps, per worker, an approximate tree of the
+prompts it sent there and never hears back from the workers; baton hears back, so its memory only has to
+bridge the gap:
 
 ```
  t0  prompt P (blocks k0..k9) ─► prefill A        remember(A, k0..k9) until t0 + ttl_s
