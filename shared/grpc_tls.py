@@ -109,20 +109,26 @@ def _peer_is_a_service(context: grpc.aio.ServicerContext) -> bool:
     return any(n == TLS_TARGET_NAME.encode() for n in names)
 
 
+def _refuses_peer(context: grpc.aio.ServicerContext) -> bool:
+    """True (and the refusal counted) when the caller's certificate is not a baton service's."""
+    if _peer_is_a_service(context):
+        return False
+    count_refusal("not a service certificate")
+    return True
+
+
 def _checking_peer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """`handler`, preceded by the peer check (the auth context is only known once the call runs)."""
     refuse = refusing_handler(handler, "client certificate is not a baton service's (SAN baton-internal)")
 
     def wrap(behaviour: Callable, refused: Callable) -> Callable:
         async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
-            if not _peer_is_a_service(context):
-                count_refusal("not a service certificate")
+            if _refuses_peer(context):
                 return await refused(request, context)
             return await behaviour(request, context)
 
         async def streaming(request: object, context: grpc.aio.ServicerContext) -> object:
-            if not _peer_is_a_service(context):
-                count_refusal("not a service certificate")
+            if _refuses_peer(context):
                 async for _ in refused(request, context):
                     yield _  # pragma: no cover (the refusal aborts)
                 return
@@ -131,8 +137,7 @@ def _checking_peer(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
         async def writing(request: object, context: grpc.aio.ServicerContext) -> None:
             """A streaming method written as a coroutine that calls `context.write` (decode's Generate)."""
-            if not _peer_is_a_service(context):
-                count_refusal("not a service certificate")
+            if _refuses_peer(context):
                 async for _ in refused(request, context):
                     pass  # pragma: no cover (the refusal aborts)
                 return

@@ -127,8 +127,9 @@ class Router:
         """Whether `decode` should compute the prompt itself: what its prefix cache lacks is short enough."""
         if not self.local_prefill_enabled:
             return False
-        routed = self.routed if self.policy == "kv" else None
-        return local_prefill_tokens(decode, prompt, routed) <= self.local_prefill_threshold_tokens(decode.kv.block_size)
+        # self.routed is empty under the other policies (`sent` records under kv only)
+        return local_prefill_tokens(decode, prompt, self.routed) <= self.local_prefill_threshold_tokens(
+            decode.kv.block_size)
 
     def _next_in_turn(self, service: str, instances: Sequence[InstanceInfo],
                       exclude: AbstractSet[str]) -> InstanceInfo:
