@@ -1,15 +1,18 @@
 """The decode loop on a CUDA GPU: eager against CUDA graphs, synchronous against zero-bubble.
 
-For each batch size and setup (loop x graphs): decode tokens/s, the GPU's busy fraction while
+For each batch size, set of elementwise ops (torch's, or the Triton kernels of triton_decoder_ops.py) and
+setup (loop x graphs): decode tokens/s, its fraction of the HBM-bandwidth bound (weights once a step plus the
+requests' KV, at a measured device-to-device copy's bandwidth), the GPU's busy fraction while
 decoding (kernel time over the span from the first kernel to the last, read
 from a torch.profiler trace of a window of steps), and where the host waited
 for the GPU (torch's sync debug mode, by the first frame inside `shared/`).
-Greedy tokens of every setup must be identical; the run fails otherwise.
+Greedy tokens of every setup with the same ops must be identical (the run fails otherwise); across ops, where
+rounding differs, the share of each greedy output that agrees before the first difference is reported.
 
 Weights are random with SmolLM2-135M's shapes (no model hub on a lent GPU
 machine; speed does not depend on the values). Writes JSON to bench/results/.
 
-    python bench/cuda_loop.py [--batch 1 8 32] [--dtype bfloat16] [--new-tokens 128]
+    python bench/cuda_loop.py [--batch 1 8 32] [--dtype bfloat16] [--new-tokens 128] [--ops torch triton]
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def random_loaded(dtype: torch.dtype, num_layers: int, device: str) -> LoadedModel:
+def random_loaded(dtype: torch.dtype, num_layers: int, device: str, triton_ops: bool | None = None) -> LoadedModel:
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": num_layers})
@@ -63,7 +66,8 @@ def random_loaded(dtype: torch.dtype, num_layers: int, device: str) -> LoadedMod
             weights[p + name + ".weight"] = torch.randn(*shape) * shape[1] ** -0.5
         weights[p + "input_layernorm.weight"] = torch.ones(h)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(h)
-    model = DecoderLM(spec, weights, pick_attention("auto", device), device=device, dtype=dtype)
+    model = DecoderLM(spec, weights, pick_attention("auto", device), device=device, dtype=dtype,
+                      triton_ops=triton_ops)
     return LoadedModel(name="random-smollm2-135m", hf_dir=Path("/nonexistent"), hf_config=config, spec=spec,
                        model=model, tokenizer=None, eos_token_ids=frozenset({2}))
 
@@ -174,7 +178,8 @@ def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len
     sync()
     if prof is not None and profile_dir is not None and window:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-        (profile_dir / f"torch-ops-{loop}{'-graphs' if graphs else ''}-b{batch}.txt").write_text(table)
+        ops = "triton" if loaded.model.triton_ops else "torch"
+        (profile_dir / f"torch-ops-{ops}-{loop}{'-graphs' if graphs else ''}-b{batch}.txt").write_text(table)
     engine.close()
     engine.check_no_leaks()
     busy, span_ms = gpu_busy_fraction(prof) if window else (0.0, 0.0)
@@ -187,6 +192,48 @@ def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len
         "sync_points": dict(syncs.where.most_common(12)),
     }
     return row, [tokens[f"r{i}"] for i in range(batch)]
+
+
+def common_prefix_fraction(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean over requests of how much of the reference's greedy output this run repeats before it first differs."""
+    fractions = []
+    for got, want in zip(tokens, reference, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        fractions.append(same / max(len(want), 1))
+    return round(sum(fractions) / max(len(fractions), 1), 4)
+
+
+def weight_bytes(layers: int, itemsize: int) -> int:
+    """Bytes of weights a decode step reads: every layer's, the final norm, and the (tied) LM head; the
+    embedding lookup reads a row per token."""
+    c = {k: int(v) for k, v in SMOLLM2_135M.items() if isinstance(v, int)}
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    return itemsize * (layers * per_layer + h + v * h)
+
+
+def kv_bytes_per_token(layers: int, itemsize: int) -> int:
+    c = {k: int(v) for k, v in SMOLLM2_135M.items() if isinstance(v, int)}
+    return itemsize * layers * 2 * c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+
+
+def hbm_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read plus written), the median of 5; 0 off CUDA."""
+    if not device.startswith("cuda"):
+        return 0.0
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / sorted(times[2:])[2]
 
 
 def profile_host(loaded: LoadedModel, args: argparse.Namespace) -> None:
@@ -225,6 +272,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    parser.add_argument("--ops", nargs="+", choices=["torch", "triton"], default=["torch", "triton"],
+                        help="the layers' elementwise ops: torch's, or the Triton kernels (the first is the baseline)")
     parser.add_argument("--profile-host", action="store_true",
                         help="also write where the host's time goes (cProfile of the synchronous loop, "
                              "torch op table) beside the JSON")
@@ -234,33 +283,52 @@ def main() -> None:
         sys.exit("bench/cuda_loop.py needs a CUDA device (or --device cpu for a smoke run)")
     from shared.engine.precision import DTYPES
 
-    loaded = random_loaded(DTYPES[args.dtype], args.layers, args.device)
+    # the same random weights, the layers' elementwise ops in torch or as Triton kernels (triton_decoder_ops.py)
+    models = {ops: random_loaded(DTYPES[args.dtype], args.layers, args.device, triton_ops=ops == "triton")
+              for ops in args.ops}
     args.out.mkdir(parents=True, exist_ok=True)
     if args.profile_host:
-        profile_host(loaded, args)
+        profile_host(models[args.ops[-1]], args)
+    hbm = hbm_bandwidth(args.device)
+    step_bytes = weight_bytes(args.layers, DTYPES[args.dtype].itemsize)
+    kv_bytes = kv_bytes_per_token(args.layers, DTYPES[args.dtype].itemsize)
+    context = args.prompt_len + args.new_tokens / 2  # the mean over the timed steps
     rows = []
+    setups = SETUPS if args.device.startswith("cuda") else [s for s in SETUPS if not s[1]]
     for batch in args.batch:
-        first: tuple[dict[str, Any], list[list[int]]] | None = None
-        setups = SETUPS if args.device.startswith("cuda") else [s for s in SETUPS if not s[1]]
-        for loop, graphs in setups:
-            row, tokens = run_one(loaded, loop, graphs, batch, args.prompt_len, args.new_tokens, args.dtype,
-                                  args.device, args.out if args.profile_host else None)
-            first = first or (row, tokens)
-            row["tokens_equal_baseline"] = tokens == first[1]
-            row["speedup_vs_baseline"] = round(row["tok_per_s"] / first[0]["tok_per_s"], 3)
-            log(json.dumps(row))
-            rows.append(row)
+        first: dict[str, tuple[dict[str, Any], list[list[int]]]] = {}
+        for ops, loaded in models.items():
+            for loop, graphs in setups:
+                # the op table of the zero-bubble loop with graphs only (files back from a lent GPU are few)
+                tables = args.out if args.profile_host and loop == "async" and graphs else None
+                row, tokens = run_one(loaded, loop, graphs, batch, args.prompt_len, args.new_tokens, args.dtype,
+                                      args.device, tables)
+                row["ops"] = ops
+                baseline = first.setdefault(ops, (row, tokens))
+                reference = next(iter(first.values()))  # the first ops' synchronous eager loop
+                # bit-equal within one set of ops; across them the rounding differs, so greedy paths may part
+                row["tokens_equal_baseline"] = tokens == baseline[1]
+                row["agreement_with_first_ops"] = common_prefix_fraction(tokens, reference[1])
+                row["speedup_vs_baseline"] = round(row["tok_per_s"] / reference[0]["tok_per_s"], 3)
+                if hbm:  # the weights once a step plus each request's KV: the bytes a step cannot avoid reading
+                    bound = batch * hbm / (step_bytes + batch * context * kv_bytes)
+                    row["hbm_bound_tok_per_s"] = round(bound, 1)
+                    row["fraction_of_hbm_bound"] = round(row["tok_per_s"] / bound, 4)
+                log(json.dumps(row))
+                rows.append(row)
     result = {
         "bench": "cuda_loop",
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device, "torch": torch.__version__,
         "dtype": args.dtype, "layers": args.layers, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "baseline": "synchronous loop, eager launches", "rows": rows,
+        "new_tokens": args.new_tokens, "baseline": f"synchronous loop, eager launches, {args.ops[0]} ops",
+        "hbm_gb_per_s": round(hbm / 1e9, 1) if hbm else None, "weight_bytes_per_step": step_bytes,
+        "kv_bytes_per_token": kv_bytes, "rows": rows,
     }
     path = args.out / f"cuda_loop-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
     if not all(r["tokens_equal_baseline"] for r in rows):
-        sys.exit("tokens differ from the synchronous eager loop's")
+        sys.exit("tokens differ from the synchronous eager loop's with the same ops")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from `AttentionMetadata`. The families differ only in what `DecoderSpec` says
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,26 @@ from shared.ops.cpu_kernels import cpu_kernels_available
 from shared.ops.linear import LinearWeight
 from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
 from shared.ops.silu_mul_cpu import silu_mul_cpu, silu_mul_cpu_available, silu_mul_ref
+
+
+@dataclass(frozen=True)
+class _FusedRope:
+    """What the fused RoPE-and-store kernel reads in place of a step's cos/sin: the positions and the tables."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    cos: torch.Tensor  # [max_positions, head_dim] fp32
+    sin: torch.Tensor
+
+
+_Rope = tuple[torch.Tensor, torch.Tensor] | _FusedRope  # (cos, sin) of the step's positions, or the fused kernel's
+
+
+def use_triton_ops(device: torch.device, asked: bool | None) -> bool:
+    """The layers' elementwise ops as Triton kernels: where asked (tests, through the interpreter on a CPU),
+    else on CUDA unless BATON_TRITON_DECODER_OPS=0."""
+    if asked is not None:
+        return asked
+    return device.type == "cuda" and os.environ.get("BATON_TRITON_DECODER_OPS", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,7 @@ class DecoderLM:
         dtype: torch.dtype = torch.float32,
         decodes: bool = True,  # False (a prefill engine): projections only ever see prompt chunks
         weight_format: WeightFormat | None = None,  # how projections are stored; None = as `dtype`
+        triton_ops: bool | None = None,  # the layers' elementwise ops as Triton kernels; None = on CUDA
     ) -> None:
         self.spec = spec
         self.attention = attention
@@ -130,6 +153,23 @@ class DecoderLM:
         # bits (checked)
         self._act_mul = (gelu_tanh_mul if spec.activation != "silu"
                          else silu_mul_cpu if silu_mul_cpu_available(self.device, dtype) else silu_mul_ref)
+        # on a GPU the ops between projections as one Triton launch each (triton_decoder_ops.py): a CUDA graph's
+        # step is ~35 kernels a layer in torch ops, 9 with these
+        self.triton_ops = use_triton_ops(self.device, triton_ops)
+        self._rope_store: Callable[..., torch.Tensor] | None = None
+        if self.triton_ops:
+            from shared.ops import triton_decoder_ops as tops
+
+            self._norm = functools.partial(tops.rms_norm, weight_in_fp32=spec.norm_offset)
+            self._add_norm = functools.partial(tops.add_rms_norm, weight_in_fp32=spec.norm_offset)
+            if spec.activation == "silu":
+                self._act_mul = tops.silu_mul
+            from shared.ops.triton_attention import paged_attention_triton
+
+            # RoPE straight after the projection (no q/k norm between), and an attention that reads this step's
+            # keys from the cache, not from its arguments
+            if not spec.qk_norm and attention is paged_attention_triton:
+                self._rope_store = tops.rope_store_kv
         # decode steps' layers as one C++ call where every op above has its CPU kernel (cpu_layer_loop.py)
         self.cpu_layer_loop = CpuLayerLoop.build(self)
 
@@ -173,8 +213,14 @@ class DecoderLM:
         if loop is not None and rows is not None:  # a decode step on the CPU: every layer in one C++ call
             x, last_mlp = loop.run(x, positions, kv_cache, meta, rows)
             return self._add_norm(x, last_mlp, self.norm_final, self.spec.rms_eps)[1]
-        rope = {theta: r.cos_sin(positions, x.dtype) for theta, r in self.ropes.items()}
-        kv_index = kv_write_index(meta.slot_mapping, kv_cache.shape[3]) if self._write_kv is write_kv else None
+        # RoPE and the KV store fused into one kernel, unless this step's attention may read this step's keys
+        # from its arguments (the torch reference's fallbacks: draft trees, images seen both ways)
+        fused = self._rope_store is not None and not meta.tree_masks and not meta.bidirectional_spans
+        rope: dict[float, _Rope] = {
+            theta: _FusedRope(positions, r.cos, r.sin) if fused else r.cos_sin(positions, x.dtype)
+            for theta, r in self.ropes.items()}
+        kv_index = (kv_write_index(meta.slot_mapping, kv_cache.shape[3])
+                    if self._write_kv is write_kv and not fused else None)
         # Each layer hands back its MLP output unadded: the add is fused into the next norm (the next layer's
         # input norm, or the final one). The residual stream after layer i is x + m.
         m: torch.Tensor | None = None
@@ -199,7 +245,7 @@ class DecoderLM:
         w: DecoderLayerWeights,
         x: torch.Tensor,  # [num_tokens, hidden]
         pending: torch.Tensor | None,  # the previous layer's MLP output, to add to x first (None: layer 0)
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: _Rope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_index: tuple[torch.Tensor, torch.Tensor] | None,  # kv_write_index of the slots, for write_kv
@@ -210,16 +256,23 @@ class DecoderLM:
         else:
             x, h = self._add_norm(x, pending, w.norm_in, s.rms_eps)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q, k, v = w.w_qkv(h).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = w.w_qkv(h)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if w.q_norm is not None and w.k_norm is not None:
-            q = self._norm(q, w.q_norm, s.rms_eps)
-            k = self._norm(k, w.k_norm, s.rms_eps)
-        q, k = self._rope(q, k, cos_sin)
         k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
-        self._write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_index)
+        if isinstance(rope, _FusedRope):
+            # k and v passed on below stay unrotated: the Triton kernel reads every key from the cache
+            assert self._rope_store is not None
+            q = self._rope_store(qkv, rope.positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                                 s.num_heads, s.num_kv_heads)
+        else:
+            if w.q_norm is not None and w.k_norm is not None:
+                q = self._norm(q, w.q_norm, s.rms_eps)
+                k = self._norm(k, w.k_norm, s.rms_eps)
+            q, k = self._rope(q, k, rope)
+            self._write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_index)
         a = self.attention(q, k, v, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])
         a = w.w_o(a.reshape(-1, q_size))
         if w.norm_attn_out is not None:
