@@ -1,6 +1,7 @@
 """The decode loop on a CUDA GPU: eager against CUDA graphs, synchronous against zero-bubble.
 
-For each batch size, set of elementwise ops (torch's, or the Triton kernels of triton_decoder_ops.py) and
+For each batch size, set of ops (torch's; the Triton kernels of triton_decoder_ops.py between projections; those
+and, up to 16 rows, triton_gemv.py's projections with the norms, adds and SiLU gate folded in) and
 setup (loop x graphs): decode tokens/s, its fraction of the HBM-bandwidth bound (weights once a step plus the
 requests' KV, at a measured device-to-device copy's bandwidth), the GPU's busy fraction while
 decoding (kernel time over the span from the first kernel to the last, read
@@ -12,13 +13,14 @@ rounding differs, the share of each greedy output that agrees before the first d
 Weights are random with SmolLM2-135M's shapes (no model hub on a lent GPU
 machine; speed does not depend on the values). Writes JSON to bench/results/.
 
-    python bench/cuda_loop.py [--batch 1 8 32] [--dtype bfloat16] [--new-tokens 128] [--ops torch triton]
+    python bench/cuda_loop.py [--batch 1 8 32] [--dtype bfloat16] [--new-tokens 128] [--ops torch triton gemv]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -177,8 +179,10 @@ def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len
             window = 32
     sync()
     if prof is not None and profile_dir is not None and window:
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-        ops = "triton" if loaded.model.triton_ops else "torch"
+        averages = prof.key_averages()
+        table = (averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
+                 + averages.table(sort_by="self_cuda_time_total", row_limit=25))
+        ops = "gemv" if loaded.model._gemv else "triton" if loaded.model.triton_ops else "torch"
         (profile_dir / f"torch-ops-{ops}-{loop}{'-graphs' if graphs else ''}-b{batch}.txt").write_text(table)
     engine.close()
     engine.check_no_leaks()
@@ -272,8 +276,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
-    parser.add_argument("--ops", nargs="+", choices=["torch", "triton"], default=["torch", "triton"],
-                        help="the layers' elementwise ops: torch's, or the Triton kernels (the first is the baseline)")
+    parser.add_argument("--ops", nargs="+", choices=["torch", "triton", "gemv"], default=["torch", "triton", "gemv"],
+                        help="the layers' elementwise ops: torch's, the Triton kernels, or those and the GEMV "
+                             "kernel for batches up to 16 (the first is the baseline)")
     parser.add_argument("--profile-host", action="store_true",
                         help="also write where the host's time goes (cProfile of the synchronous loop, "
                              "torch op table) beside the JSON")
@@ -283,9 +288,13 @@ def main() -> None:
         sys.exit("bench/cuda_loop.py needs a CUDA device (or --device cpu for a smoke run)")
     from shared.engine.precision import DTYPES
 
-    # the same random weights, the layers' elementwise ops in torch or as Triton kernels (triton_decoder_ops.py)
-    models = {ops: random_loaded(DTYPES[args.dtype], args.layers, args.device, triton_ops=ops == "triton")
-              for ops in args.ops}
+    # the same random weights; the layers' elementwise ops in torch or as Triton kernels (triton_decoder_ops.py),
+    # and with those the few-row projections as Triton GEMVs with the ops around them folded in (triton_gemv.py)
+    models = {}
+    for ops in args.ops:
+        os.environ["BATON_TRITON_GEMV"] = "1" if ops == "gemv" else "0"
+        models[ops] = random_loaded(DTYPES[args.dtype], args.layers, args.device, triton_ops=ops != "torch")
+    os.environ.pop("BATON_TRITON_GEMV")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.profile_host:
         profile_host(models[args.ops[-1]], args)
@@ -299,8 +308,9 @@ def main() -> None:
         first: dict[str, tuple[dict[str, Any], list[list[int]]]] = {}
         for ops, loaded in models.items():
             for loop, graphs in setups:
-                # the op table of the zero-bubble loop with graphs only (files back from a lent GPU are few)
-                tables = args.out if args.profile_host and loop == "async" and graphs else None
+                # the op table of batch 1 in the zero-bubble loop with graphs only (files back from a lent GPU
+                # are few)
+                tables = args.out if args.profile_host and loop == "async" and graphs and batch == 1 else None
                 row, tokens = run_one(loaded, loop, graphs, batch, args.prompt_len, args.new_tokens, args.dtype,
                                       args.device, tables)
                 row["ops"] = ops

@@ -38,7 +38,7 @@ from shared.models.common import LayerDoneFn, PagedCausalLM
 from shared.multimodal.encoder import MediaEncoder
 from shared.multimodal.items import SEEN_BOTH_WAYS
 from shared.ops.attention import AttentionMetadata
-from shared.ops.host_copy import tensor_to_device, to_device, to_host_async
+from shared.ops.host_copy import pack_to_device, tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
 from shared.spec.tree import DraftTree
 from shared.spec.verify import VerifyInput, VerifyOutput, verify_drafts
@@ -292,14 +292,19 @@ class ModelRunner:
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
+        i64, i32 = torch.int64, torch.int32
+        (planned_ids, planned_positions, planned_seq_lens, query_start_loc, block_tables, prev_row_t,
+         *index) = pack_to_device([(ids, i64), (positions, i64), (seq_lens, i32), (cu, i32), (tables, i32),
+                                   (prev_row, i64), (sample_rows, i64), (sample_chunks, i64), (verify_rows, i64),
+                                   (verify_chunks, i64)], dev)
         inputs = StepInputs(
             plan=plan,
-            planned_ids=to_device(ids, dtype=torch.int64, device=dev),
-            planned_positions=to_device(positions, dtype=torch.int64, device=dev),
-            planned_seq_lens=to_device(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=to_device(cu, dtype=torch.int32, device=dev),
-            block_tables=tensor_to_device(tables, dev),
-            prev_row=to_device(prev_row, dtype=torch.int64, device=dev),
+            planned_ids=planned_ids,
+            planned_positions=planned_positions,
+            planned_seq_lens=planned_seq_lens,
+            query_start_loc=query_start_loc,
+            block_tables=block_tables,
+            prev_row=prev_row_t,
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
             generators=[self._generators.get(c.request_id) for c in plan.chunks],
@@ -324,11 +329,8 @@ class ModelRunner:
                 lo = cu[i + 1] - tree.num_drafts - 1
                 offsets[lo : cu[i + 1]] = [j - d for j, d in enumerate(tree.depths)]
             inputs.rope_offsets = to_device(offsets, dtype=torch.int64, device=dev)
-        inputs.device_index = {
-            name: to_device(values, dtype=torch.int64, device=dev)
-            for name, values in (("sample_rows", sample_rows), ("sample_chunks", sample_chunks),
-                                 ("verify_rows", verify_rows), ("verify_chunks", verify_chunks))
-        }
+        inputs.device_index = dict(zip(("sample_rows", "sample_chunks", "verify_rows", "verify_chunks"), index,
+                                       strict=True))
         order = [plan.chunks[i].request_id for i in sample_chunks + verify_chunks]
         inputs.rows = {request_id: r for r, request_id in enumerate(order)}
         if not inputs.continues_previous:

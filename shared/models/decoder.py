@@ -58,6 +58,9 @@ class _FusedRope:
 _Rope = tuple[torch.Tensor, torch.Tensor] | _FusedRope  # (cos, sin) of the step's positions, or the fused kernel's
 
 
+GEMV_ROWS = 16  # triton_gemv.MAX_ROWS (that module imports triton at once: imported only where it runs)
+
+
 def use_triton_ops(device: torch.device, asked: bool | None) -> bool:
     """The layers' elementwise ops as Triton kernels: where asked (tests, through the interpreter on a CPU),
     else on CUDA unless BATON_TRITON_DECODER_OPS=0."""
@@ -170,6 +173,19 @@ class DecoderLM:
             # keys from the cache, not from its arguments
             if not spec.qk_norm and attention is paged_attention_triton:
                 self._rope_store = tops.rope_store_kv
+        # decode steps of a few rows: each projection one Triton GEMV with the norm, residual add or SiLU gate
+        # folded in (triton_gemv.py), where a layer is exactly norm -> qkv -> RoPE -> attention -> o -> add ->
+        # norm -> gate_up -> SiLU * up -> down -> add, with plain weights in the activation dtype (off:
+        # BATON_TRITON_GEMV=0)
+        self._gemv: Callable[..., torch.Tensor] | None = None
+        if (self._rope_store is not None and spec.activation == "silu" and not spec.sandwich_norm
+                and os.environ.get("BATON_TRITON_GEMV", "1") != "0"
+                and all(p.backend == "torch" and p.weight.dtype == dtype for layer in self.layers
+                        for p in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))):
+            from shared.ops.triton_gemv import MAX_ROWS, gemv
+
+            assert MAX_ROWS == GEMV_ROWS, (MAX_ROWS, GEMV_ROWS)
+            self._gemv = gemv
         # decode steps' layers as one C++ call where every op above has its CPU kernel (cpu_layer_loop.py)
         self.cpu_layer_loop = CpuLayerLoop.build(self)
 
@@ -213,6 +229,9 @@ class DecoderLM:
         if loop is not None and rows is not None:  # a decode step on the CPU: every layer in one C++ call
             x, last_mlp = loop.run(x, positions, kv_cache, meta, rows)
             return self._add_norm(x, last_mlp, self.norm_final, self.spec.rms_eps)[1]
+        if self._gemv is not None and 0 < x.shape[0] <= GEMV_ROWS and not meta.tree_masks \
+                and not meta.bidirectional_spans:
+            return self._forward_gemv(x, positions, kv_cache, meta, on_layer_done, captured)
         # RoPE and the KV store fused into one kernel, unless this step's attention may read this step's keys
         # from its arguments (the torch reference's fallbacks: draft trees, images seen both ways)
         fused = self._rope_store is not None and not meta.tree_masks and not meta.bidirectional_spans
@@ -233,6 +252,31 @@ class DecoderLM:
         if m is None:  # no layers
             return self._norm(x, self.norm_final, self.spec.rms_eps)
         return self._add_norm(x, m, self.norm_final, self.spec.rms_eps)[1]
+
+    def _forward_gemv(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, on_layer_done: LayerDoneFn | None,
+                      captured: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """`forward`'s layers for a few rows on the GPU: six launches a layer (the GEMV kernel four times)."""
+        assert self._gemv is not None and self._rope_store is not None
+        s, gemv = self.spec, self._gemv
+        q_size = s.num_heads * s.head_dim
+        norm = {"eps": s.rms_eps, "norm_in_fp32": s.norm_offset}
+        for i, w in enumerate(self.layers):
+            rope = self.ropes[s.layer_rope_theta[i]]
+            qkv = gemv(x, w.w_qkv.weight, norm_weight=w.norm_in, **norm)
+            k_cache, v_cache = kv_cache[i, :, 0], kv_cache[i, :, 1]
+            q = self._rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                                 s.num_heads, s.num_kv_heads)
+            # the Triton attention reads this step's keys from the cache; q stands in for its unread k and v
+            a = self.attention(q, q, q, k_cache, v_cache, meta, s.attn_scale, s.layer_sliding_window[i])
+            x = gemv(a.reshape(-1, q_size), w.w_o.weight, residual=x)
+            act = gemv(x, w.w_gate_up.weight, norm_weight=w.norm_ffn_in, gated=True, **norm)
+            x = gemv(act, w.w_down.weight, residual=x)
+            if captured is not None and i in captured:
+                captured[i] = x
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self._norm(x, self.norm_final, s.rms_eps)
 
     def _add_norm_ref(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:

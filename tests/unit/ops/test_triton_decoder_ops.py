@@ -93,7 +93,8 @@ def test_rope_store_kv_matches_rope_then_write_kv(dtype: torch.dtype, kv_dtype: 
     _close(cache, want)  # layer 0 and every slot not written are untouched
 
 
-def _forward(model: DecoderLM, seqs: list[tuple[int, int]], kv: torch.Tensor, seed: int) -> torch.Tensor:
+def _forward(model: DecoderLM, seqs: list[tuple[int, int]], kv: torch.Tensor, seed: int,
+             captured: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """One step of (context already cached, new tokens) per sequence on consecutive blocks of 4."""
     g = torch.Generator().manual_seed(seed)
     tables, slots, positions, start = [], [], [], 0
@@ -114,12 +115,15 @@ def _forward(model: DecoderLM, seqs: list[tuple[int, int]], kv: torch.Tensor, se
         block_tables=torch.stack(tables).to(DEVICE), query_lens_host=query_lens,
         seq_lens_host=[c + n for c, n in seqs], positions=torch.cat(positions).to(DEVICE))
     ids = torch.randint(0, model.vocab_size, (start,), generator=g).to(DEVICE)
-    return model.forward(ids, meta.positions, kv, meta)  # type: ignore[arg-type]
+    return model.forward(ids, meta.positions, kv, meta, captured=captured)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_model_with_triton_ops_matches_torch_ops(family: str) -> None:
-    """A prefill of two prompts, then a decode step of both: hidden states and the cache agree (fp32)."""
+def test_model_with_triton_ops_matches_torch_ops(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill of two prompts, then decode steps of both: hidden states and the cache agree (fp32)."""
+    # projections as plain weights, as on CUDA (on the CPU fp32 they are packed for oneDNN, which the GEMV
+    # kernel cannot read)
+    monkeypatch.setattr("shared.ops.linear.onednn_available", lambda device: False)
     config = tiny_llama_config() if family == "llama" else tiny_gemma3_config()
     spec = spec_from_config(config)
     weights = random_hf_model(config).state_dict()
@@ -129,14 +133,23 @@ def test_model_with_triton_ops_matches_torch_ops(family: str) -> None:
     assert fused.triton_ops and not plain.triton_ops
     # Llama's RoPE and KV store run fused; Gemma 3's q/k norms sit between projection and RoPE, so they do not
     assert (fused._rope_store is not None) == (family == "llama")
+    # and Llama's decode rows take the GEMV kernels with the norms, adds and SiLU gate folded in
+    assert (fused._gemv is not None) == (family == "llama")
     layout = KVLayout(spec.num_layers, 16, 4, spec.num_kv_heads, spec.head_dim, torch.float32)
     kv_plain = torch.zeros(layout.shape, device=DEVICE)
     kv_fused = torch.zeros(layout.shape, device=DEVICE)
-    for seqs, seed in (([(0, 11), (0, 6)], 3), ([(11, 1), (6, 1)], 4)):
-        want = _forward(plain, seqs, kv_plain, seed)
-        got = _forward(fused, seqs, kv_fused, seed)
+    # a prefill of 17 rows (the separate kernels), then decode steps of 2 rows (the GEMV path for Llama), one
+    # of them keeping a layer's output as a draft head asks
+    for seqs, seed, keep in (([(0, 11), (0, 6)], 3, None), ([(11, 1), (6, 1)], 4, None),
+                             ([(12, 1), (7, 1)], 5, 0)):
+        kept_plain = {keep: torch.empty(0)} if keep is not None else None
+        kept_fused = {keep: torch.empty(0)} if keep is not None else None
+        want = _forward(plain, seqs, kv_plain, seed, kept_plain)
+        got = _forward(fused, seqs, kv_fused, seed, kept_fused)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kv_fused, kv_plain, rtol=1e-5, atol=1e-5)
+        if kept_plain is not None and kept_fused is not None:
+            torch.testing.assert_close(kept_fused[0], kept_plain[0], rtol=1e-5, atol=1e-5)
 
 
 def test_default_is_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,134 @@
+"""A decode step's projections for a few rows, with the ops around them folded in: one Triton kernel.
+
+At batch 1-16 a projection is a matrix-vector product bound by launch latency and the weight's bytes, and the
+ops between projections (a residual add, an RMSNorm, SiLU * up) are launches of their own. This kernel takes
+them into its prologue and epilogue, so a Llama layer's decode step is six launches (this kernel four times,
+RoPE + KV store, attention) instead of nine:
+
+    qkv   = W_qkv  @ rms_norm(x)                  prologue: the norm, recomputed by each program (K is small)
+    x     = x + W_o @ attn                        epilogue: the residual add
+    act   = silu(W_gate @ h) * (W_up @ h),        prologue: the norm; epilogue: two accumulators, gate and up
+            h = rms_norm(x)                       rows of the same columns, and SiLU * up
+    x     = x + W_down @ act                      epilogue: the residual add
+
+Each program owns BLOCK_N output columns for every row (rows padded to 16 for the tensor-core dot) and walks K
+in tiles. Rounding follows the separate ops: the norm's output, each product and the activation are rounded
+to the activation dtype where the torch ops round them, so only the dot's summation order differs.
+
+This module imports triton at module level; import it lazily (the kernel is built when the module is imported,
+which is when triton decides between compiling and interpreting).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shared.ops.triton_attention import triton_available
+
+__all__ = ["MAX_ROWS", "gemv", "triton_available"]
+
+MAX_ROWS = 16  # one tensor-core tile of rows; larger batches take cuBLAS and the separate kernels
+_BLOCK_N = 16
+_BLOCK_K = 128
+
+
+@triton.jit
+def _dot(h, w, IEEE_FP32: tl.constexpr):
+    """h @ w.T accumulated in fp32. IEEE_FP32: in fp32 without TF32 (fp32 models, and the interpreter, whose
+    bf16 dot is wrong; a bf16 product is exact in fp32, so the sums are the same)."""
+    if IEEE_FP32:
+        return tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(h, tl.trans(w))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, res_ptr, norm_ptr,
+    M, N, K, stride_x, stride_w, stride_o, stride_r, eps,
+    NORM: tl.constexpr, NORM_IN_FP32: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    dt = x_ptr.dtype.element_ty
+    if NORM:  # each row's mean square over all of K first (K is a hidden size: a few KB from L2)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+                         other=0.0).to(tl.float32)
+            sq += tl.sum(xv * xv, axis=1)
+        inv = tl.math.rsqrt(sq / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        h = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            hf = h.to(tl.float32) * inv[:, None]
+            if NORM_IN_FP32:  # Gemma's (1 + w) in fp32, then the cast
+                h = (hf * nw[None, :]).to(dt)
+            else:  # Llama: cast back, then the weight in the activation dtype
+                h = (hf.to(dt).to(tl.float32) * nw[None, :]).to(dt)
+        w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += _dot(h, w, IEEE_FP32)
+        if GATED:  # the up rows of the same columns sit N rows further down the gate_up weight
+            wu = tl.load(w_ptr + (cols + N)[:, None] * stride_w + ks[None, :],
+                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up += _dot(h, wu, IEEE_FP32)
+    y = acc.to(dt)
+    if GATED:  # silu(gate) rounded as F.silu rounds it, then * up
+        g = y.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt)
+        y = (act.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
+
+
+def _interpreting() -> bool:
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def gemv(
+    x: torch.Tensor,  # [M <= MAX_ROWS, K]
+    weight: torch.Tensor,  # [N, K] ([2 * N, K] gated: gate rows, then up rows)
+    *,
+    norm_weight: torch.Tensor | None = None,  # RMSNorm x first with this weight [K]
+    eps: float = 1e-6,
+    norm_in_fp32: bool = False,  # the norm weight is Gemma's (1 + w), applied in fp32
+    residual: torch.Tensor | None = None,  # [M, N]: add it to the product
+    gated: bool = False,  # silu(gate @ h) * (up @ h)
+) -> torch.Tensor:  # [M, N]
+    """`weight @ x` for each row of x with an optional RMSNorm before and residual add or SiLU gate after."""
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k and x.stride(-1) == 1 and weight.stride(-1) == 1, (
+        x.shape, weight.shape, x.stride())
+    assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == (rows, n) and residual.stride(-1) == 1 and residual.dtype == x.dtype, residual.shape
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous(), norm_weight.shape
+    if rows:
+        res = residual if residual is not None else out
+        _gemv_kernel[(triton.cdiv(n, _BLOCK_N),)](
+            x, weight, out, res, norm_weight if norm_weight is not None else weight,
+            rows, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
+            NORM=norm_weight is not None, NORM_IN_FP32=norm_in_fp32, RESIDUAL=residual is not None, GATED=gated,
+            IEEE_FP32=x.dtype == torch.float32 or _interpreting(), BLOCK_M=MAX_ROWS, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+            num_warps=4, num_stages=3,
+        )
+    return out
