@@ -99,6 +99,20 @@ class DecodeGraphs:
         Padding is rewritten every step: a row that held a live sequence last step must not
         write into that sequence's blocks now.
         """
+        if self.input_ids.is_cuda:  # one launch in place of up to ten copies and fills (graph_inputs_triton.py)
+            from shared.ops.graph_inputs_triton import load_graph_inputs
+
+            load_graph_inputs(self._static(), (input_ids, positions, meta.slot_mapping, meta.seq_lens,
+                                               meta.block_tables), size, self.scratch_slot, self.scratch_block)
+            return
+        self.load_reference(size, input_ids, positions, meta)
+
+    def _static(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables
+
+    def load_reference(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> None:
+        """`load` in torch ops (the CPU's, and the kernel's reference)."""
         n = input_ids.shape[0]
         width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)

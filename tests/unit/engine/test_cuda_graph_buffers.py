@@ -89,3 +89,24 @@ def test_fits_only_single_token_steps_within_the_captured_sizes() -> None:
     assert not graphs.fits(_meta([[1], [2]], [3, 2], [2, 1])[0])  # a chunk of two tokens
     assert not graphs.fits(_meta([[i] for i in range(5)], [1] * 5, [1] * 5)[0])  # more sequences than 4
     assert not graphs.fits(_meta([[1, 2, 3, 4, 5]], [18], [1])[0])  # a longer block table than captured
+
+
+def test_the_load_kernel_fills_the_buffers_as_the_torch_ops_do() -> None:
+    """graph_inputs_triton.py (through the interpreter here) against `load_reference`, over steps that shrink,
+    so rows that held a sequence become padding, and a block table wider than the last step's."""
+    from shared.ops.graph_inputs_triton import load_graph_inputs
+
+    kernel = DecodeGraphs([1, 2, 4, 8], 6, BLOCK, 30, torch.device("cpu"))
+    torch_ops = DecodeGraphs([1, 2, 4, 8], 6, BLOCK, 30, torch.device("cpu"))
+    for tables, seq_lens in (([[3, 7, 8, 9], [1], [9, 2, 4], [5], [6, 11], [12]], [15, 2, 10, 4, 7, 1]),
+                             ([[3, 7], [1, 13]], [6, 5])):
+        meta, pos = _meta(tables, seq_lens, [1] * len(tables))
+        n = len(tables)
+        ids = torch.arange(100, 100 + n)
+        size = kernel.size_for(n)
+        assert size is not None
+        load_graph_inputs(kernel._static(), (ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables), size,
+                          kernel.scratch_slot, kernel.scratch_block)
+        torch_ops.load_reference(size, ids, pos, meta)
+        for got, want in zip(kernel._static(), torch_ops._static(), strict=True):
+            assert torch.equal(got[:size], want[:size])
