@@ -126,6 +126,10 @@ def gpu_busy_fraction(prof: Any) -> tuple[float, float]:
 SETUPS = [("sync", False), ("sync", True), ("async", False), ("async", True)]  # (loop, cuda graphs)
 
 
+def setup_name(loop: str, graphs: bool) -> str:
+    return f"{loop}-{'graphs' if graphs else 'eager'}"
+
+
 def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len: int, new_tokens: int,
             dtype: str, device: str, profile_dir: Path | None = None) -> tuple[dict[str, Any], list[list[int]]]:
     engine = LLMEngine(EngineConfig(model=loaded.name, device=device, dtype=dtype, max_model_len=2048,
@@ -276,6 +280,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    parser.add_argument("--setups", nargs="+", choices=[setup_name(*s) for s in SETUPS],
+                        default=[setup_name(*s) for s in SETUPS],
+                        help="loops to run (the first is each set of ops' baseline for equal tokens)")
     parser.add_argument("--ops", nargs="+", choices=["torch", "triton", "gemv"], default=["torch", "triton", "gemv"],
                         help="the layers' elementwise ops: torch's, the Triton kernels, or those and the GEMV "
                              "kernel for batches up to 16 (the first is the baseline)")
@@ -303,7 +310,8 @@ def main() -> None:
     kv_bytes = kv_bytes_per_token(args.layers, DTYPES[args.dtype].itemsize)
     context = args.prompt_len + args.new_tokens / 2  # the mean over the timed steps
     rows = []
-    setups = SETUPS if args.device.startswith("cuda") else [s for s in SETUPS if not s[1]]
+    setups = [(loop, graphs) for loop, graphs in SETUPS if setup_name(loop, graphs) in args.setups
+              and (args.device.startswith("cuda") or not graphs)]
     for batch in args.batch:
         first: dict[str, tuple[dict[str, Any], list[list[int]]]] = {}
         for ops, loaded in models.items():
