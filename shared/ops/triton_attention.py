@@ -275,9 +275,7 @@ def _block_shape(head_dim: int, group: int, max_query_len: int) -> tuple[int, in
     """
     want = _MIN_DOT if max_query_len <= 1 else (64 if head_dim <= 128 else 32)
     block_m = max(want, triton.next_power_of_2(group))
-    # decode walks the keys with one program per KV head: wider key tiles, fewer round trips (128 holds a
-    # short context in one or two)
-    block_n = (128 if max_query_len <= 1 else 64) if head_dim <= 64 else 32
+    block_n = 64 if head_dim <= 64 else 32
     return block_m, block_m // group, block_n
 
 

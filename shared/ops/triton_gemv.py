@@ -31,9 +31,7 @@ __all__ = ["MAX_ROWS", "gemv", "triton_available"]
 
 MAX_ROWS = 16  # one tensor-core tile of rows; larger batches take cuBLAS and the separate kernels
 _BLOCK_N = 16
-# K in as few tiles as fit in registers: each tile is a round trip to HBM that the next cannot start before
-# (H200, SmolLM2 at batch 1: 6.0 us a GEMV with tiles of 128, most of a step's kernel time)
-_MAX_BLOCK_K = 1024
+_BLOCK_K = 128
 
 
 @triton.jit
@@ -126,12 +124,11 @@ def gemv(
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous(), norm_weight.shape
     if rows:
         res = residual if residual is not None else out
-        block_k = min(triton.next_power_of_2(k), _MAX_BLOCK_K)
         _gemv_kernel[(triton.cdiv(n, _BLOCK_N),)](
             x, weight, out, res, norm_weight if norm_weight is not None else weight,
             rows, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
             NORM=norm_weight is not None, NORM_IN_FP32=norm_in_fp32, RESIDUAL=residual is not None, GATED=gated,
-            IEEE_FP32=x.dtype == torch.float32 or _interpreting(), BLOCK_M=MAX_ROWS, BLOCK_N=_BLOCK_N,
-            BLOCK_K=block_k, num_warps=4 if block_k <= 512 else 8, num_stages=1 if k <= block_k else 2,
+            IEEE_FP32=x.dtype == torch.float32 or _interpreting(), BLOCK_M=MAX_ROWS, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+            num_warps=4, num_stages=3,
         )
     return out
