@@ -244,6 +244,36 @@ def hbm_bandwidth(device: str) -> float:
     return 2 * (1 << 30) / sorted(times[2:])[2]
 
 
+def report(result: dict[str, Any], name: str) -> str:
+    """The README's table of a run: per batch and set of ops, decode tok/s in each loop (same run, same GPU)."""
+    rows = [r for r in result["rows"] if "error" not in r]
+    ops_order = list(dict.fromkeys(r.get("ops", "torch") for r in rows))
+    lines = [
+        f"`bench/cuda_loop.py` on an {result['device']} (`bench/results/{name}`; random weights with SmolLM2-135M's "
+        f"shapes, {result['dtype']}, {result['prompt_len']}-token prompts, {result['new_tokens']} new tokens; "
+        f"device-to-device copy {result.get('hbm_gb_per_s')} GB/s), decode tokens/s:", "",
+        "| batch | ops | eager, sync | graphs, sync | graphs, zero-bubble | vs torch ops | GPU busy "
+        "| of HBM bound | greedy agreement |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        cell = {(r.get("ops", "torch"), r["loop"], r["cuda_graphs"]): r for r in rows if r["batch"] == batch}
+        base = cell.get((ops_order[0], "async", True))
+        for ops in ops_order:
+            best = cell.get((ops, "async", True))
+
+            def tps(loop: str, graphs: bool, ops: str = ops) -> str:
+                r = cell.get((ops, loop, graphs))
+                return f"{r['tok_per_s']:.1f}" if r else "-"
+
+            ratio = f"{best['tok_per_s'] / base['tok_per_s']:.2f}x" if best and base else "-"
+            lines.append(
+                f"| {batch} | {ops} | {tps('sync', False)} | {tps('sync', True)} | {tps('async', True)} | {ratio} "
+                f"| {best['gpu_busy_fraction'] if best else '-'} "
+                f"| {best.get('fraction_of_hbm_bound', '-') if best else '-'} "
+                f"| {best.get('agreement_with_first_ops', 1.0) if best else '-'} |")
+    return "\n".join(lines)
+
+
 def profile_host(loaded: LoadedModel, args: argparse.Namespace) -> None:
     """cProfile of a batch of 8 in the synchronous loop with CUDA graphs: where the host's step time goes."""
     import cProfile
@@ -290,7 +320,18 @@ def main() -> None:
                         help="also write where the host's time goes (cProfile of the synchronous loop, "
                              "torch op table) beside the JSON")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--report", type=Path,
+                        help="write the README table of this result JSON and exit (runs go on a lent GPU; "
+                             "the table is made where the repo is)")
     args = parser.parse_args()
+    if args.report:
+        from bench.serve_report import write_block
+
+        table = report(json.loads(args.report.read_text()), args.report.name)
+        for readme in (Path(__file__).parent / "README.md", Path(__file__).parent.parent / "README.md"):
+            write_block(readme, "cuda_loop", table)
+        print(table)
+        return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/cuda_loop.py needs a CUDA device (or --device cpu for a smoke run)")
     from shared.engine.precision import DTYPES

@@ -40,7 +40,8 @@ def test_graphs_give_the_eager_tokens(engines, family: str, async_scheduling: bo
         engines.append(engine)
         results[graphs] = [r.token_ids for r in engine.generate(batch, params)]
         replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
-        assert (replays > 20) is graphs, replays
+        # Gemma 4's layer groups (its hybrid cache) replay no graphs (engine.py), by design
+        assert (replays > 20) is (graphs and family != "gemma4"), replays
     assert results[True] == results[False]
 
 

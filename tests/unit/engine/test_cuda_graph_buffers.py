@@ -96,13 +96,16 @@ def test_the_load_kernel_fills_the_buffers_as_the_torch_ops_do() -> None:
     so rows that held a sequence become padding, and a block table wider than the last step's."""
     from shared.ops.graph_inputs_triton import load_graph_inputs
 
-    kernel = DecodeGraphs([1, 2, 4, 8], 6, BLOCK, 30, torch.device("cpu"))
-    torch_ops = DecodeGraphs([1, 2, 4, 8], 6, BLOCK, 30, torch.device("cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled, or the interpreter
+    kernel = DecodeGraphs([1, 2, 4, 8], 6, BLOCK, 30, device)
+    torch_ops = DecodeGraphs([1, 2, 4, 8], 6, BLOCK, 30, device)
     for tables, seq_lens in (([[3, 7, 8, 9], [1], [9, 2, 4], [5], [6, 11], [12]], [15, 2, 10, 4, 7, 1]),
                              ([[3, 7], [1, 13]], [6, 5])):
         meta, pos = _meta(tables, seq_lens, [1] * len(tables))
+        meta.slot_mapping, meta.seq_lens = meta.slot_mapping.to(device), meta.seq_lens.to(device)
+        meta.block_tables, pos = meta.block_tables.to(device), pos.to(device)
         n = len(tables)
-        ids = torch.arange(100, 100 + n)
+        ids = torch.arange(100, 100 + n, device=device)
         size = kernel.size_for(n)
         assert size is not None
         load_graph_inputs(kernel._static(), (ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables), size,
