@@ -261,7 +261,7 @@ def report(result: dict[str, Any], name: str) -> str:
         for ops in ops_order:
             best = cell.get((ops, "async", True))
 
-            def tps(loop: str, graphs: bool, ops: str = ops) -> str:
+            def tps(loop: str, graphs: bool, ops: str = ops, cell: dict[Any, dict[str, Any]] = cell) -> str:
                 r = cell.get((ops, loop, graphs))
                 return f"{r['tok_per_s']:.1f}" if r else "-"
 
