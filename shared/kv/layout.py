@@ -202,7 +202,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # read per block of every layer of a handoff: no tensor made to ask
 
     def storage_layer(self, layer: int) -> int:
         """The layer whose cache `layer` attends over (itself unless it is KV-shared)."""

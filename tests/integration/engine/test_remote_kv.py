@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from shared.engine import kv_push
 from shared.engine.block_pool import hash_prefix_blocks
 from shared.engine.engine import LLMEngine
+from shared.engine.kv_link import TransferGroup
 from shared.engine.kv_push import PushOutcome
 from shared.engine.request import SamplingParams
 from shared.errors import InvalidRequestError
@@ -112,18 +114,34 @@ def _through_slots(  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("decode_block_size", [4, 8])
-def test_prefill_to_decode_through_slots_equals_colocated(slab, decode_block_size: int) -> None:  # type: ignore[no-untyped-def]
+def test_prefill_to_decode_through_slots_equals_colocated(slab, decode_block_size: int,  # type: ignore[no-untyped-def]
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     loaded, address = slab
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i for i in range(23)], [40 + (i * 7) % 50 for i in range(9)]]
     expected = [r.token_ids for r in tiny_engine(loaded).generate(prompts, params)]
-    run = _through_slots(loaded, address, prompts, params, {"max_num_batched_tokens": 8},  # chunked: pushes over steps
-                         {"block_size": decode_block_size})
-    for push, prompt in zip(run.pushes, prompts, strict=True):
-        assert push.error is None and push.nbytes > 0
-        assert push.result is not None and push.result.num_hidden_tokens == len(prompt)
-    assert run.results == expected
-    assert run.decode.remote is not None and run.decode.remote.stats.by_direction["pull"].count == 2
+    starts = []
+    real_start = TransferGroup.start
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        starts.append(1)
+        return real_start(self, *args)
+
+    monkeypatch.setattr(TransferGroup, "start", counted)
+    writes = {}
+    # a write per layer, and the tiny model's two layers in one write (the last layer sends what is left)
+    for per_write in (1, 2):
+        monkeypatch.setattr(kv_push, "LAYERS_PER_WRITE", per_write)
+        starts.clear()
+        run = _through_slots(loaded, address, prompts, params, {"max_num_batched_tokens": 8},  # chunked: pushes
+                             {"block_size": decode_block_size})                             # over steps
+        for push, prompt in zip(run.pushes, prompts, strict=True):
+            assert push.error is None and push.nbytes > 0
+            assert push.result is not None and push.result.num_hidden_tokens == len(prompt)
+        assert run.results == expected
+        assert run.decode.remote is not None and run.decode.remote.stats.by_direction["pull"].count == 2
+        writes[per_write] = len(starts)
+    assert writes[1] > writes[2], writes
 
 
 def test_incompatible_handoffs_are_refused(slab) -> None:  # type: ignore[no-untyped-def]
