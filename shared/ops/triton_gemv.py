@@ -21,17 +21,32 @@ which is when triton decides between compiling and interpreting).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from shared.ops.triton_attention import triton_available
 
-__all__ = ["MAX_ROWS", "gemv", "triton_available"]
+__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "GemvConfig", "gemv", "triton_available"]
 
 MAX_ROWS = 16  # one tensor-core tile of rows; larger batches take cuBLAS and the separate kernels
-_BLOCK_N = 16
-_BLOCK_K = 128
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """How the kernel tiles the work: BLOCK_N output columns a program, K in tiles of BLOCK_K."""
+
+    block_n: int = 16
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# H200, SmolLM2 at batch 1: 6.0 us a call (cuda_loop-20261127-034114-kernels-b1.txt); tiles of K up to 1024 took
+# 26 us (spills). bench/gemv_tune.py times a grid of these against cuBLAS on a lent GPU.
+DEFAULT_CONFIG = GemvConfig()
 
 
 @triton.jit
@@ -110,6 +125,7 @@ def gemv(
     norm_in_fp32: bool = False,  # the norm weight is Gemma's (1 + w), applied in fp32
     residual: torch.Tensor | None = None,  # [M, N]: add it to the product
     gated: bool = False,  # silu(gate @ h) * (up @ h)
+    config: GemvConfig = DEFAULT_CONFIG,
 ) -> torch.Tensor:  # [M, N]
     """`weight @ x` for each row of x with an optional RMSNorm before and residual add or SiLU gate after."""
     rows, k = x.shape
@@ -124,11 +140,11 @@ def gemv(
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous(), norm_weight.shape
     if rows:
         res = residual if residual is not None else out
-        _gemv_kernel[(triton.cdiv(n, _BLOCK_N),)](
+        _gemv_kernel[(triton.cdiv(n, config.block_n),)](
             x, weight, out, res, norm_weight if norm_weight is not None else weight,
             rows, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
             NORM=norm_weight is not None, NORM_IN_FP32=norm_in_fp32, RESIDUAL=residual is not None, GATED=gated,
-            IEEE_FP32=x.dtype == torch.float32 or _interpreting(), BLOCK_M=MAX_ROWS, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-            num_warps=4, num_stages=3,
+            IEEE_FP32=x.dtype == torch.float32 or _interpreting(), BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out

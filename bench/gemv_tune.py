@@ -1,0 +1,136 @@
+"""The few-row GEMV kernel (shared/ops/triton_gemv.py) over a grid of tilings, against cuBLAS, on a lent GPU.
+
+At batch 1 on an H200 the kernel took 6.0 us a call with its default tiling against cuBLAS's 3.9 for the
+projection alone (cuda_loop-20261127-034114-kernels-b1.txt), 120 calls a SmolLM2 decode step. This times each
+of SmolLM2-135M's four projections as the decode step calls them (qkv with the norm, o and down with the
+residual add, gate_up with the norm and the SiLU gate) at 1 and 8 rows, for every tiling of the grid, inside a
+CUDA graph (triton's do_bench_cudagraph: launch gaps as a captured step sees them), beside cuBLAS's product
+alone and the unfused sequence the kernel replaces (Triton norm / SiLU kernels + cuBLAS). Every configuration
+tried is in the JSON; the summary line gives the fastest per shape. Prepared to fit a lent GPU's minutes:
+
+    python -m bench.gemv_tune [--rows 1 8] [--quick]        (--device cpu: a smoke run through the interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.results_file import write_results
+
+# (name, N, K, what the kernel folds in); SmolLM2-135M: hidden 576, 9 + 2 x 3 heads of 64, MLP 1536
+SHAPES = [("qkv", 960, 576, "norm"), ("o", 576, 576, "residual"), ("gate_up", 1536, 576, "norm+gated"),
+          ("down", 576, 1536, "residual")]
+GRID = {"block_n": (16, 32), "block_k": (64, 128, 256), "num_warps": (2, 4), "num_stages": (2, 3, 4)}
+QUICK_GRID = {"block_n": (16,), "block_k": (64, 128), "num_warps": (4,), "num_stages": (2, 3)}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def timer(device: str) -> Callable[[Callable[[], Any]], float]:
+    """Microseconds a call: in a CUDA graph on a GPU, wall clock through the interpreter elsewhere."""
+    if device.startswith("cuda"):
+        from triton.testing import do_bench_cudagraph
+
+        return lambda fn: 1e3 * float(do_bench_cudagraph(fn, rep=20))
+
+    def wall(fn: Callable[[], Any]) -> float:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+
+    return wall
+
+
+def tune_shape(name: str, n: int, k: int, fold: str, rows: int, configs: list[Any], dtype: torch.dtype,
+               device: str, bench: Callable[[Callable[[], Any]], float], gen: torch.Generator) -> dict[str, Any]:
+    """One projection at `rows` rows: cuBLAS alone, the unfused sequence, and the kernel in every tiling."""
+    from shared.ops import triton_decoder_ops as tops
+    from shared.ops.triton_gemv import DEFAULT_CONFIG, GemvConfig, gemv
+
+    gated = "gated" in fold
+    weight = (torch.randn(2 * n if gated else n, k, generator=gen) * k ** -0.5).to(device, dtype)
+    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+    norm = torch.ones(k, device=device, dtype=dtype) if "norm" in fold else None
+    residual = torch.randn(rows, n, generator=gen).to(device, dtype) if fold == "residual" else None
+
+    def fused(config: GemvConfig) -> torch.Tensor:
+        return gemv(x, weight, norm_weight=norm, residual=residual, gated=gated, config=config)
+
+    def unfused() -> torch.Tensor:  # what the decode step runs without the kernel
+        h = tops.rms_norm(x, norm, 1e-5) if norm is not None else x
+        y = torch.nn.functional.linear(h, weight)
+        y = tops.silu_mul(y) if gated else y
+        return y + residual if residual is not None else y
+
+    row: dict[str, Any] = {"shape": name, "n": n, "k": k, "rows": rows, "folds": fold,
+                           "cublas_us": round(bench(lambda: torch.nn.functional.linear(x, weight)), 2),
+                           "unfused_us": round(bench(unfused), 2), "configs": []}
+    want = unfused().float()
+    for config in configs:
+        try:
+            got = fused(config).float()
+            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+            us = bench(lambda config=config: fused(config))
+        except Exception as e:  # a tiling that does not compile (shared memory, registers): recorded
+            row["configs"].append({**config.__dict__, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        row["configs"].append({**config.__dict__, "us": round(us, 2), "max_rel_err": round(err, 5)})
+    timed = [c for c in row["configs"] if "us" in c]
+    if timed:
+        row["fastest"] = min(timed, key=lambda c: c["us"])
+        default = next((c for c in timed if GemvConfig(c["block_n"], c["block_k"], c["num_warps"],
+                                                       c["num_stages"]) == DEFAULT_CONFIG), None)
+        row["default_us"] = default["us"] if default else None
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--quick", action="store_true", help="a 4-point grid")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench/gemv_tune.py needs a CUDA device (or --device cpu for a smoke run)")
+    from shared.ops.triton_gemv import DEFAULT_CONFIG, GemvConfig
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    bench = timer(args.device)
+    grid = QUICK_GRID if args.quick else GRID
+    configs = [GemvConfig(*values) for values in itertools.product(*grid.values())]
+    if DEFAULT_CONFIG not in configs:
+        configs.insert(0, DEFAULT_CONFIG)
+    gen = torch.Generator().manual_seed(0)
+    points: list[dict[str, Any]] = []
+    best: dict[str, Any] = {}
+    for (name, n, k, fold), rows in itertools.product(SHAPES, args.rows):
+        row = tune_shape(name, n, k, fold, rows, configs, dtype, args.device, bench, gen)
+        if "fastest" in row:
+            best[f"{name}@{rows}"] = {"fastest_us": row["fastest"]["us"], "default_us": row["default_us"],
+                                      "cublas_us": row["cublas_us"], "unfused_us": row["unfused_us"],
+                                      "config": {key: row["fastest"][key] for key in GRID}}
+        log(json.dumps({key: v for key, v in row.items() if key != "configs"}))
+        points.append(row)
+    result = {"bench": "gemv_tune", "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
+              else args.device, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+              "timer": "triton do_bench_cudagraph (us a call)" if args.device.startswith("cuda") else "wall clock",
+              "grid": {k: list(v) for k, v in grid.items()}, "best": best, "points": points}
+    path = write_results(result, args.out, "gemv_tune", record_name=True)
+    print(json.dumps({"file": path.name, "best": best}))
+
+
+if __name__ == "__main__":
+    main()
