@@ -45,6 +45,7 @@ from shared.service.lifecycle import (
 from shared.transport import Transport
 from shared.transport.factory import service_transport
 from shared.transport.memory import host_buffer
+from shared.transport.prefault import Prefaulter
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class RunningKVTransfer:
     metrics_http: MetricsHTTP | None
     transport: Transport
     encoder_cache: EncoderOutputCache
+    prefaulter: Prefaulter
     heartbeater: Heartbeater | None = None
     registry: Registry | None = None
 
@@ -83,6 +85,7 @@ class RunningKVTransfer:
         await cancel(self.sweeper)
         dropped = self.store.release_all()
         # after the gRPC server: no Reserve can hand out a slot any more; peers mid-transfer fail
+        await asyncio.to_thread(self.prefaulter.close)  # its thread touches the slab: stopped before it goes
         await asyncio.to_thread(self.transport.close)
         if self.heartbeater is not None:
             await self.heartbeater.stop()
@@ -113,8 +116,11 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
     transport.watch_traffic(store.data_moving)  # full-rate progress while a handoff is written or read
     server = make_server(settings.address, settings.max_message_bytes)
     encoder_cache = EncoderOutputCache(settings.encoder_cache_bytes)
+    # the slab's pages faulted in ahead of the slots handed out (idle priority), not in a prefill's first write
+    prefaulter = Prefaulter(address.space.base_addr, settings.capacity_bytes, settings.prefault_ahead_bytes,
+                            f"prefault-{agent_name}")
     servicer = KVTransferServicer(store, metrics, address, settings.capacity_bytes, settings.max_claim_wait_s,
-                                  encoder_cache, transport.expect_traffic)
+                                  encoder_cache, transport.expect_traffic, prefaulter.used_up_to)
     kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server(servicer, server.server)
     try:
         await server.start(SERVICE_NAME)
@@ -123,10 +129,12 @@ async def start(settings: KVTransferSettings) -> RunningKVTransfer:
             metrics_http = MetricsHTTP(settings.host, settings.metrics_port, metrics.registry)
     except BaseException:
         await server.stop(0)
+        prefaulter.close()
         transport.close()
         raise
     sweeper = every(settings.sweep_interval_s, store.sweep, "kv_transfer-sweeper")
-    running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http, transport, encoder_cache)
+    running = RunningKVTransfer(settings, server, store, metrics, sweeper, metrics_http, transport, encoder_cache,
+                                prefaulter)
     if registry is not None:
         running.registry = registry
         running.heartbeater = await _register(settings, running, registry)

@@ -94,13 +94,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     def __init__(
         self, store: HandoffStore, metrics: KVTransferMetrics, address: AgentAddress, capacity_bytes: int,
         max_claim_wait_s: float, encoder_cache: EncoderOutputCache | None = None,
-        expect_traffic: Callable[[], None] = lambda: None,
+        expect_traffic: Callable[[], None] = lambda: None, used_up_to: Callable[[int], None] = lambda _: None,
     ) -> None:
         """`address`: the slab's agent; its slot size is 0 until the first Reserve cuts the slab.
         `expect_traffic`: the agent's `Transport.expect_traffic`, called before a peer moves data through
-        the slab (a reserved handoff is written, a claimed one read, an agent connects)."""
+        the slab (a reserved handoff is written, a claimed one read, an agent connects).
+        `used_up_to`: told the slab offset past the furthest slot each Reserve handed out (the prefaulter's)."""
         self._store = store
         self._expect_traffic = expect_traffic
+        self._used_up_to = used_up_to
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderOutputCache(0)
         metrics.encoder_bytes.set_function(lambda: self.encoder_cache.nbytes)
         self._metrics = metrics
@@ -131,6 +133,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                 self._metrics.failures.labels(reason="capacity").inc()
                 raise
             self._expect_traffic()  # prefill writes the slots next
+            self._used_up_to((max(slots.block_slots + slots.hidden_slots, default=-1) + 1) * slots.space.slot_nbytes)
             num_tokens, bs = len(spec.prompt_token_ids), spec.layout.block_size
             hit_tokens = usable_pool_prefix(spec.layout, slots.present, num_tokens, num_tokens // bs) * bs
             self._metrics.hit_tokens.inc(hit_tokens)

@@ -29,6 +29,12 @@ class KVTransferSettings(BaseSettings):
         ge=0,
         description="host memory of the slot slab; a Reserve that does not fit is refused (backpressure)",
     )
+    prefault_ahead_bytes: int = Field(
+        default=256 << 20, ge=0,
+        description="slab memory faulted in ahead of the slots handed out, on a thread at idle priority "
+                    "(shared/transport/prefault.py): otherwise a prefill's first write into a fresh slot zeroes "
+                    "its huge pages inside the transfer; 0 = off",
+    )
     encoder_cache_bytes: int = Field(
         default=256 << 20, ge=0,
         description="memory for encoder outputs (images' and audio's soft tokens) shared by the prefill "
