@@ -46,23 +46,22 @@ class Prefaulter:
             raise ValueError(f"base address {base_addr:#x} is not page-aligned")
         self.base_addr, self.nbytes, self.ahead_bytes = base_addr, nbytes, ahead_bytes
         self.populated = 0  # bytes from the start faulted in so far
-        self._target = min(nbytes, ahead_bytes)
+        self._on = ahead_bytes > 0 and nbytes > 0  # off: first touch stays with the writers
+        self._target = min(nbytes, ahead_bytes) if self._on else 0
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        if self._target > 0:
+        if self._on:
             self._thread.start()
 
     def used_up_to(self, offset: int) -> None:
         """Memory up to `offset` (bytes from the base) is in use: keep `ahead_bytes` past it populated."""
-        if self.ahead_bytes <= 0:  # off: first touch stays with the writers
+        if not self._on:
             return
         target = min(self.nbytes, offset + self.ahead_bytes)
         with self._cond:
             if target > self._target:
                 self._target = target
-                if not self._thread.is_alive() and not self._stopped:
-                    self._thread.start()
                 self._cond.notify()
 
     def wait(self, timeout_s: float) -> bool:
