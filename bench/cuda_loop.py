@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -49,7 +48,8 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def random_loaded(dtype: torch.dtype, num_layers: int, device: str, triton_ops: bool | None = None) -> LoadedModel:
+def random_loaded(dtype: torch.dtype, num_layers: int, device: str, triton_ops: bool | None = None,
+                  triton_gemv: bool | None = None) -> LoadedModel:
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": num_layers})
@@ -69,7 +69,7 @@ def random_loaded(dtype: torch.dtype, num_layers: int, device: str, triton_ops: 
         weights[p + "input_layernorm.weight"] = torch.ones(h)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(h)
     model = DecoderLM(spec, weights, pick_attention("auto", device), device=device, dtype=dtype,
-                      triton_ops=triton_ops)
+                      triton_ops=triton_ops, triton_gemv=triton_gemv)
     return LoadedModel(name="random-smollm2-135m", hf_dir=Path("/nonexistent"), hf_config=config, spec=spec,
                        model=model, tokenizer=None, eos_token_ids=frozenset({2}))
 
@@ -340,9 +340,8 @@ def main() -> None:
     # and with those the few-row projections as Triton GEMVs with the ops around them folded in (triton_gemv.py)
     models = {}
     for ops in args.ops:
-        os.environ["BATON_TRITON_GEMV"] = "1" if ops == "gemv" else "0"
-        models[ops] = random_loaded(DTYPES[args.dtype], args.layers, args.device, triton_ops=ops != "torch")
-    os.environ.pop("BATON_TRITON_GEMV")
+        models[ops] = random_loaded(DTYPES[args.dtype], args.layers, args.device, triton_ops=ops != "torch",
+                                    triton_gemv=ops == "gemv")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.profile_host:
         profile_host(models[args.ops[-1]], args)

@@ -69,6 +69,14 @@ def use_triton_ops(device: torch.device, asked: bool | None) -> bool:
     return device.type == "cuda" and os.environ.get("BATON_TRITON_DECODER_OPS", "1") != "0"
 
 
+def use_triton_gemv(asked: bool | None) -> bool:
+    """The few-row projections as Triton GEMVs, where a model's layers allow them (see DecoderLM): where asked,
+    else unless BATON_TRITON_GEMV=0."""
+    if asked is not None:
+        return asked
+    return os.environ.get("BATON_TRITON_GEMV", "1") != "0"
+
+
 @dataclass(frozen=True)
 class DecoderSpec:
     model_type: str
@@ -112,6 +120,7 @@ class DecoderLM:
         decodes: bool = True,  # False (a prefill engine): projections only ever see prompt chunks
         weight_format: WeightFormat | None = None,  # how projections are stored; None = as `dtype`
         triton_ops: bool | None = None,  # the layers' elementwise ops as Triton kernels; None = on CUDA
+        triton_gemv: bool | None = None,  # with those, few-row projections as Triton GEMVs; None = where they fit
     ) -> None:
         self.spec = spec
         self.attention = attention
@@ -175,11 +184,10 @@ class DecoderLM:
                 self._rope_store = tops.rope_store_kv
         # decode steps of a few rows: each projection one Triton GEMV with the norm, residual add or SiLU gate
         # folded in (triton_gemv.py), where a layer is exactly norm -> qkv -> RoPE -> attention -> o -> add ->
-        # norm -> gate_up -> SiLU * up -> down -> add, with plain weights in the activation dtype (off:
-        # BATON_TRITON_GEMV=0)
+        # norm -> gate_up -> SiLU * up -> down -> add, with plain weights in the activation dtype
         self._gemv: Callable[..., torch.Tensor] | None = None
         if (self._rope_store is not None and spec.activation == "silu" and not spec.sandwich_norm
-                and os.environ.get("BATON_TRITON_GEMV", "1") != "0"
+                and use_triton_gemv(triton_gemv)
                 and all(p.backend == "torch" and p.weight.dtype == dtype for layer in self.layers
                         for p in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))):
             from shared.ops.triton_gemv import MAX_ROWS, gemv
