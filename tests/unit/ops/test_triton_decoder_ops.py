@@ -22,6 +22,7 @@ from shared.models.families import spec_from_config
 from shared.ops.attention import AttentionMetadata, write_kv
 from shared.ops.silu_mul_cpu import silu_mul_ref
 from tests.helpers.models import random_hf_model, tiny_gemma3_config, tiny_llama_config
+from tests.helpers.tolerance import assert_kernel_close
 
 tops = importlib.import_module("shared.ops.triton_decoder_ops")
 assert tops.triton_available(), "triton does not run here (neither CUDA nor its interpreter)"
@@ -31,14 +32,7 @@ BF16_STEPS = 2 if DEVICE == "cuda" else 4  # the interpreter truncates each bf16
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    else:  # within BF16_STEPS steps of bf16's 8-bit mantissa (2^-7 each) at the row's largest magnitude (a sum
-        # that cancels keeps its terms' rounding)
-        scale = torch.maximum(got.float().abs(), want.float().abs()).amax(-1, keepdim=True)
-        err = (got.float() - want.float()).abs()
-        assert (err <= BF16_STEPS * 2.0 ** -7 * scale).all(), err.max()
+    assert_kernel_close(got, want, 1e-6, BF16_STEPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,6 +154,24 @@ def test_default_is_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATON_TRITON_DECODER_OPS", "0")
     assert not use_triton_ops(torch.device("cuda"), None)
     assert use_triton_ops(torch.device("cpu"), True)
+
+
+def test_gemv_is_on_unless_asked_off_or_the_environment_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.models.decoder import use_triton_gemv
+
+    monkeypatch.delenv("BATON_TRITON_GEMV", raising=False)
+    assert use_triton_gemv(None) and not use_triton_gemv(False)
+    monkeypatch.setenv("BATON_TRITON_GEMV", "0")
+    assert not use_triton_gemv(None) and use_triton_gemv(True)
+
+
+def test_a_model_asked_for_no_gemv_keeps_the_separate_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shared.ops.linear.onednn_available", lambda device: False)
+    config = tiny_llama_config()
+    weights = random_hf_model(config).state_dict()
+    model = DecoderLM(spec_from_config(config), weights, pick_attention("triton", DEVICE), device=DEVICE,
+                      triton_ops=True, triton_gemv=False)
+    assert model._rope_store is not None and model._gemv is None
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import torch
 
 from shared.models.common import rms_norm, rms_norm_offset
 from shared.ops.silu_mul_cpu import silu_mul_ref
+from tests.helpers.tolerance import assert_kernel_close
 
 tg = importlib.import_module("shared.ops.triton_gemv")
 assert tg.triton_available(), "triton does not run here (neither CUDA nor its interpreter)"
@@ -23,13 +24,7 @@ BF16_STEPS = 3 if DEVICE == "cuda" else 6
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-        return
-    scale = torch.maximum(got.float().abs(), want.float().abs()).amax(-1, keepdim=True)
-    err = (got.float() - want.float()).abs()
-    assert (err <= BF16_STEPS * 2.0 ** -7 * scale).all(), err.max()
+    assert_kernel_close(got, want, 2e-5, BF16_STEPS)
 
 
 def _case(rows: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
