@@ -143,7 +143,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             committed = True
             span.set_attributes({KV_NBYTES: push.nbytes, KV_NUM_BLOCKS: len(slots.block_slots),
                                  KV_SECONDS: push.seconds, KV_GBPS: push.nbytes / max(push.seconds, 1e-9) / 1e9})
-            logger.info("request %s: prefilled %d tokens (%d cached, %d from the pool), handoff %s: %d bytes in "
+            # the pool's leading hits are blocks the push skipped; what was imported from it is in the KV stats
+            logger.info("request %s: prefilled %d tokens (%d cached, %d already in the pool), handoff %s: %d bytes in "
                         "%.1f ms", req.request_id, final.num_prompt_tokens, final.num_cached_tokens,
                         slots.num_leading_hits * self.aengine.engine.config.block_size, request.handoff_id,
                         push.nbytes, push.seconds * 1000)
