@@ -61,6 +61,8 @@ from shared.spec.speculator import Speculator
 logger = logging.getLogger(__name__)
 
 _TRANSFER_POLL_S = 0.0005
+# how long a step waits for a computed prompt's last KV writes (a few ms on one host) before it runs anyway
+_PUSH_SETTLE_S = 0.02
 
 
 @dataclass
@@ -484,7 +486,11 @@ class LLMEngine:
         return [self.choices.to_request_output(out) for out in self._step()]
 
     def _step(self) -> list[RequestOutput]:
+        if self.remote is not None and self.remote.pusher.num_finishing and self.scheduler.has_unfinished():
+            self.remote.settle_pushes(_PUSH_SETTLE_S)  # a computed prompt's first token before another step
         released = self.remote.poll() if self.remote is not None else []
+        if released and not self.async_scheduling:
+            return released  # out now, not after the step below (which may be another prompt's long prefill)
         self._admit_handoffs()
         if self.remote is not None:
             self.remote.admit_pulls()
@@ -498,11 +504,11 @@ class LLMEngine:
         if self.async_scheduling:
             return released + self._step_overlapped(plan, bool(released))
         if plan.is_empty:
-            self._idle(bool(released))
-            return released
+            self._idle(False)
+            return []
         hook = self.remote.layer_hook(plan) if self.remote is not None else None
         out = self.runner.execute(self.runner.prepare(plan), None, hook)
-        return released + self._resolve(out)
+        return self._resolve(out)
 
     def _idle(self, produced: bool) -> None:
         """Nothing runnable this step: the wait that follows is no bubble."""
@@ -668,3 +674,4 @@ class LLMEngine:
         self.kv.check_no_leaks()
         if self.speculator is not None:
             self.speculator.check_no_leaks()
+

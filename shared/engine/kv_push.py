@@ -147,6 +147,16 @@ class KVPusher(RequestTransfers[_PushJob]):
                                                          job.slots.space, job.slots.hidden_slots))
         job.result = result
 
+    @property
+    def num_finishing(self) -> int:
+        """Jobs whose prompt is computed and every write posted: waiting only for those writes to end."""
+        return sum(job.result is not None for job in self._jobs.values())
+
+    def any_over(self) -> bool:
+        """Whether a finishing job's transfers are over (the next poll reports it)."""
+        return any(job.result is not None and job.group.poll() is not TransferState.PENDING
+                   for job in self._jobs.values())
+
     def poll(self) -> dict[str, PushOutcome]:
         """Finished jobs whose transfers are over, by request id (each reported once)."""
         over: dict[str, PushOutcome] = {}

@@ -19,6 +19,7 @@ aborted; `abort` works in every state and frees exactly once.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class HandoffEngine(Protocol):
     def spec_add_hidden(self, request_id: str, hidden_states: torch.Tensor, start: int) -> None: ...
 
 logger = logging.getLogger(__name__)
+_SETTLE_POLL_S = 0.0005
 
 
 @dataclass
@@ -211,6 +213,18 @@ class RemoteKV:
             e.spec_add_hidden(request.request_id, outcome.hidden_states,
                               request.num_prompt_tokens - outcome.hidden_states.shape[0])
         e.scheduler.add_running(request)
+
+    def settle_pushes(self, timeout_s: float) -> None:
+        """Wait, at most `timeout_s`, until a prefill whose writes are all posted has them over.
+
+        Its first token is withheld until then, and the engine looks again only between steps: when the last
+        writes end just after the step that posted them, the next step (another prompt's prefill, hundreds of
+        ms on a CPU) would hold that token back for its whole length. In a 1P1D run at 1 request/s on 2 cores
+        (bench/plan_validate.py, 2026-11-27), prompts followed by another one waited 200-450 ms past their
+        writes, timed with log lines at the router's send, the prefill's admission and its reply."""
+        deadline = time.monotonic() + timeout_s
+        while self.pusher.num_finishing and not self.pusher.any_over() and time.monotonic() < deadline:
+            time.sleep(_SETTLE_POLL_S)  # not a spin: a transport without its own thread progresses in any_over
 
     # ---- both ---------------------------------------------------------------------------
     def poll(self) -> list[RequestOutput]:

@@ -179,10 +179,13 @@ def test_abort_while_pulling_frees_the_blocks(slab) -> None:  # type: ignore[no-
     decode.remote.close()  # type: ignore[union-attr]
 
 
-def test_prefill_preempted_mid_push_resends_and_matches_colocated(slab) -> None:  # type: ignore[no-untyped-def]
+def test_prefill_preempted_mid_push_resends_and_matches_colocated(  # type: ignore[no-untyped-def]
+        slab, monkeypatch: pytest.MonkeyPatch) -> None:
     """Too few blocks for both prompts: the second is preempted (its writes restart) while the first's
     finished handoff still holds its blocks, which lasts until the first's writes are over: a race, so
-    the pair is run until a preemption happened (every run must match colocated either way)."""
+    the pair is run until a preemption happened (every run must match colocated either way). The engine's
+    wait for a computed prompt's last writes before the next step is off here: it would settle the race."""
+    monkeypatch.setattr("shared.engine.engine._PUSH_SETTLE_S", 0.0)
     loaded, address = slab
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i for i in range(20)], [60 + i for i in range(20)]]
@@ -197,6 +200,33 @@ def test_prefill_preempted_mid_push_resends_and_matches_colocated(slab) -> None:
         if preemptions:
             break
     assert preemptions > 0
+
+
+def test_a_computed_prompt_is_released_before_the_next_prompt_computes(slab) -> None:  # type: ignore[no-untyped-def]
+    """Two pushed prompts, one step each: the first's first token (its writes over) comes out of the engine
+    before the step that computes the second, not after it (on a CPU that step is a whole prefill long)."""
+    loaded, address = slab
+    prefill = tiny_engine(loaded, role="prefill", max_num_batched_tokens=20)
+    prefill.enable_remote_kv("layerwise")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first_slot = 0
+    for i, prompt in enumerate([[5 + i for i in range(20)], [60 + i for i in range(20)]]):
+        slots = _slots(_spec(prefill, prompt, f"p{i}"), address.space, first_slot)
+        first_slot += len(slots.block_slots) + len(slots.hidden_slots)
+        prefill.add_pushed_request(f"p{i}", prompt, params, address, slots)
+    events: list[tuple[str, str]] = []
+    schedule = prefill.scheduler.schedule
+
+    def recording_schedule():  # type: ignore[no-untyped-def]
+        plan = schedule()
+        events.extend(("computes", chunk.request_id) for chunk in plan.chunks)
+        return plan
+    prefill.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    while prefill.has_unfinished():
+        events.extend(("released", out.request_id) for out in prefill.step() if out.finished)
+    assert events == [("computes", "p0"), ("released", "p0"), ("computes", "p1"), ("released", "p1")], events
+    prefill.check_no_leaks()
+    prefill.remote.close()  # type: ignore[union-attr]
 
 
 def test_aux_hidden_layers_travel_after_the_final_hidden_states() -> None:
