@@ -72,6 +72,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, cores: CoreShare | None = None) -> None:
         self.engine = engine
         self.cores = cores  # engines of one host lending each other their cores (shared/engine/core_share.py)
+        if cores is not None:
+            engine.between_layers = cores.fit_threads  # on the engine thread, which runs the layers
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)

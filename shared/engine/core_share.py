@@ -10,8 +10,11 @@ fp32, 32 streams: decode TPOT p50 123 ms against 64 on fixed shares, measured by
 So each engine marks, in a small file shared by the stack's engines, whether it has work, and before each
 step takes every core when no other engine has work and its share otherwise. Each slot of the file holds the
 pid of a busy engine or 0; a slot whose pid is no longer alive counts as idle, so a killed engine does not
-hold its share forever. A step started just before another engine became busy runs at most one step
-oversubscribed: the next step sees the other and shrinks.
+hold its share forever. A long step (a prefill chunk) looks again between its layers: one started on every
+core just before another engine became busy runs at most one layer oversubscribed, then shrinks. Before,
+it ran the whole step so: a 2-thread OpenMP team beside another engine's thread runs at ~0.28 of its speed
+alone (bench/omp_contention.py), and in a 1P1D run at 1 request/s on 2 cores, prompts of 131-256 tokens
+that started just before their decode took 0.84-1.1 s to prefill against 0.3-0.4 s alone (2026-11-27).
 
 Measured (SmolLM2 fp32, 256 in / 128 out, 2 cores): one stream served disaggregated went from 0.82 to 0.95
 of the in-process engine's tok/s (`bench/results/serve_overhead-20261126-163949.json`), and in one run the
@@ -84,7 +87,13 @@ class CoreShare:
             return
         if not self._busy:
             self._slots[self.slot] = self.pid  # first, then read the others: two engines starting together
-            self._busy = True  # each see the other (at worst one step each runs oversubscribed)
+            self._busy = True  # each see the other (at worst one layer each runs oversubscribed)
+        self.fit_threads()
+
+    def fit_threads(self) -> None:
+        """On the engine thread, while busy: take what the share allows now. Called before each step, and
+        between the layers of a long step (engine.py), so that an engine that borrowed every core gives them
+        back within a layer of another engine getting work, not at the end of a whole prefill."""
         want = max(self.share_threads, self.max_threads // (1 + self.others_busy()))
         if want != self.threads:
             torch.set_num_threads(want)

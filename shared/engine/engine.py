@@ -52,6 +52,7 @@ from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPlan, S
 from shared.errors import BatonError, ConfigError, ContextLengthExceededError, InvalidRequestError
 from shared.kv.layout import kv_groups
 from shared.kv.remote import AgentAddress, ClaimedHandoff, HandoffSlots
+from shared.models.common import LayerDoneFn
 from shared.models.loader import LoadedModel, load_model
 from shared.multimodal.items import AUDIO, IMAGE, VIDEO, MediaInput, MediaItem, check_placement
 from shared.ops.attention import paged_attention_ref
@@ -61,6 +62,7 @@ from shared.spec.speculator import Speculator
 logger = logging.getLogger(__name__)
 
 _TRANSFER_POLL_S = 0.0005
+_LONG_STEP_TOKENS = 64  # steps of this many tokens or more call `between_layers` (tens of ms a layer on a CPU)
 # how long a step waits for a computed prompt's last KV writes (a few ms on one host) before it runs anyway
 _PUSH_SETTLE_S = 0.02
 
@@ -153,6 +155,10 @@ class LLMEngine:
         self._hidden: dict[str, list[torch.Tensor]] = {}
         self._arrivals = 0
         self.async_scheduling = self._use_async_scheduling()
+        # called between the layers of a step of _LONG_STEP_TOKENS or more (the core share's fit_threads); a
+        # layer hook takes decode steps off their fast paths (the CPU layer loop, CUDA graphs), so short ones
+        # go without
+        self.between_layers: Callable[[], None] | None = None
         self._executor: ThreadPoolExecutor | None = None  # the zero-bubble loop's, started on first use
         self._in_flight: _InFlight | None = None
         logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d, %s loop",
@@ -507,6 +513,8 @@ class LLMEngine:
             self._idle(False)
             return []
         hook = self.remote.layer_hook(plan) if self.remote is not None else None
+        if self.between_layers is not None and plan.num_tokens >= _LONG_STEP_TOKENS:
+            hook = _then(hook, self.between_layers)
         out = self.runner.execute(self.runner.prepare(plan), None, hook)
         return self._resolve(out)
 
@@ -675,3 +683,11 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.check_no_leaks()
 
+
+def _then(hook: LayerDoneFn | None, after: Callable[[], None]) -> LayerDoneFn:
+    """`hook` (if any), then `after`, at the end of each layer."""
+    def on_layer_done(layer: int) -> None:
+        if hook is not None:
+            hook(layer)
+        after()
+    return on_layer_done

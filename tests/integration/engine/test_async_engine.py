@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.request import SamplingParams
@@ -174,4 +175,37 @@ def test_the_engine_thread_steps_on_every_core_alone_and_on_its_share_beside_a_b
     finally:
         aengine.stop()
         neighbour.close()
+    engine.check_no_leaks()
+
+
+def test_a_long_step_gives_back_lent_cores_within_a_layer_of_a_neighbour_getting_work(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A prompt of 64+ tokens in one step on both cores: the neighbour gets work after the step's first layer,
+    and the layers after it run on the engine's share (the count is read again between layers), with the same
+    tokens. Decode steps (one row) call nothing between layers: their fast paths take no layer hook."""
+    from shared.engine.core_share import CoreShare
+
+    loaded, _ = tiny_loaded("llama")
+    prompt = [5 + i % 50 for i in range(70)]
+    expected = [r.token_ids for r in tiny_engine(loaded).generate([prompt], greedy(4))]
+    neighbour = CoreShare(tmp_path / "core_share", 1, share_threads=1, max_threads=2)
+    engine = tiny_engine(loaded)
+    cores = CoreShare(tmp_path / "core_share", 0, share_threads=1, max_threads=2)
+    aengine = AsyncEngine(engine, cores)
+    refit = engine.between_layers
+    assert refit is not None  # the core share's, set by AsyncEngine
+    threads_after_layers: list[int] = []
+
+    def between_layers() -> None:
+        neighbour.set_busy(True)
+        refit()
+        threads_after_layers.append(torch.get_num_threads())
+    engine.between_layers = between_layers
+    aengine.start()
+    try:
+        assert asyncio.run(collect(aengine, "long", prompt, 4)) == expected[0]
+    finally:
+        aengine.stop()
+        neighbour.close()
+    # the prompt's one step, a call after each layer; none for the three decode steps
+    assert threads_after_layers == [1] * loaded.spec.num_layers
     engine.check_no_leaks()

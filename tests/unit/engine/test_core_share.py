@@ -37,6 +37,24 @@ def test_an_engine_alone_takes_every_core_and_shrinks_while_another_has_work(tmp
     decode.close()
 
 
+def test_a_busy_engine_refits_mid_step_when_another_gets_work_or_goes_idle(tmp_path: Path) -> None:
+    """fit_threads (between a long step's layers) shrinks to the share once another engine is busy, and
+    takes every core back once it is idle, without a set_busy in between."""
+    path = tmp_path / "core_share"
+    prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
+    decode = CoreShare(path, 1, share_threads=1, max_threads=2)
+    prefill.set_busy(True)
+    assert prefill.threads == 2
+    decode.set_busy(True)  # decode gets work while prefill is mid-step
+    prefill.fit_threads()
+    assert prefill.threads == 1 and torch.get_num_threads() == 1
+    decode.set_busy(False)
+    prefill.fit_threads()
+    assert prefill.threads == 2 and torch.get_num_threads() == 2
+    prefill.close()
+    decode.close()
+
+
 def test_shares_split_the_cores_among_busy_engines_never_below_the_share(tmp_path: Path) -> None:
     path = tmp_path / "core_share"
     engines = [CoreShare(path, i, share_threads=2, max_threads=8) for i in range(4)]
