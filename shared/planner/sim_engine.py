@@ -20,7 +20,8 @@ gives 0.67). A fleet of separate machines has no host and no contention.
 
 Lent cores (`baton up`'s core share, shared/engine/core_share.py): with `curves_at` given, each step runs
 on max(its share, cores // the host's engines with work) threads, timed by the profile's curves at that
-count, as the engine picks its thread count before each step.
+count, as the engine picks its thread count before each step; a step of LONG_STEP_TOKENS or more picks it
+again whenever another engine gets work or runs out of it, as the engine does between its layers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any
 import simpy
 
 from shared.planner.profile import EngineCurves
+
+LONG_STEP_TOKENS = 64  # shared/engine/engine.py's _LONG_STEP_TOKENS: such steps refit their threads mid-step
 
 
 @dataclass
@@ -82,24 +85,31 @@ class Host:
         return shared * self.team_speed if threads > 1 else shared
 
     def change(self, threads: int) -> None:
-        """An engine with `threads` threads got work (> 0) or ran out of it (< 0): re-rate running steps."""
+        """An engine with `threads` threads got work (> 0) or ran out of it (< 0): re-rate running steps
+        (but the caller's own, which re-rates itself)."""
         self.active_threads += threads
         if self.cores is not None:
             for process in list(self.stepping):
-                process.interrupt("re-rate")
+                if process is not process.env.active_process:
+                    process.interrupt("re-rate")
 
-    def run_step(self, env: simpy.Environment, process: simpy.Process, work_s: float,
-                 threads: int = 1) -> Generator[Any, Any, None]:
-        """Hold the caller for `work_s` seconds of full-speed work at the speed of the moment."""
+    def run_step(self, env: simpy.Environment, process: simpy.Process, work_s: float, threads: int = 1,
+                 refit: Callable[[], tuple[int, float]] | None = None) -> Generator[Any, Any, None]:
+        """Hold the caller for a step of `work_s` seconds of full-speed work at the speed of the moment.
+        `refit`: the step takes its thread count again at each re-rate (a long step on lent cores, as
+        core_share.py reads it between layers); it returns the count and the whole step's time on it."""
         self.stepping.add(process)
         try:
-            while work_s > 1e-12:
+            done = 0.0  # fraction of the step
+            while done < 1.0 - 1e-12:
                 speed, started = self.speed(threads), env.now
                 try:
-                    yield env.timeout(work_s / speed)
-                    work_s = 0.0
+                    yield env.timeout((1.0 - done) * work_s / speed)
+                    done = 1.0
                 except simpy.Interrupt:
-                    work_s -= (env.now - started) * speed
+                    done += (env.now - started) * speed / work_s
+                    if refit is not None:
+                        threads, work_s = refit()
         finally:
             self.stepping.discard(process)
 
@@ -174,6 +184,14 @@ class SimEngine:
         others = self.host.busy_engines - (self.held > 0)
         return max(self.threads, self.host.cores // (1 + others))
 
+    def _refit(self, curves_at: Callable[[int], EngineCurves], num_prefill: int, batch: int,
+               context: int) -> Callable[[], tuple[int, float]]:
+        def refit() -> tuple[int, float]:
+            threads = self._step_threads()
+            self._hold(threads)
+            return threads, curves_at(threads).mixed_step_s(num_prefill, batch, context)
+        return refit
+
     def _loop(self) -> Generator[Any, Any, None]:
         while True:
             if not self.waiting and not self.running:
@@ -189,8 +207,11 @@ class SimEngine:
             num_prefill = sum(n for _, n in chunks)
             context = sum(r.context_tokens for r in batch)
             started = self.env.now
+            refit = None
+            if self.curves_at is not None and num_prefill + len(batch) >= LONG_STEP_TOKENS:
+                refit = self._refit(self.curves_at, num_prefill, len(batch), context)
             yield from self.host.run_step(self.env, self.process,
-                                          curves.mixed_step_s(num_prefill, len(batch), context), threads)
+                                          curves.mixed_step_s(num_prefill, len(batch), context), threads, refit)
             self.busy_s += self.env.now - started
             self._finish_step(batch, chunks)
 

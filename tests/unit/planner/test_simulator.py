@@ -138,6 +138,31 @@ def test_lent_cores_run_an_engine_alone_on_every_core_and_busy_ones_on_their_sha
     assert a.token_times_s[-1] - a.token_times_s[-2] == pytest.approx(0.01)  # both cores again at the end
 
 
+@pytest.mark.parametrize("prompt_tokens, refits", [(200, True), (60, False)])
+def test_a_long_step_on_lent_cores_gives_one_back_when_the_decode_gets_work(prompt_tokens: int,
+                                                                          refits: bool) -> None:
+    """As the engine reads its share between a long step's layers: B's prefill starts on both cores while the
+    decode waits on A's pull, and once A decodes it goes on at its share of one core; a short step (below
+    LONG_STEP_TOKENS) keeps its threads and runs oversubscribed (a 2-thread team beside a thread, at 2/3 of
+    a core each times team_speed) to its end."""
+    from shared.engine import engine
+    from shared.planner.profile import EngineCurves
+    from shared.planner.sim_engine import LONG_STEP_TOKENS
+
+    assert LONG_STEP_TOKENS == engine._LONG_STEP_TOKENS
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.02, 0.0, 0.0), pull=(0.03, 0.0))
+    profile.engines[2] = EngineCurves(prefill_fit=[0.0, 0.0005, 0.0], decode_fit=[0.01, 0.0, 0.0])
+    a, b = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 10, 20), TraceRequest(0.01, prompt_tokens, 1)],
+                    SimOptions(cores=2, team_speed=0.42))
+    assert ttft_s(a) == pytest.approx(0.005)  # 10 tokens on both cores; A's decode waits 0.03 for its pull
+    alone_s = prompt_tokens * 0.0005  # B's step on both cores from 0.01; A decodes from 0.035
+    done = 0.025 / alone_s  # of B's step when A starts decoding
+    if refits:
+        assert ttft_s(b) == pytest.approx(0.025 + (1 - done) * prompt_tokens * 0.001)  # on one core
+    else:
+        assert ttft_s(b) == pytest.approx(0.025 + (1 - done) * alone_s / (2 / 3 * 0.42))
+
+
 def test_an_oversubscribed_thread_team_runs_below_processor_sharing() -> None:
     """A 2-thread engine stepping beside a 1-thread one on 2 cores: processor sharing would give each thread
     2/3 of a core; the 2-thread team's barriers make it `team_speed` of that (bench/omp_contention.py)."""
