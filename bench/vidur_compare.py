@@ -56,7 +56,8 @@ def vidur_python() -> Path:
 
 def vidur_spec(profile: Profile, trace: list[TraceRequest]) -> dict[str, Any]:
     curves = profile.curves(profile.machine.cores)  # the colocated engine computes on every core
-    return {"fits": {"prefill": curves.prefill_fit, "decode": curves.decode_fit},
+    return {"fits": {"prefill": curves.prefill_fit, "decode": curves.decode_fit,
+                     "decode_lines": curves.decode_lines()},
             "requests": [[r.arrival_s, r.prompt_tokens, r.output_tokens] for r in trace],
             "num_blocks": KV_BLOCKS, "block_size": profile.block_size,
             "chunk_size": profile.max_num_batched_tokens, "max_num_seqs": profile.max_num_seqs}

@@ -4,7 +4,8 @@ Runs inside Vidur's own virtual environment (bench/vidur_compare.py makes it and
 script), so it imports nothing of baton's: its input is a JSON file of the engine's fitted curves and a
 trace, its output a JSON file of each request's TTFT and TPOT as Vidur simulates them.
 
-    input  {"fits": {"prefill": [a, b, c], "decode": [a, b, c]}, "num_layers": L, "requests":
+    input  {"fits": {"prefill": [a, b, c], "decode": [a, b, c], "decode_lines": [[batch, a, c], ...] or null},
+            "num_layers": L, "requests":
             [[arrival_s, prompt_tokens, output_tokens], ...], "num_blocks": N, "block_size": B,
             "chunk_size": C, "max_num_seqs": S}
     output {"requests": [[ttft_s, tpot_s], ...]}
@@ -26,11 +27,23 @@ from pathlib import Path
 from typing import Any
 
 
-def step_s(fits: dict[str, list[float]], num_prefill_tokens: int, batch: int, num_context_tokens: int) -> float:
-    """One engine step: a prefill chunk plus a decode batch (EngineCurves.mixed_step_s, restated here because
-    this file runs where baton is not installed; tests/unit/bench/test_vidur_compare.py holds them equal)."""
+def step_s(fits: dict[str, Any], num_prefill_tokens: int, batch: int, num_context_tokens: int) -> float:
+    """One engine step: a prefill chunk plus a decode batch (EngineCurves.mixed_step_s, and a decode step
+    between the measured batch sizes as profile.interpolated_decode_s, restated here because this file runs
+    where baton is not installed; tests/unit/bench/test_vidur_compare.py holds them equal)."""
     pa, pb, pc = fits["prefill"]
     da, db, dc = fits["decode"]
+    lines = fits.get("decode_lines")
+    if num_prefill_tokens <= 0 and batch > 0 and lines:
+        per_request = num_context_tokens / batch
+        k = 0
+        while k < len(lines) - 2 and batch > lines[k + 1][0]:
+            k += 1
+        (b0, a0, c0), (b1, a1, c1) = lines[k], lines[k + 1]
+        if batch <= b0:
+            return a0 + c0 * num_context_tokens
+        s0, s1 = a0 + c0 * b0 * per_request, a1 + c1 * b1 * per_request
+        return max(0.0, s0 + (s1 - s0) * (batch - b0) / (b1 - b0))
     if num_prefill_tokens <= 0:
         return da + db * batch + dc * num_context_tokens if batch else 0.0
     tokens = num_prefill_tokens + batch

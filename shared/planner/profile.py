@@ -9,12 +9,16 @@
               decode_points  [[batch, context_per_request, seconds_per_step] ...]
               prefill_fit    [a, b, c]   step_s(n tokens)         = a + b n + c n²
               decode_fit     [a, b, c]}} step_s(batch B, ctx C)   = a + b B + c C   (C: context of the batch)
+                                         the simulator interpolates decode_points by batch size instead
+                                         (EngineCurves.decode_lines); the fit stands where it cannot
    handoff  {transport, points [[nbytes, push_s, pull_s] ...],
              push_fit [a, b], pull_fit [a, b]}                    s(nbytes) = a + b nbytes
 ```
 
 `push_s` is what a prefill service's reply takes beyond the engine's own prefill compute (the layer-wise
-writes into kv_transfer, Reserve and Commit); `pull_s` is decode's claim-and-read of the same bytes.
+writes into kv_transfer, Reserve and Commit); `pull_s` is what decode's first token takes beyond its own
+decode step (the claim, the read of the same bytes, the call). Profiles before 2026-11-27 hold the read alone
+there, 4-12 ms less on 2 cores; the format is the same.
 The fits are least squares over the points, clamped non-negative, so the simulator can ask any size.
 """
 
@@ -97,9 +101,37 @@ class EngineCurves:
         return a + b * num_tokens + c * num_tokens * num_tokens
 
     def decode_step_s(self, batch: int, num_context_tokens: int) -> float:
-        """A decode step of `batch` requests holding `num_context_tokens` KV tokens between them."""
-        a, b, c = self.decode_fit
-        return a + b * batch + c * num_context_tokens
+        """A decode step of `batch` requests holding `num_context_tokens` KV tokens between them: between the
+        measured batch sizes (decode_lines), or the fit where fewer than two were measured."""
+        key = (id(self.decode_points), len(self.decode_points), tuple(self.decode_fit))
+        cached = self.__dict__.get("_decode_lines")  # not a field: to_json (asdict) leaves it out
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_decode_lines"] = (key, self.decode_lines())  # the simulator asks every step
+        lines = cached[1]
+        if lines is None:
+            a, b, c = self.decode_fit
+            return a + b * batch + c * num_context_tokens
+        return interpolated_decode_s(lines, batch, num_context_tokens)
+
+    def decode_lines(self) -> list[list[float]] | None:
+        """[[batch, a, c] ...] by batch size: that batch's steps as a + c x (the batch's context), least squares
+        over its measured contexts. One plane over every batch (decode_fit) misses batch 1 by 12-17% on 2
+        cores (a step's cost grows little from 1 to 4 requests, then by each): the workloads there run at
+        batches of 1-4. None when fewer than two batch sizes were measured."""
+        by_batch: dict[int, list[list[float]]] = {}
+        for batch, per_request, seconds in self.decode_points:
+            by_batch.setdefault(int(batch), []).append([batch * per_request, seconds])
+        if len(by_batch) < 2:
+            return None
+        lines = []
+        for batch, rows in sorted(by_batch.items()):
+            if len({ctx for ctx, _ in rows}) < 2:  # one context: the plane's context cost through the point
+                c = self.decode_fit[2]
+                lines.append([float(batch), max(0.0, rows[0][1] - c * rows[0][0]), c])
+            else:
+                a, c = fit_linear([[1.0, ctx] for ctx, _ in rows], [sec for _, sec in rows])
+                lines.append([float(batch), a, c])
+        return lines
 
     def mixed_step_s(self, num_prefill_tokens: int, batch: int, num_context_tokens: int) -> float:
         """A step that prefills a chunk and decodes a batch: both parts, the fixed cost once."""
@@ -108,6 +140,23 @@ class EngineCurves:
         if batch <= 0:
             return self.prefill_step_s(num_prefill_tokens)
         return (self.prefill_step_s(num_prefill_tokens + batch) + self.decode_fit[2] * num_context_tokens)
+
+
+def interpolated_decode_s(lines: Sequence[Sequence[float]], batch: int, num_context_tokens: int) -> float:
+    """A decode step from EngineCurves.decode_lines: each neighbouring measured batch size's line at the same
+    context per request, linear in the batch size between them (the last two past the largest, the first
+    below the smallest). Restated in bench/vidur_driver.py, which runs where baton is not installed."""
+    if batch <= 0:
+        return 0.0
+    per_request = num_context_tokens / batch
+    k = 0
+    while k < len(lines) - 2 and batch > lines[k + 1][0]:
+        k += 1
+    (b0, a0, c0), (b1, a1, c1) = lines[k], lines[k + 1]
+    s0, s1 = a0 + c0 * b0 * per_request, a1 + c1 * b1 * per_request
+    if batch <= b0:
+        return a0 + c0 * num_context_tokens
+    return max(0.0, s0 + (s1 - s0) * (batch - b0) / (b1 - b0))
 
 
 @dataclass

@@ -4,8 +4,10 @@
  for each prompt length L (fresh random prompt, no prefix hit):
    Prefill(L) on the prefill service ──► reply after its KV is committed in kv_transfer   (timed: rpc_s)
    push_s = rpc_s − the engine's own prefill step at L (EngineCurves.prefill_step_s)
-   Generate(handoff) on the decode service, 2 tokens ──► decode claims and reads the KV
-   pull_s = decode's pull time (its engine's KV transfer counters), nbytes = prefill's pushed bytes
+   Generate(handoff) on the decode service, 2 tokens ──► decode claims, reads the KV, decodes one token
+                                                          (timed to that token: first_s)
+   pull_s = first_s − the engine's own decode step at batch 1 and context L (EngineCurves.decode_step_s)
+   nbytes = prefill's pushed bytes
 ```
 
 All three run in this process on 127.0.0.1 (gRPC, the transport kv_transfer picks), as
@@ -43,10 +45,13 @@ def _direction(service: Any, direction: str) -> tuple[float, int]:
 
 
 async def _one_handoff(services: dict[str, Any], request_id: str, prompt: list[int]) -> tuple[float, int, float]:
-    """(prefill rpc seconds, bytes pushed, decode pull seconds) of one request."""
+    """(prefill rpc seconds, bytes pushed, seconds from decode's Generate to its first token) of one request.
+
+    The decode side is timed to its first token, as the push side to the prefill's reply: what a client waits
+    between its first two tokens is the claim, the read and the router's second call, not the read alone
+    (15-18 ms at 64-256 tokens on 2 cores where the read alone was 3-11, 2026-11-27)."""
     prefill, decode, kv = services["prefill"], services["decode"], services["kv"]
     pushed_before = _direction(prefill, "push")[1]
-    pull_before = _direction(decode, "pull")[0]
     handoff_id = f"h-{request_id}"
     stub = prefill_pb2_grpc.PrefillServiceStub(channel(prefill.address))
     started = time.perf_counter()
@@ -55,15 +60,19 @@ async def _one_handoff(services: dict[str, Any], request_id: str, prompt: list[i
         handoff_capability=CAPABILITY))
     rpc_s = time.perf_counter() - started
     dstub = decode_pb2_grpc.DecodeServiceStub(channel(decode.address))
+    started = time.perf_counter()
     call = dstub.Generate(decode_pb2.DecodeRequest(
         request=_request(request_id, prompt, 2), handoff_id=handoff_id, kv_transfer_address=kv.address,
         first_token_id=reply.first_token_id, handoff_capability=CAPABILITY))
+    first_s = None
     async for message in call:
+        if first_s is None and message.token_ids:
+            first_s = time.perf_counter() - started
         if message.finished:
             break
+    assert first_s is not None, f"{request_id}: the decode sent no token"
     nbytes = _direction(prefill, "push")[1] - pushed_before
-    pull_s = _direction(decode, "pull")[0] - pull_before
-    return rpc_s, nbytes, pull_s
+    return rpc_s, nbytes, first_s
 
 
 async def _start(model: str, max_model_len: int, threads: int, transport: str) -> dict[str, Any]:
@@ -113,13 +122,13 @@ async def measure_handoff(model: str, lengths: Sequence[int], repeats: int, thre
                 runs.append(await _one_handoff(services, f"h{length}-{r}", prompt))
             rpc_s = statistics.median(run[0] for run in runs)
             nbytes = int(statistics.median(run[1] for run in runs))
-            pull_s = statistics.median(run[2] for run in runs)
+            pull_s = max(0.0, statistics.median(run[2] for run in runs) - compute.decode_step_s(1, length))
             push_s = max(0.0, rpc_s - compute.prefill_step_s(length))
             curves.points.append([nbytes, push_s, pull_s])
             bytes_per_token.append(nbytes / length)
             logger.info("profile: handoff of %d tokens (%d bytes, %s): prefill reply %.1f ms (%.1f ms beyond "
-                        "compute), decode pull %.1f ms", length, nbytes, curves.transport, rpc_s * 1e3,
-                        push_s * 1e3, pull_s * 1e3)
+                        "compute), decode's first token %.1f ms beyond its step", length, nbytes,
+                        curves.transport, rpc_s * 1e3, push_s * 1e3, pull_s * 1e3)
     finally:
         await _stop(services)
     curves.refit()

@@ -98,6 +98,8 @@ class Host:
         """Hold the caller for a step of `work_s` seconds of full-speed work at the speed of the moment.
         `refit`: the step takes its thread count again at each re-rate (a long step on lent cores, as
         core_share.py reads it between layers); it returns the count and the whole step's time on it."""
+        if work_s <= 0.0:
+            return
         self.stepping.add(process)
         try:
             done = 0.0  # fraction of the step

@@ -22,6 +22,21 @@ def test_the_driver_books_the_profile_step_time() -> None:
                     curves.mixed_step_s(prefill, batch, context)), (prefill, batch, context)
 
 
+def test_the_driver_books_the_profile_decode_step_between_measured_batches() -> None:
+    """Decode points off any one plane (batch 1 costs nearly what batch 4 does): the driver's restated
+    interpolation books what EngineCurves.decode_step_s gives, below, between and past the batch sizes."""
+    curves = EngineCurves(prefill_fit=[0.007, 0.0013, 2e-7], decode_fit=[0.019, 0.0006, 6e-6])
+    curves.decode_points = [[b, c, 0.019 + 0.0004 * b ** 1.3 + 6e-6 * b * c]
+                            for b in (1, 4, 16) for c in (64, 512)]
+    fits = {"prefill": curves.prefill_fit, "decode": curves.decode_fit, "decode_lines": curves.decode_lines()}
+    for batch in (1, 2, 4, 9, 16, 40):
+        for context in (64 * batch, 300 * batch):
+            got = step_s(fits, 0, batch, context)
+            assert got == pytest.approx(curves.decode_step_s(batch, context)), (batch, context)
+            if batch in (1, 4, 16):  # a measured batch size: its own points, not the plane's
+                assert got == pytest.approx(0.019 + 0.0004 * batch ** 1.3 + 6e-6 * context)
+
+
 def test_vidur_timings_become_requests_the_simulator_summary_reads() -> None:
     trace = [TraceRequest(1.0, 100, 5), TraceRequest(2.0, 50, 1)]
     requests = as_sim_requests(trace, [[0.2, 0.03], [0.1, 0.0]])
