@@ -49,7 +49,7 @@ async def _one_handoff(services: dict[str, Any], request_id: str, prompt: list[i
 
     The decode side is timed to its first token, as the push side to the prefill's reply: what a client waits
     between its first two tokens is the claim, the read and the router's second call, not the read alone
-    (15-18 ms at 64-256 tokens on 2 cores where the read alone was 3-11, 2026-11-27)."""
+    (14-18 ms at 64-256 tokens on 2 cores where the read alone was 3-11, 2026-11-27)."""
     prefill, decode, kv = services["prefill"], services["decode"], services["kv"]
     pushed_before = _direction(prefill, "push")[1]
     handoff_id = f"h-{request_id}"
