@@ -18,7 +18,7 @@
 `push_s` is what a prefill service's reply takes beyond the engine's own prefill compute (the layer-wise
 writes into kv_transfer, Reserve and Commit); `pull_s` is what decode's first token takes beyond its own
 decode step (the claim, the read of the same bytes, the call). Profiles before 2026-11-27 hold the read alone
-there, 4-12 ms less on 2 cores; the format is the same.
+there (4 and 9 ms less at 64 and 256 tokens on 2 cores); the format is the same.
 The fits are least squares over the points, clamped non-negative, so the simulator can ask any size.
 """
 

@@ -70,7 +70,8 @@ async def _one_handoff(services: dict[str, Any], request_id: str, prompt: list[i
             first_s = time.perf_counter() - started
         if message.finished:
             break
-    assert first_s is not None, f"{request_id}: the decode sent no token"
+    if first_s is None:  # the prompt asked for 2 tokens: decode owes the second
+        raise RuntimeError(f"profile: request {request_id}: the decode service sent no token")
     nbytes = _direction(prefill, "push")[1] - pushed_before
     return rpc_s, nbytes, first_s
 
