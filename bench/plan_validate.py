@@ -211,7 +211,7 @@ def scaled(profile: Profile, prefill_scale: float, decode_scale: float) -> Profi
     for curves in copy.engines.values():
         curves.prefill_fit = [c * prefill_scale for c in curves.prefill_fit]
         curves.decode_fit = [c * decode_scale for c in curves.decode_fit]
-        curves.decode_points = [[b, c, s * decode_scale] for b, c, s in curves.decode_points]  # decode_lines'
+        curves.decode_points = [[b, c, s * decode_scale] for b, c, s in curves.decode_points]  # what decode_step_s interpolates
     return copy
 
 

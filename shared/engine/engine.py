@@ -492,7 +492,7 @@ class LLMEngine:
         return [self.choices.to_request_output(out) for out in self._step()]
 
     def _step(self) -> list[RequestOutput]:
-        if self.remote is not None and self.remote.pusher.num_finishing and self.scheduler.has_unfinished():
+        if self.remote is not None and self.scheduler.has_unfinished():
             self.remote.settle_pushes(_PUSH_SETTLE_S)  # a computed prompt's first token before another step
         released = self.remote.poll() if self.remote is not None else []
         if released and not self.async_scheduling:

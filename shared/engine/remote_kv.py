@@ -215,15 +215,18 @@ class RemoteKV:
         e.scheduler.add_running(request)
 
     def settle_pushes(self, timeout_s: float) -> None:
-        """Wait, at most `timeout_s`, until a prefill whose writes are all posted has them over.
+        """Wait, at most `timeout_s`, until a prefill whose writes are all posted has them over (at once when
+        none is waiting on its writes).
 
         Its first token is withheld until then, and the engine looks again only between steps: when the last
         writes end just after the step that posted them, the next step (another prompt's prefill, hundreds of
         ms on a CPU) would hold that token back for its whole length. In a 1P1D run at 1 request/s on 2 cores
         (bench/plan_validate.py, 2026-11-27), prompts followed by another one waited 200-450 ms past their
         writes, timed with log lines at the router's send, the prefill's admission and its reply."""
+        if not self.pusher.num_finishing:  # the usual case, every step of a decode engine
+            return
         deadline = time.monotonic() + timeout_s
-        while self.pusher.num_finishing and not self.pusher.any_over() and time.monotonic() < deadline:
+        while not self.pusher.any_over() and time.monotonic() < deadline:
             time.sleep(_SETTLE_POLL_S)  # not a spin: a transport without its own thread progresses in any_over
 
     # ---- both ---------------------------------------------------------------------------
