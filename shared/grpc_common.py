@@ -32,6 +32,15 @@ from shared.grpc_tls import (
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one layer of KV for a long prompt fits
+# A channel whose peer went away retries the connection after a backoff that grows to 120 s by default, and
+# every call before the next try fails at once ("failed to connect"), even once a supervisor has restarted
+# the instance on the same address (seconds later). Our peers are services on the same network: a try a
+# second at most reaches a restarted one within a second.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -115,11 +124,10 @@ def channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
     intercepted stream's messages through an extra async iterator, and that is per token."""
     tls = tls_files()
     interceptors = client_interceptors() if token_interceptor else []
+    options = [*channel_options(max_message_bytes), *RECONNECT_OPTIONS]
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                         interceptors=interceptors)
-    return grpc.aio.secure_channel(address, channel_credentials(tls),
-                                   options=[*channel_options(max_message_bytes), *target_name_options()],
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=[*options, *target_name_options()],
                                    interceptors=interceptors)
 
 
