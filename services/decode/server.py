@@ -6,7 +6,8 @@ Generate(request, handoff_id, kv_transfer_address) — server streaming
   │   kept), READs only the missing ones (+ hidden states), then runs it; Release once pulled
   └ handoff_id empty (colocated role, or a request the router judged cheaper to prefill here than to
       hand off: short, or mostly in this instance's prefix cache): compute the prompt here
-  then stream DecodeResponse batches until one has finished = true.
+  then stream DecodeResponse batches until one has finished = true (and, with keepalive_s, a keepalive
+  message whenever that long passes without one: keepalive.py).
 The client cancelling the stream aborts the request (its reads stopped before the lease is
 released); its blocks are freed once.
 """
@@ -21,6 +22,7 @@ import grpc
 from opentelemetry import trace
 
 from proto.baton.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.decode.keepalive import stream_writer
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.request import RequestOutput
 from shared.errors import InvalidRequestError
@@ -70,10 +72,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         with server_span(_tracer, context, "decode.Generate", attributes) as span:
             num_tokens = 0
             try:
-                async with aclosing(self._generate(request)) as responses:
+                async with aclosing(self._generate(request)) as responses, \
+                        stream_writer(context, request.keepalive_s) as write:
                     async for response in responses:
                         num_tokens += len(response.token_ids)
-                        await context.write(response)
+                        await write(response)
             finally:  # a cancelled stream reports what it sent too
                 span.set_attribute(OUTPUT_TOKENS, num_tokens)
 

@@ -53,6 +53,7 @@ from services.router.migration import (
     MIGRATABLE_CODES,
     DecodeStalledError,
     MigrationPolicy,
+    keepalive_s,
     read_stream,
     resumed_message,
 )
@@ -262,7 +263,8 @@ class GrpcBackend:
         another one: the handoff is still unclaimed in kv_transfer. A stream that breaks later migrates
         (migration.py): another instance goes on from the tokens the client has.
         """
-        leg = _DecodeLeg(decode_pb2.DecodeRequest(request=_request(req)),
+        leg = _DecodeLeg(decode_pb2.DecodeRequest(request=_request(req),
+                                                  keepalive_s=keepalive_s(self.migration.stall_timeout_s)),
                          "colocated" if self.mode == "colocated" else "decode")
         if first_token is not None:
             leg.message.handoff_id = state.handoff_id or ""
@@ -285,7 +287,8 @@ class GrpcBackend:
                 stub = decode_pb2_grpc.DecodeServiceStub(self._channel(instance.address))
                 with self.router.hold("decode", instance.instance_id):
                     call = stub.Generate(leg.message, metadata=state.metadata)
-                    async for msg in read_stream(call, self.migration.stall_timeout_s):
+                    async for msg in read_stream(call, self.migration.stall_timeout_s,
+                                                   keepalive=leg.message.keepalive_s > 0):
                         received = True
                         num_open -= msg.finished
                         if num_open == 0:
@@ -296,7 +299,8 @@ class GrpcBackend:
             except (grpc.RpcError, DecodeStalledError) as e:
                 if state.done:  # every choice had finished: what broke was the stream's end
                     return
-                leg.tried.add((instance.instance_id, instance.started_at))
+                if not _handoff_lost(e):  # else the instance is well: it may take the request without one
+                    leg.tried.add((instance.instance_id, instance.started_at))
                 await self._recover(req, state, leg, e, received)
 
     async def _recover(self, req: BackendRequest, state: _InFlight, leg: _DecodeLeg,
@@ -304,21 +308,24 @@ class GrpcBackend:
         """After the leg's instance failed: set the leg up for its next attempt, or raise the failure."""
         error = e if isinstance(e, BatonError) else error_from_rpc(e)
         code = grpc.StatusCode.UNAVAILABLE if isinstance(e, BatonError) else e.code()  # type: ignore[attr-defined]
-        # refused before reaching the instance: the same message goes elsewhere
-        refused = code == grpc.StatusCode.UNAVAILABLE and not received and len(leg.tried) <= _MAX_REFUSALS
+        # refused before reaching the instance: the same message goes elsewhere. Not a stall: a silent instance
+        # may have claimed the handoff, which is then gone for any other (the request migrates instead)
+        stalled = isinstance(e, DecodeStalledError)
+        refused = code == grpc.StatusCode.UNAVAILABLE and not received and not stalled \
+            and len(leg.tried) <= _MAX_REFUSALS
         if not (refused or self._may_migrate(req, code, leg.num_migrations)) \
                 or not await self._wait_for_other(leg.service, leg.tried):
             raise error from e
         if refused:
-            logger.warning("request %s: decode %s unavailable before its first token, retrying elsewhere",
-                           req.request_id, state.decode)
+            logger.warning("request %s: decode %s failed before its first token (%s), retrying elsewhere",
+                           req.request_id, state.decode, error)
             return
         leg.num_migrations += 1
         self.router.num_migrations += 1
         logger.warning("request %s: decode %s failed after %d tokens (%s: %s); migrating (%d of %d)",
                        req.request_id, state.decode, len(leg.emitted), code.name, error, leg.num_migrations,
                        self.migration.limit)
-        await self._leave(state, req.request_id, stalled=isinstance(e, DecodeStalledError))
+        await self._leave(state, req.request_id, stalled=stalled)
         leg.message = resumed_message(leg.message, leg.emitted, keep_prompt_logprobs=not leg.emitted)
 
     def _may_migrate(self, req: BackendRequest, code: grpc.StatusCode, num_migrations: int) -> bool:
@@ -397,6 +404,12 @@ class GrpcBackend:
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+
+
+def _handoff_lost(e: grpc.RpcError | DecodeStalledError) -> bool:
+    """The call failed because its handoff is gone (claimed by an instance that went silent, or its
+    kv_transfer restarted), not because of the instance that answered."""
+    return isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
 
 
 def _chunk(msg: decode_pb2.DecodeResponse, req: BackendRequest, computed_prompt: bool) -> BackendChunk:

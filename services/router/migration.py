@@ -2,7 +2,7 @@
 
 ```
  decode A streams t1 t2 t3 ──► client
-     │ A dies (UNAVAILABLE, INTERNAL, a lost handoff, ...) or is silent for stall_timeout_s after a token
+     │ A dies (UNAVAILABLE, INTERNAL, a lost handoff, ...) or is silent (not even a keepalive) for stall_timeout_s
      ▼
  migrations < limit and n == 1?
      yes ──► decode B: Generate(prompt, output_token_ids=[t1 t2 t3], no handoff)
@@ -40,9 +40,9 @@ MIGRATABLE_CODES = frozenset({
 
 @dataclass(frozen=True)
 class MigrationPolicy:
-    """`limit`: moves one request may make (0 = never migrate); `stall_timeout_s`: a stream that has sent a
-    token and then nothing for this long counts as dead (0 = wait forever; before its first token a
-    stream may be queued or computing a long prompt, so silence there is not a stall); `wait_s`: how long
+    """`limit`: moves one request may make (0 = never migrate); `stall_timeout_s`: a stream silent this
+    long counts as dead (0 = wait forever; the decode sends keepalives while it has no token to send, as
+    a stream may be queued or computing a long prompt before its first: keepalive.py); `wait_s`: how long
     a request whose instances all failed waits for a new one to register (a restart) before its error."""
 
     limit: int = 3
@@ -93,11 +93,18 @@ class _StallWatch:
             self._handle = None
 
 
-async def read_stream(call: grpc.aio.UnaryStreamCall, stall_timeout_s: float,
+def keepalive_s(stall_timeout_s: float) -> float:
+    """What a Generate call asks its decode for (DecodeRequest.keepalive_s): a sign of life three times
+    per stall timeout, so that one late message is not yet a stall; 0 (none) without a stall rule."""
+    return stall_timeout_s / 3
+
+
+async def read_stream(call: grpc.aio.UnaryStreamCall, stall_timeout_s: float, keepalive: bool = False,
                       ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-    """The stream's messages; DecodeStalledError (the call cancelled) when one is late past its first."""
+    """The stream's messages, keepalives left out; DecodeStalledError (the call cancelled) when one is
+    late: any message past the first, or with `keepalive` (the call asked for keepalives) the first too."""
     task = asyncio.current_task()
-    watch: _StallWatch | None = None
+    watch = _StallWatch(task, stall_timeout_s) if keepalive and stall_timeout_s > 0 and task is not None else None
     try:
         while True:
             if watch is not None:
@@ -114,7 +121,8 @@ async def read_stream(call: grpc.aio.UnaryStreamCall, stall_timeout_s: float,
                 watch.read_done()
             elif stall_timeout_s > 0 and task is not None:  # silence counts from the first message on
                 watch = _StallWatch(task, stall_timeout_s)
-            yield msg
+            if not msg.keepalive:
+                yield msg
     finally:
         if watch is not None:
             watch.stop()
@@ -125,7 +133,7 @@ def resumed_message(message: decode_pb2.DecodeRequest, emitted: list[int],
                     keep_prompt_logprobs: bool) -> decode_pb2.DecodeRequest:
     """`message` for another decode instance: no handoff (it computes the prompt), `emitted` as the
     output so far, the prompt's logprobs asked again only if the client has not had them."""
-    resumed = decode_pb2.DecodeRequest()
+    resumed = decode_pb2.DecodeRequest(keepalive_s=message.keepalive_s)
     resumed.request.CopyFrom(message.request)
     resumed.request.output_token_ids[:] = emitted
     if not keep_prompt_logprobs:

@@ -52,8 +52,8 @@ class RouterSettings(BaseSettings):
     migration_limit: int = Field(default=3, ge=0, description="times one request may move to another "
                                  "instance when its decode stream breaks (it resumes from the tokens already "
                                  "streamed); past it the client gets the error; 0 = never")
-    decode_stall_timeout_s: float = Field(default=30.0, ge=0, description="a decode stream that has sent a "
-                                          "token and then nothing for this long is dead (migrated); 0 = off")
+    decode_stall_timeout_s: float = Field(default=30.0, ge=0, description="a decode stream that sends "
+                                          "nothing (no token, no keepalive) for this long is dead (migrated); 0 = off")
     migration_wait_s: float = Field(default=15.0, ge=0, description="how long a request whose instances all "
                                     "failed waits for a new one (a restart) before it fails")
     redis_url: str = Field(default="", description="registry; empty = use static_instances")

@@ -136,7 +136,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request whose decode dies mid-stream moves to another instance (0 = never)")
     p.add_argument("--decode-stall-timeout", type=float, default=30.0,
-                   help="seconds a decode stream may go silent after a token before it counts as dead")
+                   help="seconds a decode stream may go silent (no token, no keepalive) before it counts as dead")
     p.add_argument("--tls", action="store_true",
                    help="mutual TLS between the services: a fresh CA and certificates in <state-dir>/certs")
     p.add_argument("--restart-backoff", type=float, default=1.0, help="seconds before a child's first restart")

@@ -1,4 +1,5 @@
-"""Request migration against a real `baton up` stack: a decode SIGKILLed, or stopped (SIGSTOP), mid-stream.
+"""Request migration against a real `baton up` stack: a decode SIGKILLed, or stopped (SIGSTOP), mid-stream,
+or stopped before the streams sent to it have had a message (only its missing keepalives tell).
 
 The clients' streams go on from another decode instance with no error, no gap and no repeated token:
 the text each gets equals what the same greedy request gets from a stack with no fault. The stack runs
@@ -39,13 +40,18 @@ def _payload(i: int) -> dict[str, object]:
     return body(i, True, MAX_TOKENS, ignore_eos=True)
 
 
-def _no_fault(stack: BatonStack) -> list[str]:
+def _stream_all(stack: BatonStack) -> list[str]:
     async def run() -> list[str]:
         async with httpx.AsyncClient(timeout=120) as client:
             done = await asyncio.gather(*(stream_text(client, stack.base_url, _payload(i)) for i in range(NUM_STREAMS)))
+            for text, finish in done:
+                assert finish == "length", text
             return [text for text, _ in done]
 
     return asyncio.run(run())
+
+
+_no_fault = _stream_all
 
 
 def _busy_decode(stack: BatonStack, timeout_s: float = 60) -> str:
@@ -127,4 +133,22 @@ def test_a_decode_gone_silent_mid_stream_is_left_and_frees_its_blocks_when_it_wa
     assert got == expected
     assert stack.metric("router", "baton_router_migrations_total") > before
     # woken, the stopped instance finds its streams cancelled: it aborts them and frees their blocks
+    wait_idle(stack, ["prefill-0", "decode-0", "decode-1"], 30)
+
+
+def test_a_decode_stopped_before_its_streams_reach_it_is_left_within_its_stall_timeout(stack: BatonStack) -> None:
+    _wait_serving(stack, ["decode-0", "decode-1"], 180)
+    expected = _no_fault(stack)
+    victim = stack.service("decode-1")
+    router_log = stack.state_dir / "logs" / "router.log"
+    num_log_lines = len(router_log.read_text().splitlines())
+    os.kill(victim["pid"], signal.SIGSTOP)  # still registered: the router sends it some of the streams
+    try:
+        got = _stream_all(stack)
+    finally:
+        os.kill(victim["pid"], signal.SIGCONT)
+    assert got == expected
+    left = [line for line in router_log.read_text().splitlines()[num_log_lines:]
+            if victim["address"] in line and "silent" in line]
+    assert left, "no stream was sent to the stopped decode"
     wait_idle(stack, ["prefill-0", "decode-0", "decode-1"], 30)

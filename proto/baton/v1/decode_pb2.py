@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.baton.v1 import common_pb2 as proto_dot_baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/baton/v1/decode.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"\xfd\x01\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequest\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x03 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12*\n\x0cmore_choices\x18\x06 \x03(\x0b\x32\x14.baton.v1.FirstToken\x12\x1a\n\x12handoff_capability\x18\x07 \x01(\t\"\xd3\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\r\n\x05index\x18\x06 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\"\x13\n\x11\x44\x65\x63odeLoadRequest2\xc8\x01\n\rDecodeService\x12?\n\x08Generate\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12<\n\x07GetLoad\x12\x1b.baton.v1.DecodeLoadRequest\x1a\x14.baton.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/baton/v1/decode.proto\x12\x08\x62\x61ton.v1\x1a\x1bproto/baton/v1/common.proto\"\x92\x02\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequest\x12\x12\n\nhandoff_id\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_address\x18\x03 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\x12*\n\x0cmore_choices\x18\x06 \x03(\x0b\x32\x14.baton.v1.FirstToken\x12\x1a\n\x12handoff_capability\x18\x07 \x01(\t\x12\x13\n\x0bkeepalive_s\x18\x08 \x01(\x02\"\xe6\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\r\n\x05index\x18\x06 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x11\n\tkeepalive\x18\x08 \x01(\x08\"\x13\n\x11\x44\x65\x63odeLoadRequest2\xc8\x01\n\rDecodeService\x12?\n\x08Generate\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12<\n\x07GetLoad\x12\x1b.baton.v1.DecodeLoadRequest\x1a\x14.baton.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.baton.v1.decode_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=71
-  _globals['_DECODEREQUEST']._serialized_end=324
-  _globals['_DECODERESPONSE']._serialized_start=327
-  _globals['_DECODERESPONSE']._serialized_end=538
-  _globals['_DECODELOADREQUEST']._serialized_start=540
-  _globals['_DECODELOADREQUEST']._serialized_end=559
-  _globals['_DECODESERVICE']._serialized_start=562
-  _globals['_DECODESERVICE']._serialized_end=762
+  _globals['_DECODEREQUEST']._serialized_end=345
+  _globals['_DECODERESPONSE']._serialized_start=348
+  _globals['_DECODERESPONSE']._serialized_end=578
+  _globals['_DECODELOADREQUEST']._serialized_start=580
+  _globals['_DECODELOADREQUEST']._serialized_end=599
+  _globals['_DECODESERVICE']._serialized_start=602
+  _globals['_DECODESERVICE']._serialized_end=802
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,26 @@ import grpc.aio
 import pytest
 
 from proto.baton.v1 import common_pb2, decode_pb2
-from services.router.migration import DecodeStalledError, read_stream, resumed_message
+from services.router.migration import DecodeStalledError, keepalive_s, read_stream, resumed_message
 
 
 class _Call:
-    """A stream call whose messages arrive after the given delays (a test double of grpc.aio's call)."""
+    """A stream call whose messages arrive after the given delays (a test double of grpc.aio's call); the
+    messages at the indices in `keepalives` are keepalives."""
 
-    def __init__(self, delays_s: list[float]) -> None:
+    def __init__(self, delays_s: list[float], keepalives: frozenset[int] = frozenset()) -> None:
         self.delays_s = list(delays_s)
+        self.keepalives = keepalives
+        self.num_read = 0
         self.cancelled = False
 
     async def read(self) -> object:
         if not self.delays_s:
             return grpc.aio.EOF
         await asyncio.sleep(self.delays_s.pop(0))
+        self.num_read += 1
+        if self.num_read - 1 in self.keepalives:
+            return decode_pb2.DecodeResponse(keepalive=True)
         return decode_pb2.DecodeResponse(token_ids=[1])
 
     def cancel(self) -> bool:
@@ -29,8 +35,8 @@ class _Call:
         return True
 
 
-async def _drain(call: _Call, stall_timeout_s: float) -> int:
-    return len([m async for m in read_stream(call, stall_timeout_s)])  # type: ignore[arg-type]
+async def _drain(call: _Call, stall_timeout_s: float, keepalive: bool = False) -> int:
+    return len([m async for m in read_stream(call, stall_timeout_s, keepalive)])  # type: ignore[arg-type]
 
 
 def test_a_slow_first_message_is_not_a_stall_but_a_silence_after_one_is() -> None:
@@ -40,6 +46,25 @@ def test_a_slow_first_message_is_not_a_stall_but_a_silence_after_one_is() -> Non
         asyncio.run(_drain(call, stall_timeout_s=0.1))
     assert call.cancelled
     assert asyncio.run(_drain(_Call([0.0, 0.3]), stall_timeout_s=0)) == 2  # 0: no stall rule
+
+
+def test_with_keepalives_a_silent_first_message_is_a_stall_and_keepalives_are_not_passed_on() -> None:
+    call = _Call([0.3, 0.01])
+    with pytest.raises(DecodeStalledError, match="silent"):
+        asyncio.run(_drain(call, stall_timeout_s=0.1, keepalive=True))
+    assert call.cancelled and call.num_read == 0
+    # keepalives every 0.06 s hold off the stall before the first token and between tokens, and only
+    # the three token messages come out
+    call = _Call([0.06] * 8, keepalives=frozenset({0, 1, 2, 4, 5, 6}))
+    assert asyncio.run(_drain(call, stall_timeout_s=0.1, keepalive=True)) == 2
+    call = _Call([0.06, 0.06, 0.0, 0.06], keepalives=frozenset({0, 1}))
+    assert asyncio.run(_drain(call, stall_timeout_s=0.1, keepalive=True)) == 2
+
+
+def test_a_router_call_asks_for_keepalives_within_its_stall_timeout_and_a_migration_keeps_asking() -> None:
+    assert 0 < keepalive_s(3.0) < 3.0 and keepalive_s(0) == 0
+    message = decode_pb2.DecodeRequest(request=common_pb2.GenerateRequest(request_id="r"), keepalive_s=1.0)
+    assert resumed_message(message, [7], keep_prompt_logprobs=False).keepalive_s == 1.0
 
 
 def test_only_the_wait_for_a_message_counts_as_silence() -> None:
