@@ -41,6 +41,30 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# A peer that stops (SIGSTOP, a hung host, a partition) closes nothing: a call waiting on it (a Prefill, a
+# Claim) would wait forever. While a call is open a channel pings its peer every keepalive_s, and a ping
+# unanswered for as long closes the transport: the calls fail UNAVAILABLE, which callers retry elsewhere.
+# HTTP/2 pings are answered by gRPC's own threads, so a peer busy computing still answers.
+PEER_KEEPALIVE_S = 10.0
+MIN_KEEPALIVE_S = 1.0
+
+
+def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """A channel's keepalive pings: every `keepalive_s` (at least MIN_KEEPALIVE_S) while a call is open."""
+    ms = int(max(keepalive_s, MIN_KEEPALIVE_S) * 1000)
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),  # grpcio 1.85 waits for a ping's ack this long (default 60 s)
+        ("grpc.http2.max_pings_without_data", 0),  # a long unary call sends no data: keep pinging through it
+    ]
+
+
+# Servers take pings at any rate: besides the keepalive timer a channel pings to size its flow-control window
+# and on new calls, and a server that counts those as abuse closes the transport (GOAWAY "too many pings"),
+# failing every call on it. Our callers are our own services, authenticated.
+SERVER_PING_OPTIONS = [("grpc.http2.min_recv_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 1000)),
+                       ("grpc.http2.max_ping_strikes", 0)]
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -100,7 +124,7 @@ def make_server(
     host, _ = split_address(address)
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(), TokenAuthInterceptor(), PeerCertInterceptor(), *interceptors],
-        options=channel_options(max_message_bytes),
+        options=[*channel_options(max_message_bytes), *SERVER_PING_OPTIONS],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -115,16 +139,19 @@ def make_server(
 
 
 def channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
-            token_interceptor: bool = True) -> grpc.aio.Channel:
+            token_interceptor: bool = True, keepalive_s: float = PEER_KEEPALIVE_S) -> grpc.aio.Channel:
     """A grpc.aio channel to `address` with the same message limits as the servers, sending the process's
     internal token (shared/grpc_auth.py) on every call, over mutual TLS when configured (grpc_tls.py).
 
     `token_interceptor=False`: no interceptor adds the token; the caller puts `token_metadata()` in every
     call's metadata itself. The router's backend does, for its token streams: grpc.aio reads an
-    intercepted stream's messages through an extra async iterator, and that is per token."""
+    intercepted stream's messages through an extra async iterator, and that is per token.
+
+    `keepalive_s`: a peer that answers no ping for about this long while a call is open is dead (the call
+    fails UNAVAILABLE); see PEER_KEEPALIVE_S."""
     tls = tls_files()
     interceptors = client_interceptors() if token_interceptor else []
-    options = [*channel_options(max_message_bytes), *RECONNECT_OPTIONS]
+    options = [*channel_options(max_message_bytes), *RECONNECT_OPTIONS, *keepalive_options(keepalive_s)]
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=[*options, *target_name_options()],

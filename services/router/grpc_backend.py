@@ -54,6 +54,7 @@ from services.router.migration import (
     DecodeStalledError,
     MigrationPolicy,
     keepalive_s,
+    ping_interval_s,
     read_stream,
     resumed_message,
 )
@@ -138,7 +139,8 @@ class GrpcBackend:
         ch = self._channels.get(address)
         if ch is None:
             # no interceptor on the token streams: each call carries the token in state.metadata
-            ch = self._channels[address] = channel(address, self.max_message_bytes, token_interceptor=False)
+            ch = self._channels[address] = channel(address, self.max_message_bytes, token_interceptor=False,
+                                                   keepalive_s=ping_interval_s(self.migration.stall_timeout_s))
         return ch
 
     def instance_counts(self) -> dict[str, int]:

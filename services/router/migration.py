@@ -28,6 +28,7 @@ import grpc.aio
 
 from proto.baton.v1 import decode_pb2
 from shared.errors import UnavailableError
+from shared.grpc_common import PEER_KEEPALIVE_S
 
 # the instance or its transport failed, not the request: worth going on elsewhere. CANCELLED comes from the
 # server only (an engine stopped under the request); the router's own cancel is a CancelledError.
@@ -97,6 +98,13 @@ def keepalive_s(stall_timeout_s: float) -> float:
     """What a Generate call asks its decode for (DecodeRequest.keepalive_s): a sign of life three times
     per stall timeout, so that one late message is not yet a stall; 0 (none) without a stall rule."""
     return stall_timeout_s / 3
+
+
+def ping_interval_s(stall_timeout_s: float) -> float:
+    """How often the router's channels ping their peers while a call is open, each ping given as long to be
+    answered (grpc_common.keepalive_options): an instance that answers nothing for about a stall timeout is
+    dead whatever call waits on it, a Prefill too (a unary call has no stream to send keepalives on)."""
+    return stall_timeout_s / 2 if stall_timeout_s > 0 else PEER_KEEPALIVE_S
 
 
 async def read_stream(call: grpc.aio.UnaryStreamCall, stall_timeout_s: float, keepalive: bool = False,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,35 +79,50 @@ def _completion(i: int) -> dict[str, object]:
     return {"model": MODEL, "prompt": f"{i}: {LONG_PROMPT}", "max_tokens": 8, "temperature": 0}
 
 
-def _kill_first_busy(stack: BatonStack, names: list[str], metric: str, timeout_s: float) -> str:
-    """SIGKILL the first of `names` seen with `metric` above 0 (work under way there); its name."""
+def _kill_first_busy(stack: BatonStack, names: list[str], metric: str, timeout_s: float,
+                     stop: bool = False) -> str:
+    """SIGKILL (or with `stop`, SIGSTOP) the first of `names` seen with `metric` above 0 (work under way
+    there); its name."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for name in names:
             if stack.metric(name, metric) > 0:
-                stack.kill(name)
+                if stop:
+                    os.kill(stack.service(name)["pid"], signal.SIGSTOP)
+                else:
+                    stack.kill(name)
                 return name
     raise AssertionError(f"none of {names} was seen busy ({metric})")
 
 
-def test_a_prefill_killed_mid_prompt_is_retried_on_the_other(tmp_path: Path, redis_url: str) -> None:
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_prefill_killed_or_stopped_mid_prompt_is_retried_on_the_other(tmp_path: Path, redis_url: str,
+                                                                         fault: str) -> None:
     """Requests prefilling on the killed instance are retried on the other before any token was sent: every
-    one succeeds, with the tokens a run without the fault gives (greedy)."""
-    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "2", "--decode", "1")
+    one succeeds, with the tokens a run without the fault gives (greedy). A stopped (SIGSTOP) instance closes
+    no socket: the router's channel finds it dead when its pings go unanswered (grpc_common.py), within
+    about the stall timeout, and once woken it frees what the abandoned requests held."""
+    stack = _fresh_stack(tmp_path, redis_url, "--prefill", "2", "--decode", "1", "--decode-stall-timeout", "3")
+    victim = None
     try:
         url = stack.base_url
 
         async def run() -> list[str]:
+            nonlocal victim
             async with httpx.AsyncClient(timeout=120) as client:
                 inflight = [asyncio.create_task(client.post(f"{url}/completions", json=_completion(i),
                                                             headers=HEADERS)) for i in range(8)]
-                await asyncio.to_thread(_kill_first_busy, stack, ["prefill-0", "prefill-1"],
-                                        "baton_num_requests_running", 60)
+                victim = await asyncio.to_thread(_kill_first_busy, stack, ["prefill-0", "prefill-1"],
+                                                 "baton_num_requests_running", 60, fault == "stop")
                 done = await asyncio.gather(*inflight)
                 assert [r.status_code for r in done] == [200] * 8, [r.text for r in done if r.status_code != 200]
                 return [r.json()["choices"][0]["text"] for r in done]
 
         faulted = asyncio.run(run())
+        if fault == "stop":
+            assert victim is not None
+            os.kill(stack.service(victim)["pid"], signal.SIGCONT)
+            wait_idle(stack, ["prefill-0", "prefill-1", "decode-0"], 30)
 
         async def again() -> list[str]:
             async with httpx.AsyncClient(timeout=120) as client:
@@ -114,8 +131,13 @@ def test_a_prefill_killed_mid_prompt_is_retried_on_the_other(tmp_path: Path, red
                 return [r.json()["choices"][0]["text"] for r in done]
 
         assert asyncio.run(again()) == faulted
-        assert any("retrying elsewhere" in line for line in (tmp_path / "logs" / "router.log").read_text().splitlines())
+        router_log = (tmp_path / "logs" / "router.log").read_text().splitlines()
+        retried = [line for line in router_log if "retrying elsewhere" in line]
+        assert retried and all(stack.service(victim)["address"] in line for line in retried), retried
+        assert not any("Too many pings" in line for line in router_log)  # the live one took the pings
     finally:
+        if fault == "stop" and victim is not None:
+            os.kill(stack.service(victim)["pid"], signal.SIGCONT)
         stack.stop()
 
 
