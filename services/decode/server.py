@@ -106,7 +106,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 # may come before it: a choice of n > 1 that its first token from prefill ended)
                 if not released and out.new_token_ids:
                     released = True
-                    await self.kv.release(address, request.handoff_id, capability=request.handoff_capability)
+                    await self.kv.release(address, request.handoff_id, capability=request.handoff_capability,
+                                          transfers_stopped=True)
                 yield _response(out)
         finally:
             if not released:

@@ -189,7 +189,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         if not request.handoff_id:
             raise InvalidRequestError("Release needs a handoff_id", param="handoff_id")
         with server_span(_tracer, context, "kv_transfer.Release", {HANDOFF_ID: request.handoff_id}):
-            found = self._store.release(request.handoff_id, failed=request.failed, capability=request.capability)
+            found = self._store.release(request.handoff_id, failed=request.failed, capability=request.capability,
+                                        transfers_stopped=request.transfers_stopped)
             return kv_transfer_pb2.ReleaseResponse(found=found)
 
     async def Stats(  # noqa: N802

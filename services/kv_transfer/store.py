@@ -7,6 +7,8 @@ Lifecycle of one handoff (one lease, one owner: the store)::
                   │                   ├──release──► RELEASED                        (request aborted)
                   │                   └──deadline─► EXPIRED                         (decode never came)
                   ├──release(failed) / deadline ──► FAILED / EXPIRED               (prefill died mid-push)
+    WRITING or CLAIMED ──release by another (the router)──► abandoned: slots kept until the writer or
+                       reader stops (its own release, or a refused commit) or the deadline passes
 
 While WRITING, prefill renews the lease (its prompt may wait behind others
 before it computes); a prefill that dies stops renewing and the lease expires.
@@ -18,6 +20,13 @@ handoff's new full blocks join the prefix pool under their hashes, so later
 requests hit them while this one is still in flight. Every exit from a live
 state goes through `_end`, which unpins the slots exactly once; keyed slots
 stay in the pool (evictable), the rest are free again.
+
+Slots being written or read are freed only when the peer moving their bytes has stopped: it says so (its
+release after its transfers ended or were aborted, `transfers_stopped`; a commit comes after the writes),
+or its deadline passes. A release from anyone else (the router dropping a request whose prefill or decode
+went silent, or whose client left mid-prompt) abandons the lease instead: no commit, claim or renewal from
+then on, but its slots stay pinned, since an instance the router gave up on may be alive (stopped, slow)
+and its one-sided writes (or reads, into a prefix cache) still land.
 
 The ids of recently ended handoffs are remembered, so a Reserve that arrives
 after its request was released is refused at once instead of sitting out a
@@ -77,6 +86,7 @@ class _Lease:
     timeout_s: float
     state: LeaseState = LeaseState.WRITING
     result: HandoffResult | None = None
+    abandoned: bool = False  # released by someone other than the peer moving its bytes: ends when that stops
 
     @property
     def all_slots(self) -> list[int]:
@@ -202,6 +212,8 @@ class HandoffStore:
             self._check_capability(lease, capability)
         if lease is None or lease.state is not LeaseState.WRITING:
             return False
+        if lease.abandoned:  # its writer renews, so it is alive: it learns here, aborts and releases
+            return False
         lease.deadline_s = self._clock() + lease.timeout_s
         return True
 
@@ -209,6 +221,9 @@ class HandoffStore:
         """Prefill wrote everything: the handoff becomes LEASED and its full blocks join the pool."""
         lease = self._live(handoff_id, LeaseState.WRITING)
         self._check_capability(lease, capability)
+        if lease.abandoned:  # a commit comes after the writes: the slots are free to go
+            self._end(handoff_id, LeaseState.RELEASED)
+            raise RequestAbortedError(f"handoff {handoff_id} was released")
         hidden_nbytes = result.num_hidden_tokens * result.hidden_width * lease.spec.layout.itemsize
         if hidden_nbytes > len(lease.slots.hidden_slots) * lease.slots.space.slot_nbytes:
             self._end(handoff_id, LeaseState.FAILED)
@@ -249,6 +264,8 @@ class HandoffStore:
             ended = self._ended.get(handoff_id)
             if lease is not None and lease.state is LeaseState.CLAIMED:
                 ended = LeaseState.CLAIMED
+            if lease is not None and lease.abandoned:
+                ended = LeaseState.RELEASED
             if ended is not None or remaining_s <= 0:
                 why = f"it was {ended.value}" if ended is not None else "prefill did not commit it in time"
                 raise HandoffNotFoundError(f"handoff {handoff_id} not found: {why}", param="handoff_id")
@@ -258,15 +275,27 @@ class HandoffStore:
             except TimeoutError:
                 pass
 
-    def release(self, handoff_id: str, failed: bool = False, capability: str = "") -> bool:
-        """End a handoff. Idempotent: True when this call ended it.
+    def release(self, handoff_id: str, failed: bool = False, capability: str = "",
+                transfers_stopped: bool = False) -> bool:
+        """End a handoff. Idempotent: True when this call ended it (or abandoned it).
 
         CLAIMED -> DONE (decode pulled it); WRITING -> FAILED when `failed` (prefill's push broke);
-        otherwise -> RELEASED (aborted). Releasing an unknown id remembers it, so a later Reserve is refused.
+        otherwise -> RELEASED (aborted). WRITING or CLAIMED without `transfers_stopped` (the caller is not the
+        peer moving its bytes, or that peer has not stopped) is abandoned instead: it ends when that peer
+        stops (see the module docstring). Releasing an unknown id remembers it, so a later Reserve is refused.
         """
         lease = self._leases.get(handoff_id)
         if lease is not None:
             self._check_capability(lease, capability)
+            if lease.state in (LeaseState.WRITING, LeaseState.CLAIMED) and not transfers_stopped:
+                found = not lease.abandoned
+                if found:
+                    lease.abandoned = True
+                    logger.info("handoff %s (request %s): released while %s; its slots wait for that to stop",
+                                handoff_id, lease.spec.request_id,
+                                "being written" if lease.state is LeaseState.WRITING else "being read")
+                    self._notify()  # a claim waiting on it gives up
+                return found
             if lease.state is LeaseState.CLAIMED:
                 state = LeaseState.DONE
             elif failed and lease.state is LeaseState.WRITING:

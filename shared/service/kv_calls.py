@@ -40,7 +40,8 @@ class EngineKVCalls:
         self._run(self._kv.commit(address, handoff_id, result, capability))
 
     def release(self, address: str, handoff_id: str, failed: bool, capability: str) -> None:
-        self._run(self._kv.release(address, handoff_id, failed=failed, capability=capability))
+        """The engine releases a lease after its own transfers on it are over or stopped (kv_spill.py)."""
+        self._run(self._kv.release(address, handoff_id, failed=failed, capability=capability, transfers_stopped=True))
 
     def _run(self, call: Coroutine[Any, Any, T]) -> T:
         try:

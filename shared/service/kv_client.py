@@ -93,10 +93,14 @@ class KVTransferClient:
             raise _kv_error(e, address) from e
         return claimed_from_proto(reply, handoff_id)
 
-    async def release(self, address: str, handoff_id: str, failed: bool = False, capability: str = "") -> bool:
-        """End the handoff (best effort: a lease nobody releases expires on its own)."""
+    async def release(self, address: str, handoff_id: str, failed: bool = False, capability: str = "",
+                      transfers_stopped: bool = False) -> bool:
+        """End the handoff (best effort: a lease nobody releases expires on its own). `transfers_stopped`: the
+        caller is the peer writing or reading it, and its transfers on it are over (a handoff being written or
+        read keeps its slots until then)."""
         try:
-            request = kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id, failed=failed, capability=capability)
+            request = kv_transfer_pb2.ReleaseRequest(handoff_id=handoff_id, failed=failed, capability=capability,
+                                                     transfers_stopped=transfers_stopped)
             reply = await self._stub(address).Release(request, timeout=5, metadata=inject_metadata())
         except grpc.RpcError as e:
             logger.warning("release of handoff %s failed: %s", handoff_id, error_from_rpc(e))
@@ -116,7 +120,8 @@ class KVTransferClient:
                 await abort()
             except UnavailableError:
                 pass  # engine stopped: its transports are closed, nothing moves any more
-            await self.release(address, handoff_id, failed=failed, capability=capability)
+            # the engine's transfers have stopped: the handoff's slots may go to someone else now
+            await self.release(address, handoff_id, failed=failed, capability=capability, transfers_stopped=True)
 
         task = asyncio.ensure_future(cleanup())
         self._cleanups.add(task)

@@ -174,14 +174,16 @@ class ClaimResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayoutDesc, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., block_slots: _Optional[_Iterable[int]] = ..., hidden_slots: _Optional[_Iterable[int]] = ..., hidden_width: _Optional[int] = ..., num_hidden_tokens: _Optional[int] = ..., agent: _Optional[_Union[AgentInfo, _Mapping]] = ..., claim_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("handoff_id", "failed", "capability")
+    __slots__ = ("handoff_id", "failed", "capability", "transfers_stopped")
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_STOPPED_FIELD_NUMBER: _ClassVar[int]
     handoff_id: str
     failed: bool
     capability: str
-    def __init__(self, handoff_id: _Optional[str] = ..., failed: _Optional[bool] = ..., capability: _Optional[str] = ...) -> None: ...
+    transfers_stopped: bool
+    def __init__(self, handoff_id: _Optional[str] = ..., failed: _Optional[bool] = ..., capability: _Optional[str] = ..., transfers_stopped: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("found",)

@@ -123,12 +123,12 @@ def test_written_blocks_read_back_bit_identical(kind: str) -> None:
             read = block_plan(CACHE, dst_region, [0, 1, 3], address.space, claimed.slots.block_slots, layers)
             agent.wait(agent.start(TransferOp.READ, read.local, address.space.agent_name, read.remote), 5.0)
             assert torch.equal(dst[:, [0, 1, 3]], src[:, [5, 2, 7]])
-            assert await client.release(running.address, "h1")
+            assert await client.release(running.address, "h1", transfers_stopped=True)
             assert await store_empty(stub)
             # the two full blocks stay in the prefix pool: the next turn finds them
             slots2, _ = await client.reserve(running.address, make_spec("h2", PROMPT[:16] + [1, 2, 3]))
             assert slots2.present == [True, True, False] and slots2.block_slots[:2] == slots.block_slots[:2]
-            assert await client.release(running.address, "h2")
+            assert await client.release(running.address, "h2", transfers_stopped=True)
         finally:
             agent.close()
             await client.close()
@@ -140,7 +140,9 @@ def test_release_is_idempotent_and_refuses_a_late_reserve() -> None:
     async def scenario(running: RunningKVTransfer, stub: Stub) -> None:
         client = KVTransferClient(4 << 20)
         await client.reserve(running.address, make_spec("h1"))
-        assert await client.release(running.address, "h1") is True
+        assert await client.release(running.address, "h1") is True  # the router's: its prefill may still write
+        assert (await stats(stub)).active_leases == 1
+        assert await client.release(running.address, "h1", transfers_stopped=True) is True  # the prefill's own
         assert await client.release(running.address, "h1") is False
         assert await client.release(running.address, "early") is False
         err = await baton_error(client.reserve(running.address, make_spec("early")))
@@ -178,9 +180,9 @@ def test_capacity_overflow_is_resource_exhausted() -> None:
         assert isinstance(err, CapacityError)
         reply = await stats(stub)
         assert (reply.active_leases, reply.slots_pinned, reply.num_slots) == (1, 3, 4)
-        await client.release(running.address, "h1")
+        await client.release(running.address, "h1", transfers_stopped=True)
         await client.reserve(running.address, make_spec("h2", list(range(500, 520))))  # room again
-        await client.release(running.address, "h2")
+        await client.release(running.address, "h2", transfers_stopped=True)
         await client.close()
 
     run_with_server(scenario, transport="tcp", capacity_bytes=4 * SLOT_NBYTES)
@@ -225,7 +227,7 @@ def test_claim_waits_for_a_commit_that_comes_later() -> None:
         await client.commit(running.address, "late", RESULT)
         claimed, _ = await asyncio.wait_for(claim, 3.0)
         assert claimed.result.first_token_id == 7
-        await client.release(running.address, "late")
+        await client.release(running.address, "late", transfers_stopped=True)
         started = asyncio.get_running_loop().time()
         err = await baton_error(client.claim(running.address, "x", wait_s=0.1, timeout_s=5))
         assert isinstance(err, HandoffNotFoundError)
@@ -260,7 +262,7 @@ def test_a_caller_without_the_handoffs_capability_is_refused_and_counted() -> No
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
         assert "baton_handoff_capability_refused_total 4.0" in body and "baton_handoff_leases_active 1.0" in body
         await client.claim(running.address, "h1", wait_s=0, timeout_s=5, capability="s3cret")
-        assert await client.release(running.address, "h1", capability="s3cret")
+        assert await client.release(running.address, "h1", capability="s3cret", transfers_stopped=True)
         assert await store_empty(stub)
         await client.close()
 
@@ -280,9 +282,9 @@ def test_health_and_metrics() -> None:
         await client.commit(running.address, "h1", RESULT)
         await client.claim(running.address, "h1", wait_s=0, timeout_s=5)
         await baton_error(client.claim(running.address, "h1", wait_s=0, timeout_s=5))
-        await client.release(running.address, "h1")
+        await client.release(running.address, "h1", transfers_stopped=True)
         await client.reserve(running.address, make_spec("h2"))  # two full blocks from the pool
-        await client.release(running.address, "h2")
+        await client.release(running.address, "h2", transfers_stopped=True)
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
         assert "baton_handoff_leases_active 0.0" in body and "baton_prefix_pool_blocks 2.0" in body
         assert "baton_prefix_pool_hit_tokens_total 16.0" in body

@@ -92,9 +92,9 @@ def test_reserve_commit_claim_release(store: HandoffStore, ends: Ends) -> None:
     claimed = claim(store, "h1")
     assert claimed.slots.block_slots == slots.block_slots and claimed.result.first_token_id == 9
     assert store.state("h1") is LeaseState.CLAIMED
-    assert store.release("h1")
+    assert store.release("h1", transfers_stopped=True)
     assert store.state("h1") is LeaseState.DONE and ends.calls == [("h1", LeaseState.DONE)]
-    assert not store.release("h1")  # idempotent
+    assert not store.release("h1", transfers_stopped=True)  # idempotent
 
 
 def test_committed_full_blocks_are_pool_hits_for_the_next_turn(store: HandoffStore) -> None:
@@ -102,13 +102,13 @@ def test_committed_full_blocks_are_pool_hits_for_the_next_turn(store: HandoffSto
     first = store.reserve(make_spec("t1", turn1))
     store.commit("t1", RESULT)
     claim(store, "t1")
-    store.release("t1")
+    store.release("t1", transfers_stopped=True)
     turn2 = turn1[:8] + [20, 21, 22, 23, 24]
     second = store.reserve(make_spec("t2", turn2))
     assert second.present == [True, True, False, False]
     assert second.block_slots[:2] == first.block_slots[:2]
     assert second.num_leading_hits == 2 and store.hit_blocks_total == 2
-    store.release("t2")
+    store.release("t2", transfers_stopped=True)
 
 
 def test_data_moves_while_a_lease_is_written_or_read_not_while_it_waits(store: HandoffStore) -> None:
@@ -120,17 +120,17 @@ def test_data_moves_while_a_lease_is_written_or_read_not_while_it_waits(store: H
     assert not store.data_moving()  # leased: waiting for a decode
     claim(store, "m")
     assert store.data_moving()  # decode reads
-    store.release("m")
+    store.release("m", transfers_stopped=True)
     assert not store.data_moving()
 
 
 def test_uncommitted_blocks_never_become_hits(store: HandoffStore) -> None:
     store.reserve(make_spec("a", [1, 2, 3, 4, 5]))
-    store.release("a", failed=True)
+    store.release("a", failed=True, transfers_stopped=True)
     assert store.state("a") is LeaseState.FAILED
     slots = store.reserve(make_spec("b", [1, 2, 3, 4, 5]))
     assert slots.present == [False, False]
-    store.release("b")
+    store.release("b", transfers_stopped=True)
 
 
 def test_full_store_is_backpressure_not_oom(store: HandoffStore, ends: Ends) -> None:
@@ -138,9 +138,57 @@ def test_full_store_is_backpressure_not_oom(store: HandoffStore, ends: Ends) -> 
     with pytest.raises(CapacityError, match="store full"):
         store.reserve(make_spec("next", list(range(100, 100 + 4 * 3))))
     assert store.state("next") is None  # nothing was reserved
-    store.release("big")
+    store.release("big", transfers_stopped=True)
     store.reserve(make_spec("next", list(range(100, 100 + 4 * 3))))
-    store.release("next")
+    store.release("next", transfers_stopped=True)
+
+
+@pytest.mark.parametrize("writer", ["commits", "releases", "dies"])
+def test_a_handoff_dropped_while_written_keeps_its_slots_until_its_writer_stops(
+        store: HandoffStore, clock: FakeClock, ends: Ends, writer: str) -> None:
+    """The router gives up on a prefill that went silent and releases its handoff; the prefill may be alive
+    (stopped, slow) and write on: its slots go to no one else until it stops writing or its lease runs out."""
+    store.reserve(make_spec("big", list(range(4 * 14))))  # 14 of 16 slots
+    assert store.release("big")  # the router's release: the lease is abandoned, not ended
+    assert not store.release("big")  # once
+    assert ends.calls == [] and store.data_moving()
+    with pytest.raises(CapacityError):
+        store.reserve(make_spec("other", list(range(100, 100 + 4 * 3))))  # still the writer's
+    with pytest.raises(HandoffNotFoundError, match="released"):
+        claim(store, "big", wait_s=1.0)  # no decode waits for it
+    assert not store.renew("big")  # a live writer learns it here
+    if writer == "commits":  # its writes are over: the commit is refused and the slots go
+        with pytest.raises(RequestAbortedError):
+            store.commit("big", RESULT)
+    elif writer == "releases":  # it aborted its writes and says so
+        assert store.release("big", transfers_stopped=True)
+    else:  # never heard from again: its lease runs out, as a dead prefill's does
+        clock.now_s += 5.1
+        assert store.sweep() == ["big"]
+    assert ends.calls == [("big", LeaseState.EXPIRED if writer == "dies" else LeaseState.RELEASED)]
+    store.reserve(make_spec("other", list(range(100, 100 + 4 * 3))))
+    store.release("other", transfers_stopped=True)
+
+
+@pytest.mark.parametrize("reader", ["releases", "dies"])
+def test_a_handoff_dropped_while_read_keeps_its_slots_until_its_reader_stops(
+        store: HandoffStore, clock: FakeClock, ends: Ends, reader: str) -> None:
+    """The router leaves a decode gone silent mid-pull: its reads may go on into its prefix cache, so the
+    slots wait for it (or its claim deadline) before anyone else may write them."""
+    store.reserve(make_spec("big", list(range(4 * 14))))
+    store.commit("big", RESULT)
+    claim(store, "big")
+    assert store.release("big") and ends.calls == [] and store.data_moving()
+    with pytest.raises(CapacityError):
+        store.reserve(make_spec("other", list(range(100, 100 + 4 * 3))))
+    if reader == "releases":
+        assert store.release("big", transfers_stopped=True)
+    else:
+        clock.now_s += 2.1  # the claim deadline
+        assert store.sweep() == ["big"]
+    assert ends.calls == [("big", LeaseState.DONE if reader == "releases" else LeaseState.EXPIRED)]
+    store.reserve(make_spec("other", list(range(100, 100 + 4 * 3))))
+    store.release("other", transfers_stopped=True)
 
 
 @pytest.mark.parametrize("stage", ["writing", "leased", "claimed"])
@@ -178,7 +226,7 @@ def test_duplicate_and_claimed_ids_are_refused(store: HandoffStore) -> None:
     claim(store, "h")
     with pytest.raises(HandoffNotFoundError, match="claimed"):
         claim(store, "h")  # one owner
-    store.release("h")
+    store.release("h", transfers_stopped=True)
     with pytest.raises(InvalidRequestError, match="already claimed"):
         store.reserve(make_spec("h"))
 
@@ -198,7 +246,7 @@ def test_claim_waits_for_the_commit(store: HandoffStore) -> None:
         assert not waiter.done()
         store.commit("h", RESULT)
         claimed = await waiter
-        store.release("h")
+        store.release("h", transfers_stopped=True)
         return claimed.result.first_token_id
 
     assert asyncio.run(scenario()) == 9
@@ -233,7 +281,7 @@ def test_random_operations_never_leak(clock: FakeClock, ends: Ends) -> None:
                 elif op == "claim":
                     await store.claim(hid, 0.0)
                 elif op in ("release", "fail"):
-                    store.release(hid, failed=op == "fail")
+                    store.release(hid, failed=op == "fail", transfers_stopped=rng.random() < 0.5)
                 else:
                     clock.now_s += rng.random()
                     store.sweep()
@@ -287,7 +335,7 @@ def test_lfu_store_with_layer_groups_keeps_the_shared_prefix_units() -> None:
         usable = usable_pool_prefix(layout, slots.present, len(prompt), len(prompt) // BLOCK)
         store.commit(handoff_id, RESULT)
         claim(store, handoff_id)
-        store.release(handoff_id)
+        store.release(handoff_id, transfers_stopped=True)
         return usable
 
     assert turn("a", system + [1, 2, 3, 4, 5]) == 0
@@ -316,6 +364,6 @@ def test_every_call_on_a_handoff_needs_its_capability(store: HandoffStore, ends:
         asyncio.run(store.claim("h1", capability="guess"))
     assert store.state("h1") is LeaseState.LEASED
     asyncio.run(store.claim("h1", capability="s3cret"))
-    assert store.release("h1", capability="s3cret")
+    assert store.release("h1", capability="s3cret", transfers_stopped=True)
     assert ends.calls == [("h1", LeaseState.DONE)]
     store.check_no_leaks()
