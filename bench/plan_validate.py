@@ -11,11 +11,11 @@
 
 The error of each figure is (predicted − measured) / measured. Two further predictions are reported beside
 the plain one, never instead of it:
-  probed (probe_stack(), every run): before its trace, each stack serves a few probe requests alone (fresh
-      prompts of two lengths, none of them the trace's); the served TTFT against the simulator's for the same
-      requests gives a fixed serving overhead (HTTP, tokenization, gRPC, the stream's first hop: the
-      simulator's `router_overhead_s`) and the machine's prefill speed now against the profile's; their TPOT
-      its decode speed. Every trace point stays held out.
+  probed (probe_stack(), every run): before each rate's trace, the stack serves a few probe requests
+      alone (fresh prompts of two lengths, none of them the trace's); the served TTFT against the simulator's
+      for the same requests gives a fixed serving overhead (HTTP, tokenization, gRPC, the stream's first
+      hop: the simulator's `router_overhead_s`) and the machine's prefill speed now against the profile's;
+      their TPOT its decode speed. Every trace point stays held out.
   calibrated (`--calibrate`, calibrated()): each shape's prefill and decode curves scaled to what its lowest
       rate measured, the other rates held out.
 
@@ -180,10 +180,11 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
     points = []
     with Server("baton", config, up_args=up_args, name=f"plan-{name}") as server:
         asyncio.run(warm_up(server.base_url, MODEL_NAME, vocab))
-        probe = probe_stack(server.base_url, vocab, profile, shape, args.seed * 1000 + 999, args.timeout)
-        logger.info("%s probe: serving overhead %.1f ms, prefill x%.2f, decode x%.2f of the profile", name,
-                    probe["router_overhead_s"] * 1e3, probe["prefill_scale"], probe["decode_scale"])
         for i, rate in enumerate(args.rates):
+            # probed again before every rate: this machine's speed drifts by a fifth within minutes
+            probe = probe_stack(server.base_url, vocab, profile, shape, args.seed * 1000 + 900 + i, args.timeout)
+            logger.info("%s probe: serving overhead %.1f ms, prefill x%.2f, decode x%.2f of the profile", name,
+                        probe["router_overhead_s"] * 1e3, probe["prefill_scale"], probe["decode_scale"])
             trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
             logger.info("%s at %.3g req/s: %d requests ...", name, rate, len(trace))
             # fresh token ids at every rate: the same prompts again would be prefix-cache hits of the last run
@@ -196,7 +197,7 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
                      "measured_attainment": measured.get("slo_attainment"),
                      "predicted_attainment": predicted["figures"]["slo_attainment"],
                      **{key: compare(figures, measured) for key, figures in predicted.items()},
-                     "probe": probe if i == 0 else None,
+                     "probe": probe,
                      "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok)}
             logger.info("%s at %.3g req/s: %s; probed %s", name, rate,
                         {k: v["error"] for k, v in point["figures"].items()},
@@ -320,12 +321,16 @@ def resimulate(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     args.ttft_slo, args.tpot_slo = old["slo"]["ttft_s"], old["slo"]["tpot_s"]
     result = {**old, "resimulated_from": path.name, "points": []}
     result.pop("calibrated", None)
-    probes: dict[str, dict[str, Any]] = {p["shape"]: p["probe"] for p in old["points"] if p.get("probe")}
+    # older runs probed each shape once, before its first rate (its first point holds it); newer ones every rate
+    first_probes: dict[str, dict[str, Any]] = {}
+    for p in old["points"]:
+        if p.get("probe"):
+            first_probes.setdefault(p["shape"], p["probe"])
     for point in old["points"]:
         measured = {k: v["measured"] for k, v in point["figures"].items()}
         new = {**point}
         for key, predicted in predictions(profile, point["shape"], point["rate"], args,
-                                          probes.get(point["shape"])).items():
+                                          point.get("probe") or first_probes.get(point["shape"])).items():
             new[key] = compare(predicted, measured)
         result["points"].append(new)
     return result
