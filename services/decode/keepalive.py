@@ -34,7 +34,6 @@ class StreamKeepalive:
         self._last_write = self._loop.time()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
-        self.num_keepalives = 0
 
     async def __aenter__(self) -> StreamKeepalive:
         self._task = asyncio.create_task(self._run(), name="decode-keepalive")
@@ -60,7 +59,6 @@ class StreamKeepalive:
                 await self.write(_KEEPALIVE)
             except Exception:  # noqa: BLE001 the call is over (cancelled, closed): the stream's own path says so
                 return
-            self.num_keepalives += 1
 
 
 @contextlib.asynccontextmanager

@@ -310,8 +310,9 @@ class GrpcBackend:
         """After the leg's instance failed: set the leg up for its next attempt, or raise the failure."""
         error = e if isinstance(e, BatonError) else error_from_rpc(e)
         code = grpc.StatusCode.UNAVAILABLE if isinstance(e, BatonError) else e.code()  # type: ignore[attr-defined]
-        # refused before reaching the instance: the same message goes elsewhere. Not a stall: a silent instance
-        # may have claimed the handoff, which is then gone for any other (the request migrates instead)
+        # refused before reaching the instance (or its transport lost before any message): the same message goes
+        # elsewhere, and if the instance had claimed the handoff the next one finds it gone (NOT_FOUND) and the
+        # request migrates. A stall migrates at once: a silent instance most likely holds the handoff
         stalled = isinstance(e, DecodeStalledError)
         refused = code == grpc.StatusCode.UNAVAILABLE and not received and not stalled \
             and len(leg.tried) <= _MAX_REFUSALS
