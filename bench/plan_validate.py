@@ -261,7 +261,7 @@ def readme_table(result: dict[str, Any]) -> str:
               if f["error"] is not None]
     if probed:
         lines.append(f"Probed (each stack's serving overhead and the machine's prefill and decode speed, from probe "
-                     f"requests served alone before its trace; every trace point held out): {sum(probed)} of "
+                     f"requests served alone before each rate's trace; every trace point held out): {sum(probed)} of "
                      f"{len(probed)} within 15%.")
     held_out = [abs(f["error"]) <= 0.15 for p in result.get("calibrated", []) if not p["fitted"]
                 for f in p["figures"].values() if f["error"] is not None]
