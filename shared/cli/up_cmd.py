@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import http.client
 import json
 import os
 import secrets
@@ -188,11 +189,18 @@ def plan_stack(args: argparse.Namespace) -> Stack:
                      "KV_OFFLOAD_BYTES": str(args.kv_offload_bytes),
                      "DTYPE": args.dtype, "KV_CACHE_DTYPE": args.kv_cache_dtype, "QUANTIZATION": args.quantization}
     stack = Stack()
+    # none of them is bound until its child starts: each pick must avoid the ones given out before it
+    given: set[int] = {args.port} if args.port else set()
+
+    def fresh_port() -> int:
+        port = unused_port(HOST, avoid=given)
+        given.add(port)
+        return port
 
     def add(name: str, service: str, prefix: str, values: dict[str, str], http_port: int | None = None) -> Child:
         """A child with its own ports; an HTTP service (the router) serves /metrics on its one port."""
-        port = http_port or free_port()
-        metrics_port = port if http_port else free_port()
+        port = http_port or fresh_port()
+        metrics_port = port if http_port else fresh_port()
         ports = {"PORT": str(port)} if http_port else {"PORT": str(port), "METRICS_PORT": str(metrics_port)}
         env = {f"BATON_{prefix}_{k}": v for k, v in {**values, **ports}.items()}
         child = Child(name, service, f"{HOST}:{port}", f"http://{HOST}:{metrics_port}/metrics", env)
@@ -268,7 +276,7 @@ def healthy(child: Child, expected: Mapping[str, int] | None = None) -> bool:
         try:
             with urllib.request.urlopen(f"http://{child.address}/health", timeout=2) as r:
                 body = json.loads(r.read() or b"{}")
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):  # not up yet, or another server's port
             return False
         # another server on the port answers too: only our router names the id it was given
         if body.get("instance_id") != child.instance_id:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -27,14 +28,15 @@ def ephemeral_range(path: Path = LOCAL_PORT_RANGE) -> tuple[int, int]:
 
 
 def unused_port(host: str = "127.0.0.1", rng: random.Random | None = None,
-                ephemeral: tuple[int, int] | None = None) -> int:
-    """A TCP port free on `host` now, below the ephemeral range when there is room there (else any)."""
+                ephemeral: tuple[int, int] | None = None, avoid: AbstractSet[int] = frozenset()) -> int:
+    """A TCP port free on `host` now, below the ephemeral range when there is room there (else any), and not
+    in `avoid`: ports a launcher has already given out but whose owners have not bound them yet."""
     first, _ = ephemeral or ephemeral_range()
     rng = rng or random.Random()
     if first - _LOWEST >= 1_000:
         for _ in range(_TRIES):
             port = rng.randrange(_LOWEST, first)
-            if _bindable(host, port):
+            if port not in avoid and _bindable(host, port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded host: any free port
         sock.bind((host, 0))

@@ -98,3 +98,20 @@ def test_a_fixed_thread_count_one_engine_or_no_core_share_shares_nothing() -> No
         assert all(_core_share(c) is None for c in stack.children if c.service in ("prefill", "decode"))
     (colocated,) = [c for c in plan("--mode", "colocated").children if c.service == "colocated"]
     assert not any("CORE_SHARE" in k for k in colocated.env)
+
+
+def test_no_two_children_get_one_port_nor_the_routers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ports are picked before any child binds one: every pick avoids those given out before it (a router and
+    a prefill on one port left `baton up`'s health probe reading a gRPC server's reply)."""
+    import random
+
+    from shared.service import ports
+
+    router_port = ports.unused_port(rng=random.Random(0))
+    # every pick draws the same sequence: without the avoid set, each child would get router_port
+    unseeded = random.Random
+    monkeypatch.setattr(ports.random, "Random", lambda *seed: unseeded(*seed) if seed else unseeded(0))
+    stack = plan("--prefill", "2", "--decode", "2", "--port", str(router_port))
+    given = [int(v) for c in stack.children for k, v in c.env.items() if k.endswith(("_PORT", "_METRICS_PORT"))
+             and not k.endswith("REDIS_PORT")]
+    assert len(given) == len(set(given)) and given.count(router_port) == 1
