@@ -6,7 +6,8 @@ bytes decide. For each row count, each precision passes over all the model's pro
 down of every layer; the LM head apart, as a step runs it on the sampled rows only):
 
     fp32        oneDNN (blocked weight), or the fp32 GEMV copy where it takes the rows (bench/linear.py)
-    bf16        csrc/gemv_bf16_cpu.cpp (vdpbf16ps on AVX512-BF16)
+    bf16        csrc/gemv_bf16_cpu.cpp at the best level (AMX tiles where the CPU has them, else vdpbf16ps)
+    bf16-vdpbf16ps  the same weights at the avx512_bf16 level, on a CPU with AMX (how much the tiles gain)
     int8-qgemv  int8 per channel through the generic block-format kernel (csrc/qgemv_cpu.cpp), as it
                 served int8 before
     int8-w8a8   the same codes and rows through csrc/w8a8_cpu.cpp (vpdpbusd), as int8 is served now
@@ -34,10 +35,19 @@ from bench.engine import log, machine
 from bench.linear import median_ms
 from bench.results_file import write_results
 from shared.models.loader import resolve_model
+from shared.ops import cpu_isa
 from shared.ops.linear import LinearWeight
 from shared.ops.quant import int8_per_channel
 
 PRECISIONS = ("fp32", "bf16", "int8-qgemv", "int8-w8a8")
+# a precision run at a lower level than the best, and that level
+AT_LEVEL = {"bf16-vdpbf16ps": "avx512_bf16"}
+
+
+def precisions() -> list[str]:
+    """What this CPU times: the lower-level runs only where the best level is above theirs."""
+    best = cpu_isa.ISA_LEVELS.index(cpu_isa.best_isa())
+    return [*PRECISIONS, *(p for p, level in AT_LEVEL.items() if cpu_isa.ISA_LEVELS.index(level) < best)]
 
 
 def projections(model_dir: Path) -> list[torch.Tensor]:
@@ -63,7 +73,7 @@ def projections(model_dir: Path) -> list[torch.Tensor]:
 def build(precision: str, weight: torch.Tensor) -> LinearWeight:
     if precision == "fp32":
         return LinearWeight(weight)
-    if precision == "bf16":
+    if precision.startswith("bf16"):
         return LinearWeight(weight, weight_dtype=torch.bfloat16)
     codes = int8_per_channel(weight)
     if precision == "int8-w8a8":
@@ -85,16 +95,16 @@ def main() -> int:
     weights = projections(resolve_model(args.model))
     macs_per_row = sum(w.numel() for w in weights)
     lins: dict[str, list[LinearWeight]] = {}
-    for precision in PRECISIONS:
+    for precision in precisions():
         log(f"packing {len(weights)} projections as {precision} ...")
         lins[precision] = [build(precision, w) for w in weights]
     rows = []
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for k in {w.shape[1] for w in weights}}
         times = {}
-        for precision in PRECISIONS:  # in turn at each row count, so drift reaches every precision alike
-            ls = lins[precision]
-            times[precision] = median_ms(lambda: [lin(xs[lin.in_features]) for lin in ls], args.repeats)  # noqa: B023
+        for precision, ls in lins.items():  # in turn at each row count, so drift reaches every precision alike
+            with cpu_isa.use_isa(AT_LEVEL.get(precision, cpu_isa.best_isa())):
+                times[precision] = median_ms(lambda: [lin(xs[lin.in_features]) for lin in ls], args.repeats)  # noqa: B023
         row: dict[str, Any] = {"rows": m}
         for precision, ms in times.items():
             row[precision] = {"ms": round(ms, 3), "gmacs": round(m * macs_per_row / ms / 1e6, 1),
@@ -103,6 +113,7 @@ def main() -> int:
                                          for p, v in row.items() if p != "rows"))
         rows.append(row)
     result = {"bench": "linear_precisions", "model": args.model, "threads": args.threads, "machine": machine(),
+              "isa": cpu_isa.best_isa(),
               "macs_per_row": macs_per_row, "rows": rows}
     write_results(result, args.out, "linear_precisions", indent=1, record_name=True)
     print(json.dumps(result))

@@ -6,7 +6,9 @@ Every kernel with an ISA-specific form is compiled once per level into the same
 library (`csrc/isa_variants.h`), so a machine runs, and its tests check, every
 level up to its best. The best level the CPU and OS support is picked when the
 library loads and logged once; `use_isa` picks a lower one for a test or a
-benchmark (`csrc/cpu_isa.h` lists what each level adds).
+benchmark, and `BATON_CPU_ISA=<level>` one for a whole process (a server
+compared at two levels; shared/ops/cpu_kernels.py). `csrc/cpu_isa.h` lists
+what each level adds.
 """
 
 from __future__ import annotations

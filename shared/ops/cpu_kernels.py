@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import platform
 import shutil
 import sys
@@ -41,6 +42,8 @@ _SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "ge
 _HEADERS = sorted(_CSRC.glob("*.h"))
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 _LIBRARY = "baton_cpu_kernels.so"
+# names the instruction-set level to run at, below the best (shared/ops/cpu_isa.py)
+ISA_ENV = "BATON_CPU_ISA"
 _lock = threading.Lock()
 _built: bool | None = None
 
@@ -160,11 +163,25 @@ def _build() -> bool:
             build_dir = _build_dir()
             logger.info("building the CPU kernels (cached in %s)", build_dir)
             _compile(build_dir)
-        logger.info("CPU kernels: instruction set %s (the best this CPU runs)", torch.ops.baton_cpu.active_isa())
-        return True
     except Exception as exc:  # no compiler, headers, ...: serve with the torch paths
         logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
         return False
+    _pick_isa(os.environ.get(ISA_ENV, ""))
+    return True
+
+
+def _pick_isa(level: str) -> None:
+    """Run at the best level, or at the one BATON_CPU_ISA names (oneDNN's ONEDNN_MAX_CPU_ISA in spirit: to
+    compare levels served, or to step around one); a level this CPU cannot run is refused, not run."""
+    best = torch.ops.baton_cpu.best_isa()
+    if not level:
+        logger.info("CPU kernels: instruction set %s (the best this CPU runs)", best)
+        return
+    try:
+        torch.ops.baton_cpu.set_isa(level)
+    except RuntimeError as exc:
+        raise ValueError(f"{ISA_ENV}={level}: {str(exc).splitlines()[0]}") from None
+    logger.info("CPU kernels: instruction set %s (%s; the best this CPU runs is %s)", level, ISA_ENV, best)
 
 
 def write_prebuilt(out_dir: Path = PREBUILT_DIR) -> Path:

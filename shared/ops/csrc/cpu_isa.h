@@ -11,7 +11,7 @@
 //                                                              vpmaddubsw quantized GEMV and W8A8
 //   avx512        AVX-512 F/BW/VL/DQ                           512-bit paths, 8-row GEMV passes with prefetch
 //   avx512_bf16   + AVX512-BF16, AVX512-VNNI                   vdpbf16ps bf16 GEMV, vpdpbusd quantized GEMV and W8A8
-//   amx           + AMX-TILE, AMX-BF16, AMX-INT8               (what AMX adds is listed in cpu_isa.cpp)
+//   amx           + AMX-TILE, AMX-BF16, AMX-INT8               TDPBF16PS bf16 GEMV (tiles at every row count)
 //
 // Levels are ordered: each needs what the one above it needs, and a level's table takes the kernels of the
 // levels below where it brings none of its own. The best level the CPU and OS support is picked when the
@@ -95,3 +95,8 @@ BATON_DECLARE_VARIANTS(void w8a8_rows(const float* x, int64_t M, int64_t K, cons
                                       int64_t N, float* y))
 BATON_DECLARE_VARIANTS(void qgemv_rows(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels,
                                        int64_t units, int64_t N, int64_t format, float* y))
+
+// The kernels with a tile path of their own at the amx level (isa_variants.h's BATON_IMPL_AMX)
+namespace amx {
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+}  // namespace amx

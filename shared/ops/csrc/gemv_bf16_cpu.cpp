@@ -21,6 +21,7 @@
 #endif
 
 #include "bf16.h"
+#include "amx_tiles.h"
 #include "cpu_isa.h"
 #include "gemv_layout.h"
 
@@ -35,6 +36,7 @@ torch::Tensor gemv_bf16_pack(torch::Tensor weight) {
 }
 
 #define BATON_IMPL "gemv_bf16_impl.h"
+#define BATON_IMPL_AMX
 #include "isa_variants.h"
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {

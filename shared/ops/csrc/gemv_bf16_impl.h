@@ -2,7 +2,7 @@
 // gemv_bf16_cpu.cpp). avx512_bf16 and up: vdpbf16ps over the rows rounded to bf16 (two products per lane
 // and instruction, as oneDNN's and vLLM's bf16 paths round activations). Below it the weights are widened in
 // registers (a shift or a mask per pair of k; 256-bit on AVX2, 512-bit on AVX-512) and multiply the fp32 rows
-// exactly: half the bytes, fp32 arithmetic.
+// exactly: half the bytes, fp32 arithmetic. amx: the same bf16 rows and panels through tiles (below).
 
 // Rows per pass over a panel: with AVX-512 eight rows' partial sums (two registers each) stay in registers.
 constexpr int kBf16RowsPerPass = BATON_ISA >= BATON_ISA_AVX512 ? 8 : 2;
@@ -121,6 +121,117 @@ static inline void bf16_tail_rows(int64_t rest, const float* x, const uint32_t* 
   }
 }
 
+// The rows rounded to bf16 (to nearest even, once, not per panel) as the pairs vdpbf16ps and TDPBF16PS take:
+// [rows, ld] uint32, k pair kk of row m at [m * ld + kk]; what lies past M rows and K2 pairs is left as it is.
+// 32 values an instruction with vcvtne2ps2bf16 (which reads subnormal floats as zero, as vdpbf16ps and the
+// tiles read subnormal bf16), the rest one by one: a prompt chunk's rows are 1 ms of scalar rounding.
+static void bf16_row_pairs(const float* x, int64_t M, int64_t K, int64_t K2, int64_t ld, uint32_t* pairs) {
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      int64_t kk = 0;
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+      for (; 2 * kk + 32 <= K; kk += 16) {
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 2 * kk + 16), _mm512_loadu_ps(row + 2 * kk));
+        _mm512_storeu_si512(pairs + m * ld + kk, (__m512i)b);
+      }
+#endif
+      for (; kk < K2; ++kk) {
+        const uint32_t lo = float_to_bf16_bits(row[2 * kk]);
+        const uint32_t hi = 2 * kk + 1 < K ? float_to_bf16_bits(row[2 * kk + 1]) : 0u;
+        pairs[m * ld + kk] = lo | (hi << 16);
+      }
+    }
+  });
+}
+
+#if BATON_ISA >= BATON_ISA_AMX
+// AMX: TDPBF16PS multiplies a tile of 16 rows by 16 k pairs with a tile of 16 pairs by 16 outputs into 16 x 16
+// fp32 sums: 8,192 products an instruction against vdpbf16ps's 32. The panel layout is already the B operand:
+// a pair row of a panel's outputs 0-15 is its first 64 bytes (16-31 the next 64), so tiles load straight from
+// the weight, 128 bytes a row apart. Rows are zero-padded to whole tiles of 16 (a decode step's one row too:
+// at one row the step streams the weight and the tiles keep up with DRAM).
+//
+// The tiles do not sum in vdpbf16ps's order (measured on Sapphire Rapids: neither chain order of a pair nor
+// one rounding per tile reproduces TDPBF16PS's bits), so this level sends every row count through the
+// tiles: a row's bits still depend on neither the other rows nor the threads, only on the level.
+constexpr int64_t kTilePairs = kTileRowBytes / 4;  // k pairs a row tile holds
+
+// tmm0-3: the sums (row tile 0 or 1 x outputs 0-15 or 16-31); tmm4, tmm5: two row tiles; tmm6, tmm7: the
+// panel's two halves. Every tile is 16 rows of 64 bytes.
+static void amx_configure_bf16() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.set(t, kTileRows, kTileRowBytes);
+  _tile_loadconfig(&cfg);
+}
+
+// RT row tiles (16 * RT rows of `pairs`, ld pairs apart, K2p pairs zero-padded to whole tiles) against one
+// panel: sums [16 * RT][kGemvLanes] into out. Pairs past the panel's whole tiles come from `tail` (the
+// panel's last pairs, zero-padded to a tile).
+template <int RT>
+static void amx_panel_rows(const uint32_t* pairs, int64_t ld, const uint16_t* panel, int64_t K2, int64_t K2p,
+                           const uint16_t* tail, float* out) {
+  constexpr int64_t kRowStride = 4 * kGemvLanes;  // bytes from one pair row of a panel to the next
+  const int64_t whole = K2 / kTilePairs * kTilePairs;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k0 = 0; k0 < K2p; k0 += kTilePairs) {
+    const uint16_t* w = k0 < whole ? panel + k0 * 2 * kGemvLanes : tail;
+    _tile_loadd(6, w, kRowStride);
+    _tile_loadd(7, w + kGemvLanes, kRowStride);
+    _tile_loadd(4, pairs + k0, ld * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
+      _tile_loadd(5, pairs + kTileRows * ld + k0, ld * 4);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 4 * kGemvLanes);
+  _tile_stored(1, out + 16, 4 * kGemvLanes);
+  if constexpr (RT == 2) {
+    _tile_stored(2, out + kTileRows * kGemvLanes, 4 * kGemvLanes);
+    _tile_stored(3, out + kTileRows * kGemvLanes + 16, 4 * kGemvLanes);
+  }
+}
+
+static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t panels, int64_t K2,
+                            int64_t N, float* y) {
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t K2p = (K2 + kTilePairs - 1) / kTilePairs * kTilePairs;
+  std::vector<uint32_t> pairs(Mp * K2p, 0u);
+  bf16_row_pairs(x, M, K, K2, K2p, pairs.data());
+  const int64_t whole = K2 / kTilePairs * kTilePairs;
+  // panels split across threads, never k; tiles are per thread, so each thread configures its own
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    amx_configure_bf16();
+    alignas(64) uint16_t tail[kTilePairs * 2 * kGemvLanes] = {};
+    alignas(64) float out[2 * kTileRows * kGemvLanes];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = wp + p * K2 * 2 * kGemvLanes;
+      if (whole < K2)
+        std::memcpy(tail, panel + whole * 2 * kGemvLanes, (K2 - whole) * 2 * kGemvLanes * sizeof(uint16_t));
+      const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
+      for (int64_t m = 0; m < M; m += 2 * kTileRows) {
+        if (Mp - m >= 2 * kTileRows)
+          amx_panel_rows<2>(pairs.data() + m * K2p, K2p, panel, K2, K2p, tail, out);
+        else
+          amx_panel_rows<1>(pairs.data() + m * K2p, K2p, panel, K2, K2p, tail, out);
+        const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(y + (m + r) * N + p * kGemvLanes, out + r * kGemvLanes, ncols * sizeof(float));
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gemv_bf16: contiguous float32 x");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kGemvLanes &&
@@ -131,23 +242,20 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
               "gemv_bf16: out_features does not match the weight");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  // vdpbf16ps takes the rows as bf16 pairs: rounded once here (to nearest even), not per panel
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+#if BATON_ISA >= BATON_ISA_AMX
+  gemv_bf16_tiles(xp, M, K, wp, panels, K2, N, yp);
+#else
   std::vector<uint32_t> pairs;
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
   pairs.resize(M * K2);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t kk = 0; kk < K2; ++kk) {
-      const uint32_t lo = float_to_bf16_bits(xp[m * K + 2 * kk]);
-      const uint32_t hi = 2 * kk + 1 < K ? float_to_bf16_bits(xp[m * K + 2 * kk + 1]) : 0u;
-      pairs[m * K2 + kk] = lo | (hi << 16);
-    }
+  bf16_row_pairs(xp, M, K, K2, K2, pairs.data());
   const int64_t ldx = K2;
 #else
   const int64_t ldx = K;
 #endif
   const uint32_t* xq = pairs.empty() ? nullptr : pairs.data();
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
   // panels split across threads, never k: each output's sum is the same whatever the threads and rows
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -161,5 +269,6 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
                                            yp + m * N + p * kGemvLanes, N, ncols);
     }
   });
+#endif
   return y;
 }

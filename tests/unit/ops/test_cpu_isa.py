@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from shared.ops import cpu_isa
+from shared.ops.cpu_kernels import ISA_ENV
 
 
 def test_the_best_level_is_active_and_every_level_below_it_is_supported() -> None:
@@ -54,3 +60,23 @@ def test_a_level_the_cpu_lacks_is_refused_and_an_unknown_one_named() -> None:
     with pytest.raises(ValueError, match="unknown"):
         cpu_isa.isa_supported("sse9")
     assert cpu_isa.active_isa() == cpu_isa.best_isa()
+
+
+def _level_in_a_fresh_process(env_level: str) -> subprocess.CompletedProcess[str]:
+    code = ("from shared.ops.cpu_kernels import cpu_kernels_available; import torch; "
+            "assert cpu_kernels_available(); print(torch.ops.baton_cpu.active_isa())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, ISA_ENV: env_level}, cwd=Path(__file__).parents[3])
+
+
+def test_baton_cpu_isa_picks_a_lower_level_and_refuses_one_the_cpu_lacks() -> None:
+    below = cpu_isa.ISA_LEVELS[max(0, cpu_isa.ISA_LEVELS.index(cpu_isa.best_isa()) - 1)]
+    run = _level_in_a_fresh_process(below)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == below
+    refused = _level_in_a_fresh_process("sse9")
+    assert refused.returncode != 0 and f"{ISA_ENV}=sse9: unknown instruction-set level" in refused.stderr
+    missing = [level for level in cpu_isa.ISA_LEVELS if not cpu_isa.isa_supported(level)]
+    if missing:
+        refused = _level_in_a_fresh_process(missing[0])
+        assert refused.returncode != 0 and "this CPU runs the CPU kernels up to" in refused.stderr

@@ -43,13 +43,15 @@ def test_matches_the_reference_at_every_row_count(out_features: int, in_features
         assert torch.equal(lin(x[:rows]), batched[:rows]), rows
 
 
-def test_every_level_gives_the_same_bits() -> None:
+@pytest.mark.parametrize("rows", [1, 15, 16, 23, 32, 50])
+def test_every_level_gives_the_same_bits(rows: int) -> None:
+    """Every level's integer sums are exact and fold alike (amx: the tiles from 16 rows, VNNI below)."""
     w, codes = _weight(600, 1536, 2)
     lin = LinearWeight.quantized(codes)
-    x = torch.randn(23, 1536, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(3))
     with cpu_isa.use_isa("portable"):
         portable = lin(x)
-    for level in ("avx2", "avx512", "avx512_bf16"):
+    for level in ("avx2", "avx512", "avx512_bf16", "amx"):
         if cpu_isa.isa_supported(level):
             with cpu_isa.use_isa(level):
                 assert torch.equal(lin(x), portable), level
