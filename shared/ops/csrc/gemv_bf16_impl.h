@@ -124,18 +124,18 @@ static inline void bf16_tail_rows(int64_t rest, const float* x, const uint32_t* 
 // The rows rounded to bf16 (to nearest even, once, not per panel) as the pairs vdpbf16ps and TDPBF16PS take:
 // [rows, ld] uint32, k pair kk of row m at [m * ld + kk]; what lies past M rows and K2 pairs is left as it is.
 // 32 values an instruction with vcvtne2ps2bf16 (which reads subnormal floats as zero, as vdpbf16ps and the
-// tiles read subnormal bf16), the rest one by one: a prompt chunk's rows are 1 ms of scalar rounding.
+// tiles read subnormal bf16), the rest one by one: a prompt chunk's rows are 1 ms of scalar rounding. Only the
+// levels that multiply bf16 rows have it: below avx512_bf16 the rows stay fp32.
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
 static void bf16_row_pairs(const float* x, int64_t M, int64_t K, int64_t K2, int64_t ld, uint32_t* pairs) {
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + m * K;
       int64_t kk = 0;
-#if BATON_ISA >= BATON_ISA_AVX512_BF16
       for (; 2 * kk + 32 <= K; kk += 16) {
         const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 2 * kk + 16), _mm512_loadu_ps(row + 2 * kk));
         _mm512_storeu_si512(pairs + m * ld + kk, (__m512i)b);
       }
-#endif
       for (; kk < K2; ++kk) {
         const uint32_t lo = float_to_bf16_bits(row[2 * kk]);
         const uint32_t hi = 2 * kk + 1 < K ? float_to_bf16_bits(row[2 * kk + 1]) : 0u;
@@ -144,6 +144,7 @@ static void bf16_row_pairs(const float* x, int64_t M, int64_t K, int64_t K2, int
     }
   });
 }
+#endif
 
 #if BATON_ISA >= BATON_ISA_AMX
 // AMX: TDPBF16PS multiplies a tile of 16 rows by 16 k pairs with a tile of 16 pairs by 16 outputs into 16 x 16
