@@ -38,16 +38,23 @@ def test_matches_the_reference_at_every_row_count(out_features: int, in_features
         assert torch.equal(lin(x[:rows]), batched[:rows]), rows
 
 
-def test_a_prompt_chunk_of_rows(isa_level: str) -> None:
+# (96, 576): one panel block; (2000, 1536): blocks of 10 panels on amx, a half panel last, rows padded to an odd
+# number of cache lines; (1000, 1000): every panel's last pairs from a zero-padded tail tile
+CHUNK_SHAPES = [(96, 576), (2000, 1536), (1000, 1000)]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), CHUNK_SHAPES, ids=[f"{o}x{i}" for o, i in CHUNK_SHAPES])
+def test_a_prompt_chunk_of_rows(out_features: int, in_features: int, isa_level: str) -> None:
     """A prompt chunk's rows (many passes of two row tiles on amx, and a partial one): the same sums."""
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(96, 576, generator=g) * 0.05
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
     lin = LinearWeight(w, weight_dtype=torch.bfloat16)
-    x = torch.randn(601, 576, generator=g)
+    x = torch.randn(601, in_features, generator=g)
     batched = lin(x)
     ref = reference(x, w)
-    assert (batched.double() - ref).abs().max().item() <= 2e-6 * 576 ** 0.5 * ref.abs().max().item()
+    assert (batched.double() - ref).abs().max().item() <= 2e-6 * in_features ** 0.5 * ref.abs().max().item()
     assert torch.equal(lin(x[450:455]), batched[450:455])
+    assert torch.equal(lin(x[:1]), batched[:1])
 
 
 @pytest.mark.parametrize("threads", [1, 3])
