@@ -5,8 +5,8 @@
 //
 // Why: torch's SDPA on the CPU ran a 256-token chunk of SmolLM2 (9 heads, 3 KV heads, head dim 64) at
 // ~1.2 ms a layer with a mask or with is_causal, a fifth of a 2048-token prefill step: its flash kernel
-// splits keys in blocks of hundreds, so a chunk that short skips no masked work. Here a job is 16 query
-// positions of every query head of one KV head: each tile of 16 keys is widened and transposed once for all
+// splits keys in blocks of hundreds, so a chunk that short skips no masked work. Here a job is 32 query
+// positions of every query head of one KV head: each tile of 32 keys is widened and transposed once for all
 // of them, scores and the online softmax run per row, and tiles past a row's position are skipped, so the
 // masked half of the triangle costs nothing.
 #include <torch/extension.h>
