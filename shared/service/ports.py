@@ -38,9 +38,13 @@ def unused_port(host: str = "127.0.0.1", rng: random.Random | None = None,
             port = rng.randrange(_LOWEST, first)
             if port not in avoid and _bindable(host, port):
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded host: any free port
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    for _ in range(_TRIES):  # a crowded host: any free port the kernel gives, but none given out already
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise OSError(f"no free TCP port on {host} outside the {len(avoid)} already given out")
 
 
 def _bindable(host: str, port: int) -> bool:

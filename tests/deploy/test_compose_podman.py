@@ -25,8 +25,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from shared.cli.up_cmd import free_port
 from shared.registry import RedisRegistry
+from shared.service.ports import unused_port
 from tests.deploy.images import BATON_IMAGE, REDIS_IMAGE, baton_image, redis_image, require_podman, run
 from tests.deploy.podman_stack import ComposeStack
 
@@ -38,10 +38,14 @@ STREAM_TIMEOUT_S = 120.0
 
 
 def _variables() -> dict[str, str]:
+    ports: set[int] = set()
+    for _ in range(3):  # three distinct ports: each pick is free now, so two picks could be the same one
+        ports.add(unused_port(avoid=ports))
+    redis_port, router_port, otlp_port = sorted(ports)
     return {
         "BATON_IMAGE": BATON_IMAGE, "BATON_REDIS_IMAGE": REDIS_IMAGE,
-        "BATON_HOST_REDIS_PORT": str(free_port()), "BATON_HOST_ROUTER_PORT": str(free_port()),
-        "BATON_HOST_OTLP_PORT": str(free_port()),
+        "BATON_HOST_REDIS_PORT": str(redis_port), "BATON_HOST_ROUTER_PORT": str(router_port),
+        "BATON_HOST_OTLP_PORT": str(otlp_port),
         # a small machine's .env: small KV budgets, one torch thread per engine, tracing on
         "BATON_MAX_MODEL_LEN": "1024", "BATON_KV_CACHE_BYTES": str(64 << 20),
         "BATON_KV_TRANSFER_CAPACITY_BYTES": str(256 << 20), "BATON_KV_TRANSFER_TRANSPORT": "tcp",

@@ -34,6 +34,11 @@ def test_a_taken_port_is_skipped() -> None:
 
 def test_no_room_below_the_range_falls_back_to_any_free_port(tmp_path: Path) -> None:
     assert unused_port(ephemeral=(10_500, 60_999)) >= 1024
+    given: set[int] = set()
+    for _ in range(5):  # the fallback too skips the ports already given out
+        port = unused_port(ephemeral=(10_500, 60_999), avoid=given)
+        assert port not in given
+        given.add(port)
     bad = tmp_path / "range"
     bad.write_text("not numbers")
     assert ephemeral_range(bad) == (32_768, 60_999)
