@@ -330,7 +330,10 @@ class DecoderLM:
         if w.norm_attn_out is not None:
             a = self._norm(a, w.norm_attn_out, s.rms_eps)
         x, h = self._add_norm(x, a, w.norm_ffn_in, s.rms_eps)
-        m = w.w_down(self._act_mul(w.w_gate_up(h)))
+        if self._act_mul is silu_mul_cpu:  # the C++ silu with torch's bits: the projection's own form of it
+            m = w.w_down(w.w_gate_up.silu_mul(h))
+        else:
+            m = w.w_down(self._act_mul(w.w_gate_up(h)))
         if w.norm_ffn_out is not None:
             m = self._norm(m, w.norm_ffn_out, s.rms_eps)
         return x, m

@@ -52,6 +52,9 @@ struct QRows {
 using QgemvFn = void (*)(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels, int64_t units,
                          int64_t N, int64_t format, float* y);
 using GemvBf16Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+// silu(gate) * up of elements [j0, j0 + n) of a row I wide, gate, up and out pointing at element j0, with
+// silu_mul's bits (silu_mul_cpu.cpp's silu_mul_cols): a GEMM's epilogue
+using SiluColsFn = void (*)(const float* g, const float* u, float* o, int64_t j0, int64_t n, int64_t I);
 // x [M, K] fp32 rows, packed by w8a8_pack, y [M, N] (w8a8_cpu.cpp)
 using W8a8Fn = void (*)(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N,
                         float* y);
@@ -99,4 +102,6 @@ BATON_DECLARE_VARIANTS(void qgemv_rows(const QRows& x, int64_t M, const uint8_t*
 // The kernels with a tile path of their own at the amx level (isa_variants.h's BATON_IMPL_AMX)
 namespace amx {
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+// the gate_up projection and silu(gate) * up in one pass (out_features / 2 a whole number of panels)
+torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features, SiluColsFn silu);
 }  // namespace amx

@@ -204,49 +204,83 @@ static void amx_panel_rows(const uint32_t* pairs, int64_t ld, const uint16_t* pa
 // Panels a thread keeps in L2 while every row passes them (half of Sapphire Rapids' 2 MB)
 constexpr int64_t kTilePanelBytes = 1 << 20;
 
+// The rows rounded to bf16 pairs as the tiles read them, ld pairs apart, zero-padded to whole tiles
+struct TileRows {
+  int64_t Mp, K2p, ld;
+  std::vector<uint32_t> pairs;
+};
+
+static TileRows tile_rows(const float* x, int64_t M, int64_t K, int64_t K2) {
+  TileRows t;
+  t.Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  t.K2p = (K2 + kTilePairs - 1) / kTilePairs * kTilePairs;
+  // rows an odd number of cache lines apart: at an even number a row tile's 16 loads fall on fewer L1 sets
+  // (3,072 bytes, SmolLM2's down projection, on 4); about 5% at 2,048 rows
+  t.ld = (t.K2p * 4 / 64) % 2 == 0 ? t.K2p + 16 : t.K2p;
+  t.pairs.assign(t.Mp * t.ld, 0u);
+  bf16_row_pairs(x, M, K, K2, t.ld, t.pairs.data());
+  return t;
+}
+
+// The rows from m (32, or the 16 that remain) against one panel, sums into out, ldo floats a row apart
+static void amx_rows(const TileRows& t, int64_t m, const uint16_t* panel, int64_t K2, const uint16_t* tail,
+                     float* out, int64_t ldo) {
+  const uint32_t* rows = t.pairs.data() + m * t.ld;
+  if (t.Mp - m >= 2 * kTileRows)
+    amx_panel_rows<2>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo);
+  else
+    amx_panel_rows<1>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo);
+}
+
 // The loop order is a GEMM's, not a GEMV's: a block of panels (the weight, up to kTilePanelBytes) stays in L2
 // while each 32 rows pass all of it, writing their outputs as runs of the row. Panel by panel over every row
 // (as the vdpbf16ps path goes) streams a prompt chunk's rows from L3 once per panel and writes the output a
 // column at a time, one page per row: at 2,048 rows it took 1.2-2x as long (one and two threads, Sapphire
 // Rapids, 2026-11-27). The order changes no sum: each output is still one chain over k.
+//
+// With `silu` the weight is a gate_up projection (gate outputs [0, N / 2), up [N / 2, N), N / 2 a whole
+// number of panels) and y is silu(gate) * up [M, N / 2]: gate panel p and up panel p + N / 64 run together
+// and their sums go through `silu` from the stack, so the [M, N] projection is never written nor read back.
 static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t panels, int64_t K2,
-                            int64_t N, float* y) {
-  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
-  const int64_t K2p = (K2 + kTilePairs - 1) / kTilePairs * kTilePairs;
-  // rows an odd number of cache lines apart: at an even number a row tile's 16 loads fall on fewer L1 sets
-  // (3,072 bytes, SmolLM2's down projection, on 4); about 5% at 2,048 rows
-  const int64_t ld = (K2p * 4 / 64) % 2 == 0 ? K2p + 16 : K2p;
-  std::vector<uint32_t> pairs(Mp * ld, 0u);
-  bf16_row_pairs(x, M, K, K2, ld, pairs.data());
-  const int64_t whole = K2 / kTilePairs * kTilePairs;
-  const int64_t block = std::max<int64_t>(1, kTilePanelBytes / (K2p * 4 * kGemvLanes));
+                            int64_t N, float* y, SiluColsFn silu) {
+  const TileRows t = tile_rows(x, M, K, K2);
+  const int64_t whole = K2 / kTilePairs * kTilePairs, tail_size = kTilePairs * 2 * kGemvLanes;
+  const int64_t width = silu ? 2 : 1, steps = panels / width, I = N / 2;  // panels a step runs
+  const int64_t block = std::max<int64_t>(1, kTilePanelBytes / (width * t.K2p * 4 * kGemvLanes));
   // panels split across threads, never k; tiles are per thread, so each thread configures its own
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, steps, 1, [&](int64_t begin, int64_t end) {
     amx_configure_bf16();
-    std::vector<uint16_t> tails(whole < K2 ? block * kTilePairs * 2 * kGemvLanes : 0, 0);
-    alignas(64) float out[2 * kTileRows * kGemvLanes];
+    std::vector<uint16_t> tails(whole < K2 ? width * block * tail_size : 0, 0);  // [step in block][gate, up]
+    alignas(64) float out[2][2 * kTileRows * kGemvLanes];
+    auto tail_of = [&](int64_t i, int64_t half) {
+      return tails.empty() ? nullptr : tails.data() + (i * width + half) * tail_size;
+    };
     for (int64_t p0 = begin; p0 < end; p0 += block) {
       const int64_t p1 = std::min(end, p0 + block);
       for (int64_t p = p0; p < p1 && !tails.empty(); ++p)
-        std::memcpy(tails.data() + (p - p0) * kTilePairs * 2 * kGemvLanes, wp + (p * K2 + whole) * 2 * kGemvLanes,
-                    (K2 - whole) * 2 * kGemvLanes * sizeof(uint16_t));
+        for (int64_t half = 0; half < width; ++half)
+          std::memcpy(tail_of(p - p0, half), wp + ((p + half * steps) * K2 + whole) * 2 * kGemvLanes,
+                      (K2 - whole) * 2 * kGemvLanes * sizeof(uint16_t));
       for (int64_t m = 0; m < M; m += 2 * kTileRows) {
-        const uint32_t* rows_at = pairs.data() + m * ld;
         const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
         for (int64_t p = p0; p < p1; ++p) {
           const uint16_t* panel = wp + p * K2 * 2 * kGemvLanes;
-          const uint16_t* tail = tails.empty() ? nullptr : tails.data() + (p - p0) * kTilePairs * 2 * kGemvLanes;
-          const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
-          if (rows == 2 * kTileRows && ncols == kGemvLanes) {  // whole tiles: stored in place
-            amx_panel_rows<2>(rows_at, ld, panel, K2, K2p, tail, y + m * N + p * kGemvLanes, N);
+          if (silu) {
+            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes);
+            amx_rows(t, m, panel + steps * K2 * 2 * kGemvLanes, K2, tail_of(p - p0, 1), out[1], kGemvLanes);
+            for (int64_t r = 0; r < rows; ++r)
+              silu(out[0] + r * kGemvLanes, out[1] + r * kGemvLanes, y + (m + r) * I + p * kGemvLanes,
+                   p * kGemvLanes, kGemvLanes, I);
             continue;
           }
-          if (Mp - m >= 2 * kTileRows)
-            amx_panel_rows<2>(rows_at, ld, panel, K2, K2p, tail, out, kGemvLanes);
-          else
-            amx_panel_rows<1>(rows_at, ld, panel, K2, K2p, tail, out, kGemvLanes);
+          const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
+          if (rows == 2 * kTileRows && ncols == kGemvLanes) {  // whole tiles: stored in place
+            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), y + m * N + p * kGemvLanes, N);
+            continue;
+          }
+          amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes);
           for (int64_t r = 0; r < rows; ++r)
-            std::memcpy(y + (m + r) * N + p * kGemvLanes, out + r * kGemvLanes, ncols * sizeof(float));
+            std::memcpy(y + (m + r) * N + p * kGemvLanes, out[0] + r * kGemvLanes, ncols * sizeof(float));
         }
       }
     }
@@ -255,20 +289,37 @@ static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t
 }
 #endif
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+static void check_gemv_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "gemv_bf16: contiguous float32 x");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kGemvLanes &&
               packed.size(3) == 2 && packed.size(1) == (x.size(1) + 1) / 2 && packed.is_contiguous(),
               "gemv_bf16: weight not packed by gemv_bf16_pack for this input width");
-  const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1), panels = packed.size(0), N = out_features;
+  const int64_t panels = packed.size(0);
   TORCH_CHECK(N > (panels - 1) * kGemvLanes && N <= panels * kGemvLanes,
               "gemv_bf16: out_features does not match the weight");
+}
+
+#if BATON_ISA >= BATON_ISA_AMX
+torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features, SiluColsFn silu) {
+  check_gemv_bf16(x, packed, out_features);
+  TORCH_CHECK(out_features % (2 * kGemvLanes) == 0, "gemv_bf16_silu: gate and up of whole panels");
+  const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1), panels = packed.size(0);
+  auto y = torch::empty({M, out_features / 2}, x.options());
+  gemv_bf16_tiles(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                  panels, K2, out_features, y.data_ptr<float>(), silu);
+  return y;
+}
+#endif
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  check_gemv_bf16(x, packed, out_features);
+  const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1), panels = packed.size(0), N = out_features;
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
 #if BATON_ISA >= BATON_ISA_AMX
-  gemv_bf16_tiles(xp, M, K, wp, panels, K2, N, yp);
+  gemv_bf16_tiles(xp, M, K, wp, panels, K2, N, yp, nullptr);
 #else
   std::vector<uint32_t> pairs;
 #if BATON_ISA >= BATON_ISA_AVX512_BF16

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "cpu_isa.h"
+
 // gemv_cpu.cpp
 torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t k_block);
 // gemv_bf16_cpu.cpp
@@ -22,6 +24,10 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_rows(torch::Tensor x, torc
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 // silu_mul_cpu.cpp
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// the form of SiluColsFn (cpu_isa.h) that torch's own silu runs on this CPU (j0 a multiple of 16)
+SiluColsFn silu_mul_cols();
+// gemv_bf16_cpu.cpp: silu_mul(gemv_bf16(x, packed, out_features)), one pass where the amx tiles run it
+torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // write_kv_cpu.cpp
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value,
                torch::Tensor slot_mapping);

@@ -23,6 +23,8 @@
 
 #include <string>
 
+#include "kernels_cpu.h"
+
 namespace silu_scalar {
 constexpr int64_t kVec = 0;
 static inline void silu_mul_vec(const float*, const float*, float*) {}
@@ -64,14 +66,33 @@ static inline void silu_mul_vec(const float* g, const float* u, float* o) {
 
 using SiluRowsFn = void (*)(const float*, int64_t, float*, int64_t, int64_t, int64_t);
 
-// the form torch's own silu runs on this CPU
-static SiluRowsFn torchs_form() {
+// the vector width of the form torch's own silu runs on this CPU (0: scalar)
+static int64_t torchs_vec() {
 #if defined(__x86_64__)
   const std::string capability = at::get_cpu_capability();  // "AVX512", "AVX2", "DEFAULT", ...
-  if (capability == "AVX512") return &silu_avx512::silu_rows;
-  if (capability == "AVX2") return &silu_avx2::silu_rows;
+  if (capability == "AVX512") return silu_avx512::kVec;
+  if (capability == "AVX2") return silu_avx2::kVec;
+#endif
+  return 0;
+}
+
+static SiluRowsFn torchs_form() {
+#if defined(__x86_64__)
+  if (torchs_vec() == silu_avx512::kVec) return &silu_avx512::silu_rows;
+  if (torchs_vec() == silu_avx2::kVec) return &silu_avx2::silu_rows;
 #endif
   return &silu_scalar::silu_rows;
+}
+
+SiluColsFn silu_mul_cols() {
+  static const SiluColsFn fn = [] {
+#if defined(__x86_64__)
+    if (torchs_vec() == silu_avx512::kVec) return &silu_avx512::silu_cols;
+    if (torchs_vec() == silu_avx2::kVec) return &silu_avx2::silu_cols;
+#endif
+    return &silu_scalar::silu_cols;
+  }();
+  return fn;
 }
 
 // gate_up [rows, 2 * I] (unit inner stride, any row stride): gate is the first half of each row, up the second

@@ -81,3 +81,31 @@ def test_kernel_rejects_a_mismatched_weight() -> None:
         torch.ops.baton_cpu.gemv_bf16(torch.randn(1, 96), packed, 100)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.baton_cpu.gemv_bf16(torch.randn(1, 96).bfloat16(), packed, 64)
+
+
+# (3072, 576): SmolLM2's gate_up (I = 1536, fused on amx); (96, 64): I = 48, half a panel (the two ops);
+# (128, 1000): I = 64, K with a tail tile
+GATE_UP_SHAPES = [(3072, 576), (96, 64), (128, 1000)]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), GATE_UP_SHAPES,
+                         ids=[f"{o}x{i}" for o, i in GATE_UP_SHAPES])
+@pytest.mark.parametrize("rows", [1, 17, 40, 601])
+def test_gate_up_and_silu_in_one_op_give_the_two_ops_bits(out_features: int, in_features: int, rows: int,
+                                                          isa_level: str) -> None:
+    """gemv_bf16_silu (one pass on AMX tiles, silu(gate) * up from the tiles' sums) against the projection then
+    silu_mul: the same bits at every level, in the vector chunks and the scalar tail alike."""
+    g = torch.Generator().manual_seed(rows + out_features)
+    lin = LinearWeight(torch.randn(out_features, in_features, generator=g) * 0.1, weight_dtype=torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g) * 2
+    fused = lin.silu_mul(x)
+    assert fused.shape == (rows, out_features // 2)
+    assert torch.equal(fused, torch.ops.baton_cpu.silu_mul(lin(x)))
+    gate, up = lin(x).double().chunk(2, dim=-1)
+    assert torch.allclose(fused.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_gate_up_and_silu_refuses_an_odd_width() -> None:
+    packed = torch.ops.baton_cpu.gemv_bf16_pack(torch.randn(65, 32))
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.baton_cpu.gemv_bf16_silu(torch.randn(2, 32), packed, 65)
