@@ -50,7 +50,10 @@ from bench.serve_stats import SLO, RequestRecord, summarize
 from bench.serve_systems import MODEL_NAME, Server, ServerConfig, export_hf
 from shared.planner.metrics import SLO as SimSLO
 from shared.planner.metrics import summarize as sim_summarize
+from shared.planner.metrics import tpot_s as sim_tpot_s
+from shared.planner.metrics import ttft_s as sim_ttft_s
 from shared.planner.profile import MachineShape, Profile
+from shared.planner.sim_engine import SimRequest
 from shared.planner.simulator import Shape, SimOptions, simulate
 from shared.planner.workload import TraceRequest, synthetic
 
@@ -109,6 +112,30 @@ def error(predicted: float, measured: float) -> float | None:
 def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, Any]:
     return {name: {"predicted": round(predicted[name], 2), "measured": round(measured[name], 2),
                    "error": error(predicted[name], measured[name])} for name in FIGURES}
+
+
+def request_rows(trace: Sequence[TraceRequest], records: Sequence[RequestRecord],
+                 simulated: Sequence[SimRequest]) -> list[dict[str, Any]]:
+    """Each request as measured beside the simulator's plain run of it, in trace order: which requests make a
+    point's tail, and whether the simulator has them late too (None where the request failed)."""
+    def ms(seconds: float) -> float:
+        return round(seconds * 1e3, 2)
+
+    rows = [{"arrival_s": round(t.arrival_s, 3), "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+             "ttft_ms": ms(r.ttft_s) if r.ok else None, "tpot_ms": ms(r.tpot_s) if r.ok else None}
+            for t, r in zip(trace, records, strict=True)]
+    return repredicted(rows, simulated)
+
+
+def repredicted(rows: Sequence[dict[str, Any]], simulated: Sequence[SimRequest]) -> list[dict[str, Any]]:
+    """`rows` (request_rows) with the predictions of `simulated`, the same trace's run through the simulator."""
+    return [{**row, "predicted_ttft_ms": round(sim_ttft_s(p) * 1e3, 2), "predicted_tpot_ms": round(sim_tpot_s(p) * 1e3, 2)}
+            for row, p in zip(rows, simulated, strict=True)]
+
+
+def simulated_requests(profile: Profile, shape_name: str, trace: Sequence[TraceRequest]) -> list[SimRequest]:
+    """The plain prediction's run of `trace`, request by request (the figures' own run: predictions())."""
+    return simulate(profile, SHAPES[shape_name], trace, SimOptions(cores=os.cpu_count()))
 
 
 def measured_summary(records: list[RequestRecord], span_s: float, slo: SLO) -> dict[str, float]:
@@ -198,7 +225,8 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
                      "predicted_attainment": predicted["figures"]["slo_attainment"],
                      **{key: compare(figures, measured) for key, figures in predicted.items()},
                      "probe": probe,
-                     "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok)}
+                     "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok),
+                     "requests": request_rows(trace, records, simulated_requests(profile, name, trace))}
             logger.info("%s at %.3g req/s: %s; probed %s", name, rate,
                         {k: v["error"] for k, v in point["figures"].items()},
                         {k: v["error"] for k, v in point["figures_probed"].items()})
@@ -303,7 +331,7 @@ def predictions(profile: Profile, shape_name: str, rate: float, args: argparse.N
     shape = SHAPES[shape_name]
     slo = SimSLO(args.ttft_slo, args.tpot_slo)
     trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
-    out = {"figures": sim_summarize(simulate(profile, shape, trace, SimOptions(cores=os.cpu_count())), slo),
+    out = {"figures": sim_summarize(simulated_requests(profile, shape_name, trace), slo),
            "figures_fixed_shares": sim_summarize(simulate(profile, shape, trace, SimOptions(
                cores=os.cpu_count(), core_share=False)), slo)}
     if probe is not None:
@@ -332,6 +360,9 @@ def resimulate(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         for key, predicted in predictions(profile, point["shape"], point["rate"], args,
                                           point.get("probe") or first_probes.get(point["shape"])).items():
             new[key] = compare(predicted, measured)
+        if "requests" in point:  # each request's prediction too, from the simulator as it is now
+            trace = capped_trace(point["rate"], args.requests, args.seed, args.max_prompt, args.max_output)
+            new["requests"] = repredicted(point["requests"], simulated_requests(profile, point["shape"], trace))
         result["points"].append(new)
     return result
 

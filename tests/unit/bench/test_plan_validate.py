@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from bench.plan_validate import FIGURES, capped_trace, compare, fit_probe, readme_table, trace_specs
+from bench.plan_validate import (
+    FIGURES,
+    capped_trace,
+    compare,
+    fit_probe,
+    readme_table,
+    request_rows,
+    trace_specs,
+)
+from bench.serve_stats import RequestRecord
+from shared.planner.sim_engine import SimRequest
 
 
 def test_trace_specs_have_exact_lengths_and_shared_prefixes() -> None:
@@ -41,3 +51,21 @@ def test_the_probe_separates_a_fixed_overhead_from_the_speeds() -> None:
     assert fit == {"router_overhead_s": 0.04, "prefill_scale": 1.2, "decode_scale": 1.1}
     slower = [{**r, "ttft_s": 10 * r["ttft_s"]} for r in rows]
     assert fit_probe(slower, predicted)["prefill_scale"] == 2.0  # held to 2x: a probe is no licence to refit
+
+
+def test_request_rows_put_each_measured_request_beside_its_simulated_run() -> None:
+    trace = capped_trace(1.0, 3, seed=0, max_prompt=128, max_output=16)
+    records, simulated = [], []
+    for i, t in enumerate(trace):
+        n = t.output_tokens
+        # measured: first token 0.2 s after the send, then 25 ms a token; simulated: 0.1 s, then 20 ms
+        records.append(RequestRecord(sent_s=10.0 + i, token_times_s=[10.2 + i + 0.025 * k for k in range(n)],
+                                     output_tokens=n))
+        simulated.append(SimRequest(i, t.arrival_s, t.prompt_tokens, n, first_token_s=t.arrival_s + 0.1,
+                                    token_times_s=[t.arrival_s + 0.1 + 0.02 * k for k in range(n)]))
+    records[1] = RequestRecord(sent_s=11.0, error="HTTP 500")
+    rows = request_rows(trace, records, simulated)
+    assert [r["prompt_tokens"] for r in rows] == [t.prompt_tokens for t in trace]
+    assert rows[0]["ttft_ms"] == 200.0 and rows[0]["predicted_ttft_ms"] == 100.0
+    assert rows[0]["tpot_ms"] == 25.0 and rows[0]["predicted_tpot_ms"] == 20.0
+    assert rows[1]["ttft_ms"] is None and rows[1]["tpot_ms"] is None and rows[1]["predicted_ttft_ms"] == 100.0
