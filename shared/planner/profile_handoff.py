@@ -47,7 +47,6 @@ def _direction(service: Any, direction: str) -> tuple[float, int]:
 class _Run(NamedTuple):
     rpc_s: float  # the prefill's Prefill call, compute and push
     nbytes: int  # bytes pushed
-    push_s: float  # the push alone, as the prefill's transfer stats timed it
     first_s: float  # decode's Generate to its first token: claim, read and one step
     pull_s: float  # the read alone, as the decode's transfer stats timed it
 
@@ -57,11 +56,13 @@ async def _one_handoff(services: dict[str, Any], request_id: str, prompt: list[i
 
     The decode side is timed to its first token, as the push side to the prefill's reply: what a client waits
     between its first two tokens is the claim, the read and the router's second call, not the read alone
-    (14-18 ms at 64-256 tokens on 2 cores where the read alone was 3-11, 2026-11-27). The transfer stats'
-    own times are the floor: the end-to-end time less a step from the compute curves went to 0 on a CI
-    machine whose curves overestimated a step."""
+    (14-18 ms at 64-256 tokens on 2 cores where the read alone was 3-11, 2026-11-27). The read's own time is
+    the pull's floor: the end-to-end time less a step from the compute curves went to 0 on a CI machine whose
+    curves overestimated a step. The push has no such floor: it writes layers while later ones compute
+    (shared/engine/kv_push.py), so its own timer spans the compute (190 ms for a 64-token prompt on 2 cores,
+    2026-11-27), and flooring by it doubled a quick plan_validate's predicted 1P1D TTFT."""
     prefill, decode, kv = services["prefill"], services["decode"], services["kv"]
-    push_before, pushed_before = _direction(prefill, "push")
+    pushed_before = _direction(prefill, "push")[1]
     pull_before = _direction(decode, "pull")[0]
     handoff_id = f"h-{request_id}"
     stub = prefill_pb2_grpc.PrefillServiceStub(channel(prefill.address))
@@ -83,9 +84,8 @@ async def _one_handoff(services: dict[str, Any], request_id: str, prompt: list[i
             break
     if first_s is None:  # the prompt asked for 2 tokens: decode owes the second
         raise RuntimeError(f"profile: request {request_id}: the decode service sent no token")
-    push_after, pushed_after = _direction(prefill, "push")
-    return _Run(rpc_s=rpc_s, nbytes=pushed_after - pushed_before, push_s=push_after - push_before,
-                first_s=first_s, pull_s=_direction(decode, "pull")[0] - pull_before)
+    return _Run(rpc_s=rpc_s, nbytes=_direction(prefill, "push")[1] - pushed_before, first_s=first_s,
+                pull_s=_direction(decode, "pull")[0] - pull_before)
 
 
 async def _start(model: str, max_model_len: int, threads: int, transport: str) -> dict[str, Any]:
@@ -137,7 +137,7 @@ async def measure_handoff(model: str, lengths: Sequence[int], repeats: int, thre
             nbytes = int(statistics.median(run.nbytes for run in runs))
             pull_s = max(statistics.median(run.pull_s for run in runs),
                          statistics.median(run.first_s for run in runs) - compute.decode_step_s(1, length))
-            push_s = max(statistics.median(run.push_s for run in runs), rpc_s - compute.prefill_step_s(length))
+            push_s = max(0.0, rpc_s - compute.prefill_step_s(length))
             curves.points.append([nbytes, push_s, pull_s])
             bytes_per_token.append(nbytes / length)
             logger.info("profile: handoff of %d tokens (%d bytes, %s): prefill reply %.1f ms (%.1f ms beyond "
