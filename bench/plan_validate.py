@@ -114,28 +114,24 @@ def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict[str
                    "error": error(predicted[name], measured[name])} for name in FIGURES}
 
 
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
 def request_rows(trace: Sequence[TraceRequest], records: Sequence[RequestRecord],
                  simulated: Sequence[SimRequest]) -> list[dict[str, Any]]:
     """Each request as measured beside the simulator's plain run of it, in trace order: which requests make a
     point's tail, and whether the simulator has them late too (None where the request failed)."""
-    def ms(seconds: float) -> float:
-        return round(seconds * 1e3, 2)
-
     rows = [{"arrival_s": round(t.arrival_s, 3), "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
-             "ttft_ms": ms(r.ttft_s) if r.ok else None, "tpot_ms": ms(r.tpot_s) if r.ok else None}
+             "ttft_ms": _ms(r.ttft_s) if r.ok else None, "tpot_ms": _ms(r.tpot_s) if r.ok else None}
             for t, r in zip(trace, records, strict=True)]
     return repredicted(rows, simulated)
 
 
 def repredicted(rows: Sequence[dict[str, Any]], simulated: Sequence[SimRequest]) -> list[dict[str, Any]]:
     """`rows` (request_rows) with the predictions of `simulated`, the same trace's run through the simulator."""
-    return [{**row, "predicted_ttft_ms": round(sim_ttft_s(p) * 1e3, 2), "predicted_tpot_ms": round(sim_tpot_s(p) * 1e3, 2)}
+    return [{**row, "predicted_ttft_ms": _ms(sim_ttft_s(p)), "predicted_tpot_ms": _ms(sim_tpot_s(p))}
             for row, p in zip(rows, simulated, strict=True)]
-
-
-def simulated_requests(profile: Profile, shape_name: str, trace: Sequence[TraceRequest]) -> list[SimRequest]:
-    """The plain prediction's run of `trace`, request by request (the figures' own run: predictions())."""
-    return simulate(profile, SHAPES[shape_name], trace, SimOptions(cores=os.cpu_count()))
 
 
 def measured_summary(records: list[RequestRecord], span_s: float, slo: SLO) -> dict[str, float]:
@@ -219,14 +215,14 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
             records, span = asyncio.run(replay(server.base_url, trace, specs, args.timeout))
             measured = measured_summary(records, span, slo)
             # plain; on fixed shares (the simulator before it modelled `baton up`'s lent cores); probed
-            predicted = predictions(profile, name, rate, args, probe)
+            predicted, plain = predictions(profile, name, rate, args, probe)
             point = {"shape": name, "rate": rate, "num_failed": measured["num_failed"],
                      "measured_attainment": measured.get("slo_attainment"),
                      "predicted_attainment": predicted["figures"]["slo_attainment"],
                      **{key: compare(figures, measured) for key, figures in predicted.items()},
                      "probe": probe,
                      "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok),
-                     "requests": request_rows(trace, records, simulated_requests(profile, name, trace))}
+                     "requests": request_rows(trace, records, plain)}
             logger.info("%s at %.3g req/s: %s; probed %s", name, rate,
                         {k: v["error"] for k, v in point["figures"].items()},
                         {k: v["error"] for k, v in point["figures_probed"].items()})
@@ -326,19 +322,21 @@ def plot(result: dict[str, Any], png: Path) -> bool:
 
 
 def predictions(profile: Profile, shape_name: str, rate: float, args: argparse.Namespace,
-                probe: dict[str, Any] | None) -> dict[str, dict[str, float]]:
-    """The simulator's figures for one point: plain, on fixed core shares, and probed (when a probe ran)."""
+                probe: dict[str, Any] | None) -> tuple[dict[str, dict[str, float]], list[SimRequest]]:
+    """The simulator's figures for one point (plain, on fixed core shares, and probed when a probe ran), and
+    the plain run's requests."""
     shape = SHAPES[shape_name]
     slo = SimSLO(args.ttft_slo, args.tpot_slo)
     trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
-    out = {"figures": sim_summarize(simulated_requests(profile, shape_name, trace), slo),
+    plain = simulate(profile, shape, trace, SimOptions(cores=os.cpu_count()))
+    out = {"figures": sim_summarize(plain, slo),
            "figures_fixed_shares": sim_summarize(simulate(profile, shape, trace, SimOptions(
                cores=os.cpu_count(), core_share=False)), slo)}
     if probe is not None:
         out["figures_probed"] = sim_summarize(simulate(
             scaled(profile, probe["prefill_scale"], probe["decode_scale"]), shape, trace,
             SimOptions(cores=os.cpu_count(), router_overhead_s=probe["router_overhead_s"])), slo)
-    return out
+    return out, plain
 
 
 def resimulate(path: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -357,12 +355,12 @@ def resimulate(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     for point in old["points"]:
         measured = {k: v["measured"] for k, v in point["figures"].items()}
         new = {**point}
-        for key, predicted in predictions(profile, point["shape"], point["rate"], args,
-                                          point.get("probe") or first_probes.get(point["shape"])).items():
-            new[key] = compare(predicted, measured)
+        predicted, plain = predictions(profile, point["shape"], point["rate"], args,
+                                       point.get("probe") or first_probes.get(point["shape"]))
+        for key, figures in predicted.items():
+            new[key] = compare(figures, measured)
         if "requests" in point:  # each request's prediction too, from the simulator as it is now
-            trace = capped_trace(point["rate"], args.requests, args.seed, args.max_prompt, args.max_output)
-            new["requests"] = repredicted(point["requests"], simulated_requests(profile, point["shape"], trace))
+            new["requests"] = repredicted(point["requests"], plain)
         result["points"].append(new)
     return result
 
