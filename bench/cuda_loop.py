@@ -26,6 +26,8 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +189,9 @@ def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len
         table = (averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
                  + averages.table(sort_by="self_cuda_time_total", row_limit=25))
         ops = "gemv" if loaded.model._gemv else "triton" if loaded.model.triton_ops else "torch"
+        ops += "-tuned" if ops == "gemv" and tilings_tuned() else ""
         (profile_dir / f"torch-ops-{ops}-{loop}{'-graphs' if graphs else ''}-b{batch}.txt").write_text(table)
+    replay = graph_replay(engine, batch) if graphs and cuda else {}
     engine.close()
     engine.check_no_leaks()
     busy, span_ms = gpu_busy_fraction(prof) if window else (0.0, 0.0)
@@ -197,9 +201,41 @@ def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len
         "gpu_busy_fraction": round(busy, 3), "profiled_steps": window,
         "profiled_ms_per_step": round(span_ms / window, 3) if window else None,
         "host_idle_ratio": round(engine.runner.clock.idle_ratio, 4),
+        # the captured forward alone, replayed back to back: the GPU's share of a step (the rest of ms_per_step
+        # is the LM head, sampling and whatever of the host's work the loop does not hide), and the host's cost of
+        # launching it
+        **replay,
         "sync_points": dict(syncs.where.most_common(12)),
     }
     return row, [tokens[f"r{i}"] for i in range(batch)]
+
+
+def graph_replay(engine: LLMEngine, batch: int, replays: int = 50) -> dict[str, float]:
+    """The decode graph that holds `batch` sequences replayed back to back (its inputs are the last step's):
+    GPU milliseconds a replay, and host microseconds a launch call (timed before the wait), medians of 5 runs."""
+    graphs = engine.runner.graphs
+    size = graphs.size_for(batch) if graphs is not None else None
+    if graphs is None or size is None or size not in graphs._graphs:
+        return {}
+    graph = graphs._graphs[size]
+    gpu, host = [], []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        host.append((time.perf_counter() - t0) / replays)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) / replays)
+    return {"graph_replay_ms": round(sorted(gpu)[2], 4), "graph_launch_host_us": round(1e6 * sorted(host)[2], 1)}
+
+
+def tilings_tuned() -> bool:
+    from shared.ops import triton_gemv as tg
+
+    return tg.config_for(1, 576, 576, False) != tg.DEFAULT_CONFIG
 
 
 def common_prefix_fraction(tokens: list[list[int]], reference: list[list[int]]) -> float:
@@ -252,9 +288,9 @@ def report(result: dict[str, Any], name: str) -> str:
         f"`bench/cuda_loop.py` on an {result['device']} (`bench/results/{name}`; random weights with SmolLM2-135M's "
         f"shapes, {result['dtype']}, {result['prompt_len']}-token prompts, {result['new_tokens']} new tokens; "
         f"device-to-device copy {result.get('hbm_gb_per_s')} GB/s), decode tokens/s:", "",
-        "| batch | ops | eager, sync | graphs, sync | graphs, zero-bubble | vs torch ops | GPU busy "
-        "| of HBM bound | greedy agreement |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "| batch | ops | eager, sync | graphs, sync | graphs, zero-bubble | vs first ops | GPU busy "
+        "| of HBM bound | forward alone (graph replays, ms) | greedy agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for batch in dict.fromkeys(r["batch"] for r in rows):
         cell = {(r.get("ops", "torch"), r["loop"], r["cuda_graphs"]): r for r in rows if r["batch"] == batch}
         base = cell.get((ops_order[0], "async", True))
@@ -270,36 +306,126 @@ def report(result: dict[str, Any], name: str) -> str:
                 f"| {batch} | {ops} | {tps('sync', False)} | {tps('sync', True)} | {tps('async', True)} | {ratio} "
                 f"| {best['gpu_busy_fraction'] if best else '-'} "
                 f"| {best.get('fraction_of_hbm_bound', '-') if best else '-'} "
+                f"| {best.get('graph_replay_ms', '-') if best else '-'} "
                 f"| {best.get('agreement_with_first_ops', 1.0) if best else '-'} |")
     return "\n".join(lines)
 
 
 def profile_host(loaded: LoadedModel, args: argparse.Namespace) -> None:
-    """cProfile of a batch of 8 in the synchronous loop with CUDA graphs: where the host's step time goes."""
+    """Where the host's step time goes in the synchronous loop with CUDA graphs, at --profile-host-batch: first
+    each phase of a step timed alone (scheduling, preparing inputs, executing, reading the outputs; a wrapper's
+    clock costs a microsecond), then a cProfile of the same steps."""
     import cProfile
     import io
     import pstats
 
+    batch = args.profile_host_batch
     engine = LLMEngine(EngineConfig(model=loaded.name, device=args.device, dtype=args.dtype, max_model_len=2048,
-                                    kv_cache_bytes=1 << 30, async_scheduling=False, cuda_graphs=True),
-                       loaded=loaded)
-    prompts = [[5 + i] * args.prompt_len for i in range(8)]
+                                    kv_cache_bytes=1 << 30, async_scheduling=False, cuda_graphs=True,
+                                    max_num_seqs=max(batch, 8)), loaded=loaded)
+    prompts = [[5 + i] * args.prompt_len for i in range(batch)]
     engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm up
-    for i, p in enumerate(prompts):
-        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
-    engine.step()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    while engine.has_unfinished():
+    phases: Counter[str] = Counter()
+
+    def timed(owner: Any, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                phases[name] += time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+
+    for owner, name in [(engine.scheduler, "schedule"), (engine.runner, "prepare"), (engine.runner, "execute"),
+                        (engine, "_resolve"), (engine.scheduler, "update")]:
+        timed(owner, name)
+    if engine.runner.graphs is not None:
+        timed(engine.runner.graphs, "run")
+    timed(engine.runner.model, "compute_logits")
+    timed(engine.runner, "_sample")
+    report = []
+    for label, profiler in [("phases", None), ("cProfile", cProfile.Profile())]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{label}{i}", p, SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True))
         engine.step()
-    profiler.disable()
+        engine.step()
+        phases.clear()
+        steps = 0
+        t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        if profiler is not None:
+            profiler.disable()
+        wall = time.perf_counter() - t0
+        report.append(f"{label}: {steps} steps, {1e3 * wall / steps:.3f} ms a step; us a step by phase "
+                      "(nested: execute holds graphs.run, _sample, compute_logits; _resolve holds update): "
+                      + json.dumps({k: round(1e6 * v / steps, 1) for k, v in phases.most_common()}))
+        if profiler is not None:
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(35)
+            stats.sort_stats("cumulative").print_stats(35)
+            report.append(text.getvalue())
     engine.close()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(35)
-    stats.sort_stats("cumulative").print_stats(35)
-    (args.out / "host-profile-b8.txt").write_text(text.getvalue())
-    log(text.getvalue()[:6000])
+    out = "\n".join(report)
+    (args.out / f"host-profile-b{batch}-{args.layers}-layers.txt").write_text(out)
+    log(out[:3000])
+
+
+def best_decode_tiling(result: dict[str, Any]) -> Any:
+    """The attention_tune tiling with the least geometric mean of its time over the default's, over all cases."""
+    import math
+
+    from shared.ops.triton_attention import DecodeTiling
+
+    fields = ("block_n", "num_warps", "num_stages")
+    scores: dict[tuple[Any, ...], list[float]] = {}
+    for point in result["points"]:
+        default = next((t["us"] for t in point["tilings"] if "us" in t), None)
+        for t in point["tilings"]:
+            if "us" in t and default:
+                scores.setdefault(tuple(t[f] for f in fields), []).append(math.log(t["us"] / default))
+    cases = max((len(v) for v in scores.values()), default=0)
+    complete = {k: sum(v) / len(v) for k, v in scores.items() if len(v) == cases}
+    return DecodeTiling(*min(complete, key=lambda k: complete[k])) if complete else None
+
+
+def gemv_tilings(args: argparse.Namespace) -> Callable[[str], AbstractContextManager[None]]:
+    """For a set of ops, the tilings it runs under: "gemv" the untuned ones (the tensor-core GEMV tiling at every
+    row count, decode attention in prefill's tiles), "gemv-tuned" --gemv-tuned's and --attention-tuned's fastest
+    (default: the committed table for this GPU and the measured decode rule); other ops leave both alone."""
+    if "gemv" not in args.ops and "gemv-tuned" not in args.ops:
+        return lambda ops: nullcontext()
+    from bench.gemv_tune import SHAPES
+    from shared.ops import triton_attention as ta
+    from shared.ops import triton_gemv as tg
+
+    untuned = {(n, k, "gated" in fold, rows): tg.DEFAULT_CONFIG for _, n, k, fold in SHAPES for rows in (1, 8, 16)}
+    tuned = tg.tuned_table(json.loads(args.gemv_tuned.read_text())["best"]) if args.gemv_tuned else None
+    attention = best_decode_tiling(json.loads(args.attention_tuned.read_text())) if args.attention_tuned else None
+    if attention is not None:
+        log(f"gemv-tuned ops: decode attention in {attention}")
+
+    @contextmanager
+    def tilings(ops: str) -> Iterator[None]:
+        if not ops.startswith("gemv"):
+            yield
+            return
+        old = tg.use_tuned_table(untuned if ops == "gemv" else tuned)
+        old_attention = ta.use_decode_tiling(ta.DecodeTiling() if ops == "gemv" else attention)
+        try:
+            yield
+        finally:
+            tg.use_tuned_table(old)
+            ta.use_decode_tiling(old_attention)
+
+    return tilings
 
 
 def main() -> None:
@@ -313,9 +439,18 @@ def main() -> None:
     parser.add_argument("--setups", nargs="+", choices=[setup_name(*s) for s in SETUPS],
                         default=[setup_name(*s) for s in SETUPS],
                         help="loops to run (the first is each set of ops' baseline for equal tokens)")
-    parser.add_argument("--ops", nargs="+", choices=["torch", "triton", "gemv"], default=["torch", "triton", "gemv"],
+    parser.add_argument("--ops", nargs="+", choices=["torch", "triton", "gemv", "gemv-tuned"],
+                        default=["torch", "triton", "gemv"],
                         help="the layers' elementwise ops: torch's, the Triton kernels, or those and the GEMV "
-                             "kernel for batches up to 16 (the first is the baseline)")
+                             "kernel for batches up to 16, untuned (the tensor-core tiling throughout, decode "
+                             "attention in prefill's tiles) or tuned (the first is the baseline)")
+    parser.add_argument("--gemv-tuned", type=Path,
+                        help="a bench/gemv_tune.py result whose fastest tilings the gemv-tuned ops take (default: "
+                             "shared/ops/triton_gemv_tuned.json's for this GPU)")
+    parser.add_argument("--attention-tuned", type=Path,
+                        help="a bench/attention_tune.py result: the gemv-tuned ops also launch decode attention in "
+                             "the tiling fastest over all its cases (geometric mean against the default)")
+    parser.add_argument("--profile-host-batch", type=int, default=8)
     parser.add_argument("--profile-host", action="store_true",
                         help="also write where the host's time goes (cProfile of the synchronous loop, "
                              "torch op table) beside the JSON")
@@ -341,7 +476,8 @@ def main() -> None:
     models = {}
     for ops in args.ops:
         models[ops] = random_loaded(DTYPES[args.dtype], args.layers, args.device, triton_ops=ops != "torch",
-                                    triton_gemv=ops == "gemv")
+                                    triton_gemv=ops.startswith("gemv"))
+    tilings = gemv_tilings(args)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.profile_host:
         profile_host(models[args.ops[-1]], args)
@@ -360,8 +496,9 @@ def main() -> None:
                 # are few)
                 tables = args.out if args.profile_host and loop == "async" and graphs and batch == 1 else None
                 try:
-                    row, tokens = run_one(loaded, loop, graphs, batch, args.prompt_len, args.new_tokens, args.dtype,
-                                          args.device, tables)
+                    with tilings(ops):
+                        row, tokens = run_one(loaded, loop, graphs, batch, args.prompt_len, args.new_tokens,
+                                              args.dtype, args.device, tables)
                 except Exception as e:  # one set of ops failing (a kernel that does not compile) spoils no other
                     log(f"{ops} {loop} graphs={graphs} batch {batch}: {traceback.format_exc()}")
                     rows.append({"ops": ops, "loop": loop, "cuda_graphs": graphs, "batch": batch, "error": repr(e)})

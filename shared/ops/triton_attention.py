@@ -20,6 +20,8 @@ compiling and interpreting).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -266,6 +268,33 @@ def _check_inputs(
     assert meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
 
 
+@dataclass(frozen=True)
+class DecodeTiling:
+    """Decode-only launches: keys a tile (None: by head size, as prefill), warps and pipeline stages a program."""
+
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int | None = None  # None: triton's default
+
+
+def _measured_decode_tiling(head_dim: int) -> DecodeTiling:
+    """Heads of 64 walk the context in tiles of 256 keys, one stage: on an H200 at batch 1, 4.4 us against 6.1
+    at 192 keys and 13.4 against 22.6 at 1024 (attention_tune-20261127-191301.json, the fastest of 16 tilings
+    at both lengths). Wider heads keep the prefill tiles (not measured; their tiles would not fit registers)."""
+    return DecodeTiling(256, 4, 1) if head_dim <= 64 else DecodeTiling()
+
+
+_decode_tiling: DecodeTiling | None = None  # None: _measured_decode_tiling
+
+
+def use_decode_tiling(tiling: DecodeTiling | None) -> DecodeTiling | None:
+    """Launch decode-only steps with `tiling` (None: the measured rule); returns the one it replaces.
+    bench/attention_tune.py times a grid of tilings with it."""
+    global _decode_tiling
+    old, _decode_tiling = _decode_tiling, tiling
+    return old
+
+
 def _block_shape(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_Q, BLOCK_N) for one launch.
 
@@ -306,6 +335,8 @@ def paged_attention_triton(
         return out
     group = num_heads // num_kv_heads
     block_m, block_q, block_n = _block_shape(head_dim, group, meta.max_query_len)
+    tiling = (_decode_tiling or _measured_decode_tiling(head_dim)) if meta.max_query_len <= 1 else DecodeTiling()
+    extra = {"num_stages": tiling.num_stages} if tiling.num_stages is not None else {}
     # Upper bound on query blocks over all sequences, known without a device sync.
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
@@ -332,9 +363,10 @@ def paged_attention_triton(
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=tiling.block_n or block_n,
         HAS_WINDOW=sliding_window is not None,
         IEEE_FP32=query.dtype == torch.float32,
-        num_warps=4,
+        num_warps=tiling.num_warps,
+        **extra,
     )
     return out

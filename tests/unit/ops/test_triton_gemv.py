@@ -60,6 +60,57 @@ def test_gated_with_norm(dtype: torch.dtype) -> None:
     _close(got, silu_mul_ref(rms_norm(x, norm, 1e-6) @ gate_up.T))
 
 
+# products summed in registers (the batch-1 form): narrow programs, K in one tile or several, 1 to 5 rows
+ROW_CONFIGS = [tg.GemvConfig(block_n=2, block_k=1024, num_warps=2, num_stages=1, dot=False),
+               tg.GemvConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, dot=False)]
+
+
+@pytest.mark.parametrize("config", ROW_CONFIGS, ids=["narrow-one-tile", "k-tiles"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_row_products_fold_the_same_ops(config: object, rows: int) -> None:
+    x, gate_up, norm, residual = _case(rows, 200, 2 * 37, torch.float32, seed=3)
+    weight = gate_up[:37]
+    _close(tg.gemv(x, weight, residual=residual[:, :37], config=config), residual[:, :37] + x @ weight.T)
+    _close(tg.gemv(x, gate_up, norm_weight=norm, eps=1e-6, gated=True, config=config),
+           silu_mul_ref(rms_norm(x, norm, 1e-6) @ gate_up.T))
+    xb, wb = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    _close(tg.gemv(xb, wb, norm_weight=norm.to(torch.bfloat16), eps=1e-6, config=config),
+           rms_norm(xb, norm.to(torch.bfloat16), 1e-6) @ wb.T)
+
+
+def test_tuned_tilings_are_looked_up_by_shape_and_rows() -> None:
+    best = {"o@1": {"n": 576, "k": 576, "gated": False, "config": {**ROW_CONFIGS[0].__dict__}},
+            "o@8": {"n": 576, "k": 576, "gated": False,
+                    "config": {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2, "dot": True}}}
+    old = tg.use_tuned_table(tg.tuned_table(best))
+    try:
+        assert tg.config_for(1, 576, 576, False) == ROW_CONFIGS[0]
+        assert tg.config_for(5, 576, 576, False).block_n == 32 == tg.config_for(16, 576, 576, False).block_n
+        # another shape: one row in registers, K in one tile; more rows on the tensor cores
+        assert tg.config_for(1, 576, 576, True) == tg.one_row_config(576) == tg.GemvConfig(4, 1024, 4, 1, dot=False)
+        assert tg.config_for(1, 3000, 4096, False).block_k == 2048
+        assert tg.config_for(2, 576, 576, True) == tg.DEFAULT_CONFIG
+    finally:
+        tg.use_tuned_table(old)
+
+
+def test_the_committed_tilings_are_valid_for_the_shapes_they_name() -> None:
+    """Each GPU's table in triton_gemv_tuned.json parses, and each tiling runs its shape (here, through the
+    interpreter at one row) to the same result as the default tiling."""
+    import json
+
+    tables = {device: tg.tuned_table(best) for device, best in json.loads(tg.TUNED_FILE.read_text()).items()
+              if not device.startswith("_")}
+    assert tables and all(tables.values())
+    for table in tables.values():
+        for (n, k, gated, rows), config in table.items():
+            assert config.block_n >= 16 or not config.dot, config
+            if rows == 1 and n <= 960:  # the interpreter is slow: the smaller projections
+                x, weight, _, _ = _case(1, k, 2 * n if gated else n, torch.float32, seed=n)
+                _close(tg.gemv(x, weight, gated=gated, config=config), tg.gemv(x, weight, gated=gated,
+                                                                             config=tg.DEFAULT_CONFIG))
+
+
 def test_rejects_what_it_would_misread() -> None:
     x, weight, _, _ = _case(17, 64, 32, torch.float32)
     with pytest.raises(AssertionError):
@@ -67,3 +118,5 @@ def test_rejects_what_it_would_misread() -> None:
     with pytest.raises(AssertionError):
         tg.gemv(x[:2], weight.to(torch.bfloat16))
     assert tg.gemv(x[:0], weight).shape == (0, 32)
+    with pytest.raises(AssertionError):  # tensor-core tiles are 16 columns wide at least
+        tg.gemv(x[:2], weight, config=tg.GemvConfig(block_n=8))
