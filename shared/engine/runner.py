@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -261,13 +262,13 @@ class ModelRunner:
         soft_values: list[torch.Tensor] = []
         bidirectional: dict[int, list[tuple[int, int]]] = {}
         max_blocks = max((len(c.block_ids) for c in plan.chunks), default=1)
-        tables = torch.zeros((len(plan.chunks), max_blocks), dtype=torch.int32)
+        tables = np.zeros((len(plan.chunks), max_blocks), dtype=np.int32)
         self._encode_media(plan)
         for i, chunk in enumerate(plan.chunks):
             lo = len(ids)
             ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.start_pos + chunk.num_tokens))
-            tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int32)
+            tables[i, : len(chunk.block_ids)] = chunk.block_ids
             query_lens.append(chunk.num_tokens)
             seq_lens.append(chunk.start_pos + chunk.num_tokens)
             prev_row.append(prev_rows[chunk.request_id] if chunk.continues and prev_rows is not None else -1)

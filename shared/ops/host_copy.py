@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -38,43 +39,59 @@ def tensor_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.
 
 _ALIGN = 16  # bytes: each part's slice starts where any dtype's view (and a vectorized kernel load) may
 
+# A step's host values are a few short lists: numpy makes each an array in a microsecond or two, where a torch
+# tensor per list (and a copy of each into the buffer) cost the zero-bubble loop's host ~10 us apiece.
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.uint8: np.uint8,
+          torch.bool: np.bool_}
+_TORCH = {np.dtype(v): k for k, v in _NUMPY.items()}
 
-def pack_host(tensors: Sequence[torch.Tensor], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """The tensors' bytes in one uint8 buffer (pinned if asked), each at an offset aligned to 16 bytes."""
+HostValue = Sequence[Any] | np.ndarray | torch.Tensor
+
+
+def as_array(values: HostValue, dtype: torch.dtype) -> np.ndarray:
+    """A host value (a list, a numpy array or a host tensor) as a contiguous numpy array of `dtype`."""
+    if isinstance(values, torch.Tensor):
+        values = values.numpy()
+    return np.ascontiguousarray(values, dtype=_NUMPY[dtype])
+
+
+def pack_host(arrays: Sequence[np.ndarray | torch.Tensor], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The arrays' bytes in one uint8 buffer (pinned if asked), each at an offset aligned to 16 bytes."""
+    arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in arrays]
     offsets, total = [], 0
-    for t in tensors:
+    for a in arrays:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
     buffer = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
-    for t, at in zip(tensors, offsets, strict=True):
-        _part(buffer, t, at).copy_(t)
+    view = buffer.numpy()
+    for a, at in zip(arrays, offsets, strict=True):
+        view[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     return buffer, offsets
 
 
-def _part(buffer: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
-    """The slice of `buffer` at byte `at` seen as a tensor of `like`'s dtype and shape."""
-    return buffer[at : at + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+def unpack(buffer: torch.Tensor, like: Sequence[np.ndarray | torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """Views of a `pack_host` buffer (or a copy of it on another device) as the arrays it was packed from."""
+    parts = []
+    for a, at in zip(like, offsets, strict=True):
+        dtype = a.dtype if isinstance(a, torch.Tensor) else _TORCH[a.dtype]
+        flat = buffer[at : at + a.nbytes].view(dtype)
+        parts.append(flat if a.ndim == 1 else flat.view(tuple(a.shape)))
+    return parts
 
 
-def unpack(buffer: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
-    """Views of a `pack_host` buffer (or a copy of it on another device) as the tensors it was packed from."""
-    return [_part(buffer, t, at) for t, at in zip(like, offsets, strict=True)]
-
-
-def pack_to_device(parts: Sequence[tuple[Sequence[Any] | torch.Tensor, torch.dtype]],
-                   device: torch.device | str) -> list[torch.Tensor]:
-    """Several host values (each a list or a host tensor, with its dtype) on `device`.
+def pack_to_device(parts: Sequence[tuple[HostValue, torch.dtype]], device: torch.device | str) -> list[torch.Tensor]:
+    """Several host values (each a list, a numpy array or a host tensor, with its dtype) on `device`.
 
     On CUDA in one enqueued copy: a step's inputs are ten small tensors, and each copy is a driver call that
     costs the host more than the bytes (~20 us apiece under a sandboxed kernel). Each comes back as a view of
-    its slice of the one device buffer. Elsewhere, plain tensors.
+    its slice of the one device buffer. Elsewhere, tensors over the numpy arrays.
     """
-    tensors = [v.to(dtype) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=dtype) for v, dtype in parts]
+    arrays = [as_array(v, dtype) for v, dtype in parts]
     device = torch.device(device)
     if device.type != "cuda":
-        return [t.to(device) for t in tensors]
-    buffer, offsets = pack_host(tensors, pin=True)
-    return unpack(buffer.to(device, non_blocking=True), tensors, offsets)
+        return [torch.from_numpy(a).to(device) for a in arrays]
+    buffer, offsets = pack_host(arrays, pin=True)
+    return unpack(buffer.to(device, non_blocking=True), arrays, offsets)
 
 
 def to_host_async(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,11 +33,23 @@ def test_a_copy_of_the_buffer_unpacks_the_same() -> None:
     assert all(torch.equal(g, w) for g, w in zip(unpack(copy, parts, offsets), parts, strict=True))
 
 
+def test_numpy_arrays_pack_as_the_tensors_would() -> None:
+    parts = _parts()
+    arrays = [p.numpy() for p in parts]
+    buffer, offsets = pack_host(arrays)
+    assert offsets == pack_host(parts)[1]
+    for got, want in zip(unpack(buffer, arrays, offsets), parts, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_pack_to_device_on_the_cpu() -> None:
-    got = pack_to_device([([1, 2], torch.int64), ([], torch.int64), (torch.ones(2, 3, dtype=torch.int64), torch.int32)],
-                         "cpu")
-    assert torch.equal(got[0], torch.tensor([1, 2])) and got[1].numel() == 0
+    table = np.zeros((2, 3), dtype=np.int64)
+    table[1, :2] = [5, 6]
+    got = pack_to_device([([1, 2], torch.int64), ([], torch.int64), (torch.ones(2, 3, dtype=torch.int64), torch.int32),
+                          (table, torch.int32)], "cpu")
+    assert torch.equal(got[0], torch.tensor([1, 2])) and got[1].numel() == 0 and got[1].dtype == torch.int64
     assert got[2].dtype == torch.int32 and torch.equal(got[2], torch.ones(2, 3, dtype=torch.int32))
+    assert got[3].dtype == torch.int32 and got[3].tolist() == [[0, 0, 0], [5, 6, 0]]
 
 
 @pytest.mark.gpu
