@@ -19,6 +19,7 @@ machine; speed does not depend on the values). Writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import threading
@@ -133,10 +134,12 @@ def setup_name(loop: str, graphs: bool) -> str:
 
 
 def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len: int, new_tokens: int,
-            dtype: str, device: str, profile_dir: Path | None = None) -> tuple[dict[str, Any], list[list[int]]]:
+            dtype: str, device: str, profile_dir: Path | None = None,
+            scheduler_steps: int = 1) -> tuple[dict[str, Any], list[list[int]]]:
     engine = LLMEngine(EngineConfig(model=loaded.name, device=device, dtype=dtype, max_model_len=2048,
                                     kv_cache_bytes=2 << 30, async_scheduling=loop == "async",
-                                    cuda_graphs=graphs, max_num_seqs=max(batch, 8)), loaded=loaded)
+                                    cuda_graphs=graphs, max_num_seqs=max(batch, 8),
+                                    num_scheduler_steps=scheduler_steps), loaded=loaded)
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, loaded.spec.vocab_size, (prompt_len,), generator=gen).tolist()
                for _ in range(batch)]
@@ -159,10 +162,12 @@ def run_one(loaded: LoadedModel, loop: str, graphs: bool, batch: int, prompt_len
         step()
     cuda = torch.device(engine.config.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # steps 16-47 run under the profiler and sync debug mode, and are left out of the timing
+    # steps 16-47 run under the profiler and sync debug mode, and are left out of the timing (single steps only:
+    # bursts make too few steps for the window)
+    window_on = cuda and scheduler_steps == 1
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                              torch.profiler.ProfilerActivity.CUDA]) if cuda else None
-    syncs = SyncPoints(cuda)
+                                              torch.profiler.ProfilerActivity.CUDA]) if window_on else None
+    syncs = SyncPoints(window_on)
     steps = window = timed_steps = timed_tokens = 0
     timed_s = 0.0
     sync()
@@ -280,34 +285,47 @@ def hbm_bandwidth(device: str) -> float:
     return 2 * (1 << 30) / sorted(times[2:])[2]
 
 
-def report(result: dict[str, Any], name: str) -> str:
-    """The README's table of a run: per batch and set of ops, decode tok/s in each loop (same run, same GPU)."""
-    rows = [r for r in result["rows"] if "error" not in r]
-    ops_order = list(dict.fromkeys(r.get("ops", "torch") for r in rows))
+def _ops_label(row: dict[str, Any]) -> str:
+    steps = row.get("scheduler_steps", 1)
+    return row.get("ops", "torch") + (f", {steps} steps a burst" if steps > 1 else "")
+
+
+def report(results: list[dict[str, Any]], names: list[str]) -> str:
+    """The README's table of a run (or of runs of one call, one batch size each): per batch and set of ops,
+    decode tok/s in each loop (same GPU)."""
+    rows = [{**r, "ops": _ops_label(r)} for result in results for r in result["rows"] if "error" not in r]
+    ops_order = list(dict.fromkeys(r["ops"] for r in rows))
+    result = results[0]
+    name = "`, `bench/results/".join(names)
     lines = [
         f"`bench/cuda_loop.py` on an {result['device']} (`bench/results/{name}`; random weights with SmolLM2-135M's "
         f"shapes, {result['dtype']}, {result['prompt_len']}-token prompts, {result['new_tokens']} new tokens; "
         f"device-to-device copy {result.get('hbm_gb_per_s')} GB/s), decode tokens/s:", "",
-        "| batch | ops | eager, sync | graphs, sync | graphs, zero-bubble | vs first ops | GPU busy "
+        "| batch | ops | eager, sync | graphs, sync | graphs, zero-bubble | best loop vs first ops' | GPU busy "
         "| of HBM bound | forward alone (graph replays, ms) | greedy agreement |",
         "|---|---|---|---|---|---|---|---|---|---|"]
     for batch in dict.fromkeys(r["batch"] for r in rows):
-        cell = {(r.get("ops", "torch"), r["loop"], r["cuda_graphs"]): r for r in rows if r["batch"] == batch}
-        base = cell.get((ops_order[0], "async", True))
-        for ops in ops_order:
-            best = cell.get((ops, "async", True))
+        cell = {(r["ops"], r["loop"], r["cuda_graphs"]): r for r in rows if r["batch"] == batch}
+
+        def fastest(ops: str, cell: dict[Any, dict[str, Any]] = cell) -> dict[str, Any] | None:
+            runs = [r for (o, _, _), r in cell.items() if o == ops]
+            return max(runs, key=lambda r: r["tok_per_s"]) if runs else None
+
+        base = fastest(ops_order[0])
+        for ops in [o for o in ops_order if fastest(o)]:
+            best = fastest(ops)
+            assert best is not None
 
             def tps(loop: str, graphs: bool, ops: str = ops, cell: dict[Any, dict[str, Any]] = cell) -> str:
                 r = cell.get((ops, loop, graphs))
                 return f"{r['tok_per_s']:.1f}" if r else "-"
 
-            ratio = f"{best['tok_per_s'] / base['tok_per_s']:.2f}x" if best and base else "-"
+            ratio = f"{best['tok_per_s'] / base['tok_per_s']:.2f}x" if base else "-"
+            busy = best["gpu_busy_fraction"] if best.get("profiled_steps") else "-"
             lines.append(
                 f"| {batch} | {ops} | {tps('sync', False)} | {tps('sync', True)} | {tps('async', True)} | {ratio} "
-                f"| {best['gpu_busy_fraction'] if best else '-'} "
-                f"| {best.get('fraction_of_hbm_bound', '-') if best else '-'} "
-                f"| {best.get('graph_replay_ms', '-') if best else '-'} "
-                f"| {best.get('agreement_with_first_ops', 1.0) if best else '-'} |")
+                f"| {busy} | {best.get('fraction_of_hbm_bound', '-')} | {best.get('graph_replay_ms', '-')} "
+                f"| {best.get('agreement_with_first_ops', 1.0)} |")
     return "\n".join(lines)
 
 
@@ -325,7 +343,7 @@ def profile_host(loaded: LoadedModel, args: argparse.Namespace) -> None:
                                     max_num_seqs=max(batch, 8)), loaded=loaded)
     prompts = [[5 + i] * args.prompt_len for i in range(batch)]
     engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm up
-    phases: Counter[str] = Counter()
+    phases: dict[str, float] = {}
 
     def timed(owner: Any, name: str) -> None:
         inner = getattr(owner, name)
@@ -335,7 +353,7 @@ def profile_host(loaded: LoadedModel, args: argparse.Namespace) -> None:
             try:
                 return inner(*a, **k)
             finally:
-                phases[name] += time.perf_counter() - t0
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
 
         setattr(owner, name, wrapper)
 
@@ -365,7 +383,7 @@ def profile_host(loaded: LoadedModel, args: argparse.Namespace) -> None:
         wall = time.perf_counter() - t0
         report.append(f"{label}: {steps} steps, {1e3 * wall / steps:.3f} ms a step; us a step by phase "
                       "(nested: execute holds graphs.run, _sample, compute_logits; _resolve holds update): "
-                      + json.dumps({k: round(1e6 * v / steps, 1) for k, v in phases.most_common()}))
+                      + json.dumps({k: round(1e6 * v / steps, 1) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}))
         if profiler is not None:
             text = io.StringIO()
             stats = pstats.Stats(profiler, stream=text)
@@ -444,6 +462,9 @@ def main() -> None:
                         help="the layers' elementwise ops: torch's, the Triton kernels, or those and the GEMV "
                              "kernel for batches up to 16, untuned (the tensor-core tiling throughout, decode "
                              "attention in prefill's tiles) or tuned (the first is the baseline)")
+    parser.add_argument("--scheduler-steps", type=int, nargs="+", default=[1],
+                        help="num_scheduler_steps values to run each setup with (multi-step decode; greedy tokens "
+                             "must equal the first's)")
     parser.add_argument("--gemv-tuned", type=Path,
                         help="a bench/gemv_tune.py result whose fastest tilings the gemv-tuned ops take (default: "
                              "shared/ops/triton_gemv_tuned.json's for this GPU)")
@@ -455,16 +476,19 @@ def main() -> None:
                         help="also write where the host's time goes (cProfile of the synchronous loop, "
                              "torch op table) beside the JSON")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--report", type=Path,
-                        help="write the README table of this result JSON and exit (runs go on a lent GPU; "
+    parser.add_argument("--report", type=Path, nargs="+",
+                        help="write the README table of these result JSONs and exit (runs go on a lent GPU; "
                              "the table is made where the repo is)")
+    parser.add_argument("--report-block", default="cuda_loop",
+                        help="the README block the table replaces (cuda_loop: ops and tilings; "
+                             "cuda_loop_steps: multi-step decode)")
     args = parser.parse_args()
     if args.report:
         from bench.serve_report import write_block
 
-        table = report(json.loads(args.report.read_text()), args.report.name)
+        table = report([json.loads(path.read_text()) for path in args.report], [path.name for path in args.report])
         for readme in (Path(__file__).parent / "README.md", Path(__file__).parent.parent / "README.md"):
-            write_block(readme, "cuda_loop", table)
+            write_block(readme, args.report_block, table)
         print(table)
         return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -491,19 +515,22 @@ def main() -> None:
     for batch in args.batch:
         first: dict[str, tuple[dict[str, Any], list[list[int]]]] = {}
         for ops, loaded in models.items():
-            for loop, graphs in setups:
+            for (loop, graphs), steps in itertools.product(setups, args.scheduler_steps):
                 # the op table of batch 1 in the zero-bubble loop with graphs only (files back from a lent GPU
                 # are few)
-                tables = args.out if args.profile_host and loop == "async" and graphs and batch == 1 else None
+                tables = args.out if args.profile_host and loop == "async" and graphs and batch == 1 \
+                    and steps == args.scheduler_steps[0] else None
                 try:
                     with tilings(ops):
                         row, tokens = run_one(loaded, loop, graphs, batch, args.prompt_len, args.new_tokens,
-                                              args.dtype, args.device, tables)
+                                              args.dtype, args.device, tables, steps)
                 except Exception as e:  # one set of ops failing (a kernel that does not compile) spoils no other
                     log(f"{ops} {loop} graphs={graphs} batch {batch}: {traceback.format_exc()}")
-                    rows.append({"ops": ops, "loop": loop, "cuda_graphs": graphs, "batch": batch, "error": repr(e)})
+                    rows.append({"ops": ops, "loop": loop, "cuda_graphs": graphs, "batch": batch,
+                                 "scheduler_steps": steps, "error": repr(e)})
                     continue
                 row["ops"] = ops
+                row["scheduler_steps"] = steps
                 baseline = first.setdefault(ops, (row, tokens))
                 reference = next(iter(first.values()))  # the first ops' synchronous eager loop
                 # bit-equal within one set of ops; across them the rounding differs, so greedy paths may part

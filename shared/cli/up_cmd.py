@@ -96,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="eagle: greedy requests draft this tree of rank paths, e.g. '0;1;0.0;0.0.0'")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="decode's zero-bubble loop (plan step N+1 while step N runs); default: on with CUDA")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="multi-step decode: steps where every request decodes greedily with nothing reading its "
+                        "logits run up to this many decode steps per round of host work (a small model on a GPU)")
     p.add_argument("--redis-url", default="", help="registry; default: an in-process registry in the router")
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
@@ -221,6 +224,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
     spec = {"SPEC": args.spec, "NUM_SPECULATIVE_TOKENS": str(args.num_speculative_tokens)}
     if args.async_scheduling is not None:
         spec["ASYNC_SCHEDULING"] = str(args.async_scheduling).lower()
+    if args.num_scheduler_steps != 1:
+        spec["NUM_SCHEDULER_STEPS"] = str(args.num_scheduler_steps)
     if args.spec_eagle_head is not None:
         spec["SPEC_EAGLE_HEAD"] = str(args.spec_eagle_head)
     if args.spec_draft_model is not None:

@@ -70,6 +70,11 @@ class EngineConfig:
     # CPU cores, bench/structured.py with no limit: 1.63x at batch 1, 1.29x at 2, 0.97x at 4, 0.94x at 8,
     # 0.86x at 16)
     grammar_fast_forward_max_batch: int = 2
+    # multi-step decode (vLLM's --num-scheduler-steps): a step where every request decodes greedily with nothing
+    # reading its logits runs up to this many decode steps back to back, with one round of host work for all of
+    # them (Scheduler._plan_burst). For a small model on a GPU, where the host's work per step outlasts the
+    # step; tokens then stream in bursts of this many. 1 = off; a speculating or prefill engine keeps 1
+    num_scheduler_steps: int = 1
     # CUDA: replay decode steps from CUDA graphs captured at start (one per padded batch size; one KV
     # block more is allocated for padding rows). False = launch every kernel eagerly (vLLM's --enforce-eager)
     cuda_graphs: bool = True
@@ -105,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"spec_tree drafts with an EAGLE head: spec_method is {self.spec_method!r}")
         if self.spec_draft_num_layers < 1:
             raise ValueError(f"spec_draft_num_layers must be >= 1, got {self.spec_draft_num_layers}")
+        if not 1 <= self.num_scheduler_steps <= 64:
+            raise ValueError(f"num_scheduler_steps must be in [1, 64], got {self.num_scheduler_steps}")
 
     @property
     def precision(self) -> Precision:

@@ -133,6 +133,10 @@ class LLMEngine:
         sched_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.role,
             spec_needs_hidden=self.speculator is not None and self.speculator.uses_hidden_states,
+            # a proposer reads every step's tokens, and a prefill engine's requests end at their first token
+            # (grammar fast-forward drafts only for structured requests, which never burst)
+            num_scheduler_steps=(config.num_scheduler_steps if config.spec_method == "none"
+                                 and config.role != "prefill" else 1),
         )
         self.scheduler = Scheduler(sched_config, self.kv)
         if any(not 0 <= layer < spec.num_layers for layer in config.aux_hidden_layers):

@@ -84,6 +84,11 @@ class KVCacheManager:
             hit.append(block_id)
         return hit, None
 
+    def blocks_needed(self, request: Request, num_tokens_after_step: int) -> int:
+        """New blocks `allocate_slots(request, num_tokens_after_step)` would take (no prefix hits)."""
+        return max(cdiv(num_tokens_after_step, self.block_size) - len(self.block_tables.get(request.request_id, [])),
+                   0)
+
     def allocate_slots(
         self, request: Request, num_tokens_after_step: int, cached_block_ids: list[int] | None = None,
         host_writes: bool = False,

@@ -182,6 +182,8 @@ class InFlight:
     # the step before emitted something else: these drafts follow a wrong history and will most likely
     # be rejected, so a proposal made ahead of this step assumes none of them is accepted
     stale: bool = False
+    # multi-step decode: the step runs this many decode steps back to back and emits a token from each
+    burst: int = 1
 
 
 @dataclass
@@ -239,8 +241,8 @@ class Request:
 
     @property
     def num_inflight_tokens(self) -> int:
-        """Tokens the planned steps will emit if every draft is accepted."""
-        return sum(len(e.drafts) + 1 for e in self.inflight)
+        """Tokens the planned steps will emit if every draft is accepted (and no stop cuts a burst short)."""
+        return sum(len(e.drafts) + e.burst for e in self.inflight)
 
     @property
     def num_tokens_ahead(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -423,6 +423,9 @@ class ModelRunner:
         self.finish(inputs, prev)
         input_ids, positions, meta = inputs.forward_inputs()
         plan = inputs.plan
+        burst = plan.chunks[0].burst if plan.chunks else 1
+        if burst > 1:
+            return self._execute_burst(inputs, burst)
         captured = {layer: torch.empty(0) for layer in self.aux_hidden_layers} if inputs.hidden_spans else None
         masks = self._start_masks(inputs, prev)
         if self.graphs is not None and on_layer_done is None and captured is None and inputs.soft_tokens is None \
@@ -469,6 +472,40 @@ class ModelRunner:
             emitted = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in rows])
             out.device = PrevOutputs(emitted, torch.cat(counts), torch.cat(drafts))
             out.stage_to_host()
+        return out
+
+    def _execute_burst(self, inputs: StepInputs, burst: int) -> StepOutput:
+        """`burst` greedy decode steps back to back, each fed the tokens the one before chose, with nothing read
+        on the host in between; row r of the output holds request r's `burst` tokens.
+
+        The scheduler plans a burst only for one-token greedy decodes with nothing reading their logits
+        (`Scheduler._plan_burst`), so each step is the plain step's forward, LM head and argmax (the sampler's
+        greedy rule), and the KV slots of all of them are reserved.
+        """
+        plan = inputs.plan
+        assert all(c.burst == burst and c.num_tokens == 1 and c.sample and not c.num_draft_tokens
+                   and c.params.is_greedy for c in plan.chunks), "a burst of plain greedy decodes only"
+        input_ids, positions, meta = inputs.forward_inputs()
+        block_size = self.layout.block_size
+        rows = torch.arange(len(plan.chunks), device=self.device)
+        steps: list[torch.Tensor] = []
+        for step in range(burst):
+            if step:  # the next position of every sequence, its slot from the same tables
+                input_ids, positions = steps[-1], positions + 1
+                meta = replace(
+                    meta, positions=positions, seq_lens=meta.seq_lens + 1,
+                    seq_lens_host=[n + 1 for n in meta.seq_lens_host], step_cache={},
+                    slot_mapping=meta.block_tables[rows, positions // block_size].long() * block_size
+                    + positions % block_size)
+            if self.graphs is not None and self.graphs.fits(meta):
+                hidden = self.graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model.forward(input_ids, positions, self.model_kv, meta)
+            steps.append(torch.argmax(self.model.compute_logits(hidden), dim=-1))
+        emitted = torch.stack(steps, dim=1)  # [n, burst]
+        out = StepOutput(plan, inputs.rows, PrevOutputs(
+            emitted, torch.full_like(steps[0], burst), torch.full_like(steps[0], burst - 1)))
+        out.stage_to_host()
         return out
 
     def _positions_below_min(self, inputs: StepInputs, prev: StepOutput | None) -> torch.Tensor | None:

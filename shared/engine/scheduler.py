@@ -89,12 +89,17 @@ class SchedulerConfig:
     spec_needs_hidden: bool = False  # the proposer reads the target's hidden states (EAGLE)
     # A waiting request whose next uncached block a planned step is filling waits for it (see module doc)
     share_planned_prefixes: bool = True
+    # multi-step decode: a step where every request decodes greedily with nothing reading its logits runs up
+    # to this many decode steps back to back (vLLM's --num-scheduler-steps); see `_plan_burst`
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
 
 
 @dataclass
@@ -123,6 +128,9 @@ class ScheduledChunk:
     continues: bool = False
     epoch: int = 0  # the request's preemption count when planned: a result from an older epoch is stale
     group_block_ids: list[list[int]] = field(default_factory=list)  # its tables in the other layer groups
+    # multi-step decode: the chunk's one token starts `burst` decode steps run back to back, each fed the
+    # token the one before sampled (greedy); KV slots are reserved for all of them and a token comes from each
+    burst: int = 1
     # logits processing that reads the output so far (penalties, grammars): the request's output list
     # (appended to, never rewritten) and how much of it was known when planned. The history before this
     # chunk's first sampled position is its first num_known_outputs tokens, plus (continuing chunks) what
@@ -177,7 +185,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.handoff_pending: dict[str, Request] = {}
         self.num_preemptions_total = 0
-        self.num_scheduled_tokens_total = 0  # tokens planned for computing (drafts included), over all steps
+        self.num_scheduled_tokens_total = 0
+        self.num_bursts_total = 0  # plans that ran several decode steps back to back (num_scheduler_steps)  # tokens planned for computing (drafts included), over all steps
         # a second tier for preempted contexts (kv_spill.py): told of a preempted request before its blocks are
         # freed, and of a resuming one before its admission looks up the prefix cache (True: admit it later)
         self.on_preempt: Callable[[Request], None] | None = None
@@ -223,6 +232,7 @@ class Scheduler:
         plan = SchedulerPlan()
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
+        burst = self._plan_burst()
         for request in list(self.running):
             if budget <= 0:  # an image kept whole may take a chunk past the budget
                 break
@@ -236,16 +246,47 @@ class Scheduler:
                                  min(request.num_tokens_ahead - request.num_computed_tokens, budget))
             tree = request.spec_tree
             drafts = self._fit_drafts(request, num_new, budget)
-            if not self._reserve(request, num_new, plan, scheduled):
+            if not self._reserve(request, num_new + burst - 1, plan, scheduled):
                 continue
             tree = tree.prefix(len(drafts)) if tree is not None and drafts else None
-            plan.chunks.append(self._chunk(request, num_new, drafts, tree if tree and not tree.is_chain else None))
+            plan.chunks.append(self._chunk(request, num_new, drafts, tree if tree and not tree.is_chain else None,
+                                           burst))
             scheduled.append(request)
             budget -= num_new + len(drafts)
-        if not plan.preempted_ids:
+        if not plan.preempted_ids and burst == 1:
             self._admit_waiting(plan, budget)
         self.num_scheduled_tokens_total += plan.num_tokens
+        if burst > 1:
+            self.num_bursts_total += 1
         return plan
+
+    def _plan_burst(self) -> int:
+        """Decode steps this plan runs back to back: num_scheduler_steps when nobody waits and every running
+        request decodes one token greedily with nothing reading its logits (no logprobs, penalties, grammar,
+        bias, min_tokens, drafts) and has that many tokens left before max_tokens and max_model_len; else 1.
+
+        A burst reads nothing on the host between its steps, which is what makes it pay where the host's work
+        per step outlasts the GPU's (a small model on a GPU). A stop inside a burst drops the tokens after it.
+        """
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or self.waiting or not self.running:
+            return 1
+        for request in self.running:
+            params = request.params
+            if (not params.is_greedy or params.logprobs is not None or params.processes_logits
+                    or params.min_tokens > request.num_output_tokens or request.spec_token_ids
+                    or request.media and request.num_computed_tokens < request.num_prompt_tokens
+                    or request.num_tokens_ahead - request.num_computed_tokens != 1
+                    or self.kv.group_block_ids(request.request_id)):  # layer groups: the runner bursts one table
+                return 1
+            left = min(params.max_tokens - request.num_output_tokens,
+                       self.config.max_model_len - request.num_tokens) - request.num_inflight_tokens
+            steps = min(steps, left)
+            if steps <= 1:
+                return 1
+        # reserving a burst's slots never preempts: short of blocks, the plan decodes one step
+        need = sum(self.kv.blocks_needed(r, r.num_computed_tokens + steps) for r in self.running)
+        return steps if need <= self.kv.num_free_blocks else 1
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """The tokens already in flight are certain to end the request (each entry emits at least one)."""
@@ -327,9 +368,9 @@ class Scheduler:
         plan.preempted_ids.append(request.request_id)
 
     def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None,
-               tree: DraftTree | None = None) -> ScheduledChunk:
-        """Plan `num_new` tokens (then `drafts`, the nodes of `tree` when given) of `request` and advance it
-        past them."""
+               tree: DraftTree | None = None, burst: int = 1) -> ScheduledChunk:
+        """Plan `num_new` tokens (then `drafts`, the nodes of `tree` when given; or a burst of decode steps)
+        of `request` and advance it past them."""
         drafts = drafts or []
         start = request.num_computed_tokens
         end = start + num_new
@@ -369,12 +410,13 @@ class Scheduler:
             num_known_outputs=request.num_output_tokens,
             media=[m for m in request.media if m.item.offset < end and m.item.end > start],
             bidirectional_images=request.bidirectional_images,
+            burst=burst,
         )
-        request.num_computed_tokens = end + len(drafts)
+        request.num_computed_tokens = end + len(drafts) + burst - 1
         if sample:
             ahead = continues and bool(drafts) and request.spec_guess is not None
             request.inflight.append(InFlight(drafts, request.spec_assumed_accepted if ahead else 0,
-                                             request.spec_guess if ahead else None))
+                                             request.spec_guess if ahead else None, burst=burst))
         request.spec_guess = None
         return chunk
 
@@ -402,12 +444,14 @@ class Scheduler:
 
     def _update_sampled(self, request: Request, chunk: ScheduledChunk, result: StepResult) -> RequestOutput:
         """Append the emitted tokens in order up to the first stop; drop what rejected drafts held."""
-        drafts = request.inflight.pop(0).drafts
+        entry = request.inflight.pop(0)
+        drafts = entry.drafts
         assert len(drafts) == chunk.num_draft_tokens, (request.request_id, drafts, chunk.num_draft_tokens)
         token_ids = result.emitted[chunk.request_id]
         logprobs = result.logprobs.get(chunk.request_id, [])
         # planned as if all drafts were accepted: the rejected ones' positions are not computed after all
-        num_rejected = len(drafts) - (len(token_ids) - 1)
+        # (a burst emits a token from each of its steps)
+        num_rejected = len(drafts) + entry.burst - len(token_ids)
         request.num_computed_tokens -= num_rejected
         if request.inflight and request.inflight[0].guess is not None:  # proposed ahead of this step
             later = request.inflight[0]

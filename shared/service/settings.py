@@ -89,6 +89,9 @@ class EngineServiceSettings(BaseSettings):
     async_scheduling: bool | None = Field(default=None, description="zero-bubble loop: plan step N+1 while "
                                           "step N runs (decode / colocated; draft and eagle keep the synchronous "
                                           "loop); unset = on with CUDA, off on the CPU")
+    num_scheduler_steps: int = Field(default=1, ge=1, le=64, description="multi-step decode: steps where every "
+                                     "request decodes greedily with nothing reading its logits run up to this "
+                                     "many decode steps per round of host work (tokens stream in bursts); 1 = off")
     cuda_graphs: bool = Field(default=True, description="CUDA: replay decode steps and the vision "
                               "encoder (per image-size bucket) from captured CUDA graphs; false = launch kernels "
                               "eagerly")
@@ -112,6 +115,7 @@ class EngineServiceSettings(BaseSettings):
             spec_disable_batch_size=self.spec_disable_batch_size, spec_tree=self.spec_tree,
             aux_hidden_layers=self.aux_hidden_layers,
             async_scheduling=self.async_scheduling, cuda_graphs=self.cuda_graphs,
+            num_scheduler_steps=self.num_scheduler_steps,
             grammar_fast_forward=self.grammar_fast_forward,
             grammar_fast_forward_max_batch=self.grammar_fast_forward_max_batch,
         )

@@ -47,6 +47,20 @@ def test_zero_bubble_loop_is_the_engines_choice_unless_told() -> None:
     assert decode.env["BATON_DECODE_ASYNC_SCHEDULING"] == "false"
 
 
+def test_num_scheduler_steps_reaches_the_decode_engine() -> None:
+    (decode,) = [c for c in plan().children if c.service == "decode"]
+    assert "BATON_DECODE_NUM_SCHEDULER_STEPS" not in decode.env
+    (decode,) = [c for c in plan("--num-scheduler-steps", "8").children if c.service == "decode"]
+    assert decode.env["BATON_DECODE_NUM_SCHEDULER_STEPS"] == "8"
+
+
+def test_num_scheduler_steps_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.decode.settings import DecodeSettings
+
+    monkeypatch.setenv("BATON_DECODE_NUM_SCHEDULER_STEPS", "8")
+    assert DecodeSettings().engine_config("decode").num_scheduler_steps == 8
+
+
 def test_spec_disable_batch_size_reaches_the_decode_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.decode.settings import DecodeSettings
 
