@@ -137,6 +137,11 @@ class BlockPool:
         if self._held is None:
             self._held = OrderedDict()
 
+    @property
+    def holding_frees(self) -> bool:
+        """A step is in flight: blocks freed since it was submitted are closed to host writers."""
+        return self._held is not None
+
     def release_held_frees(self) -> None:
         """The step has ended: held blocks join the free list's tail, open to everyone."""
         held, self._held = self._held, None

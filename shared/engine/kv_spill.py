@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MAX_WAITS = 4  # steps a resuming request waits for blocks to read its parked context into
+_MAX_WAITS = 4  # steps a resuming request waits for blocks held by the steps in flight to read its context into
 _POLL_S = 0.0002  # between polls of a blocking transfer: short against a block's copy, long against a poll
 _PARKED = HandoffResult(first_token_id=0, first_logprobs=None)  # what a parked context commits: nothing to decode
 
@@ -146,8 +146,11 @@ class KVSpill:
             finally:
                 e.kv.free(holder)  # what it holds, and what its lookup noted for its allocation
         if need is not None:
-            if e.pool.num_free_blocks < need:
-                return True  # no room even for its admission, which would wait anyway: not a wait of ours
+            # no room (in the full layers' pool, or in a sliding group's when the step in flight holds no frees)
+            # even for its admission, which would wait anyway: not a wait of ours. Only blocks a step in flight
+            # keeps from host writes make it one, and those open when the step ends
+            if e.pool.num_free_blocks < need or not e.pool.holding_frees:
+                return True
             if request.num_spill_waits < _MAX_WAITS:
                 request.num_spill_waits += 1
                 return True
