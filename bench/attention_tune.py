@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import torch
 
-from bench.gemv_tune import log, timer
+from bench.gemv_tune import add_device_args, device_setup, log
 from bench.results_file import write_results
 from shared.ops.attention import AttentionMetadata, paged_attention_ref
 
@@ -55,18 +54,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, nargs="+", default=[192, 1024])
     parser.add_argument("--quick", action="store_true", help="a 2-point grid")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_device_args(parser)
     args = parser.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit("bench/attention_tune.py needs a CUDA device (or --device cpu for a smoke run)")
+    dtype, bench = device_setup(args, "attention_tune.py")
     from shared.ops import triton_attention as ta
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    bench = timer(args.device)
     grid = QUICK_GRID if args.quick else GRID
     tilings = [ta.DecodeTiling(*values) for values in itertools.product(*grid.values())]
-    default = ta.DecodeTiling()
+    untuned = ta.DecodeTiling()  # prefill's tiles: "default_us" below, the baseline of the measured rule
     gen = torch.Generator().manual_seed(0)
     points: list[dict[str, Any]] = []
     best: dict[str, Any] = {}
@@ -75,12 +70,12 @@ def main() -> None:
         call, _ = decode_batch(batch, context, dtype, args.device, gen)
         want = paged_attention_ref(*call).float()
         row: dict[str, Any] = {"batch": batch, "context": context, "tilings": []}
-        for tiling in [default, *tilings]:
+        for tiling in [untuned, *tilings]:
             old = ta.use_decode_tiling(tiling)
             try:
                 got = ta.paged_attention_triton(*call).float()
                 err = float((got - want).abs().max() / want.abs().max())
-                us = bench(lambda call=call: ta.paged_attention_triton(*call))
+                us = bench(partial(ta.paged_attention_triton, *call))
                 row["tilings"].append({**tiling.__dict__, "us": round(us, 2), "max_rel_err": round(err, 5)})
             except Exception as e:  # a tiling that does not compile: recorded
                 row["tilings"].append({**tiling.__dict__, "error": f"{type(e).__name__}: {str(e)[:200]}"})

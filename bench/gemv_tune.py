@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,19 @@ def timer(device: str) -> Callable[[Callable[[], Any]], float]:
     return wall
 
 
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """--device and --out, as the tuning benches share them."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+
+
+def device_setup(args: argparse.Namespace, script: str) -> tuple[torch.dtype, Callable[[Callable[[], Any]], float]]:
+    """The dtype a tuning bench times in (bf16 on a GPU; fp32 through the interpreter) and its timer."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"bench/{script} needs a CUDA device (or --device cpu for a smoke run)")
+    return (torch.bfloat16 if args.device.startswith("cuda") else torch.float32), timer(args.device)
+
+
 def tune_shape(name: str, n: int, k: int, fold: str, rows: int, configs: list[Any], dtype: torch.dtype,
                device: str, bench: Callable[[Callable[[], Any]], float], gen: torch.Generator) -> dict[str, Any]:
     """One projection at `rows` rows: cuBLAS alone, the unfused sequence, and the kernel in every tiling."""
@@ -106,7 +120,7 @@ def tune_shape(name: str, n: int, k: int, fold: str, rows: int, configs: list[An
         try:
             got = fused(config).float()
             err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
-            us = bench(lambda config=config: fused(config))
+            us = bench(partial(fused, config))
         except Exception as e:  # a tiling that does not compile (shared memory, registers): recorded
             row["configs"].append({**config.__dict__, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
@@ -124,15 +138,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--quick", action="store_true", help="an 8-point grid")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_device_args(parser)
     args = parser.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit("bench/gemv_tune.py needs a CUDA device (or --device cpu for a smoke run)")
+    dtype, bench = device_setup(args, "gemv_tune.py")
     from shared.ops.triton_gemv import DEFAULT_CONFIG
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    bench = timer(args.device)
     gen = torch.Generator().manual_seed(0)
     points: list[dict[str, Any]] = []
     best: dict[str, Any] = {}
