@@ -185,8 +185,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.handoff_pending: dict[str, Request] = {}
         self.num_preemptions_total = 0
-        self.num_scheduled_tokens_total = 0
-        self.num_bursts_total = 0  # plans that ran several decode steps back to back (num_scheduler_steps)  # tokens planned for computing (drafts included), over all steps
+        self.num_scheduled_tokens_total = 0  # tokens planned for computing (drafts included), over all steps
+        self.num_bursts_total = 0  # plans that ran several decode steps back to back (num_scheduler_steps)
         # a second tier for preempted contexts (kv_spill.py): told of a preempted request before its blocks are
         # freed, and of a resuming one before its admission looks up the prefix cache (True: admit it later)
         self.on_preempt: Callable[[Request], None] | None = None
