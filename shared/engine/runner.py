@@ -421,11 +421,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, inputs: StepInputs, prev: StepOutput | None, on_layer_done: LayerDoneFn | None) -> StepOutput:
         self.finish(inputs, prev)
-        input_ids, positions, meta = inputs.forward_inputs()
         plan = inputs.plan
         burst = plan.chunks[0].burst if plan.chunks else 1
         if burst > 1:
             return self._execute_burst(inputs, burst)
+        input_ids, positions, meta = inputs.forward_inputs()
         captured = {layer: torch.empty(0) for layer in self.aux_hidden_layers} if inputs.hidden_spans else None
         masks = self._start_masks(inputs, prev)
         if self.graphs is not None and on_layer_done is None and captured is None and inputs.soft_tokens is None \
@@ -486,17 +486,16 @@ class ModelRunner:
         assert all(c.burst == burst and c.num_tokens == 1 and c.sample and not c.num_draft_tokens
                    and c.params.is_greedy for c in plan.chunks), "a burst of plain greedy decodes only"
         input_ids, positions, meta = inputs.forward_inputs()
-        block_size = self.layout.block_size
-        rows = torch.arange(len(plan.chunks), device=self.device)
+        no_prev = torch.full((len(plan.chunks),), -1, dtype=torch.int64, device=self.device)
         steps: list[torch.Tensor] = []
         for step in range(burst):
-            if step:  # the next position of every sequence, its slot from the same tables
-                input_ids, positions = steps[-1], positions + 1
-                meta = replace(
-                    meta, positions=positions, seq_lens=meta.seq_lens + 1,
-                    seq_lens_host=[n + 1 for n in meta.seq_lens_host], step_cache={},
-                    slot_mapping=meta.block_tables[rows, positions // block_size].long() * block_size
-                    + positions % block_size)
+            if step:  # the next position of every sequence, its slot from the same tables (the step-inputs op)
+                nxt = _prepare_step_inputs(steps[-1], positions + 1, meta.seq_lens + 1, meta.query_start_loc,
+                                           meta.block_tables, no_prev, PrevOutputs.empty(self.device),
+                                           self.layout.block_size)
+                input_ids, positions = nxt.input_ids, nxt.positions
+                meta = replace(meta, positions=positions, seq_lens=nxt.seq_lens, slot_mapping=nxt.slot_mapping,
+                               seq_lens_host=[n + 1 for n in meta.seq_lens_host], step_cache={})
             if self.graphs is not None and self.graphs.fits(meta):
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
