@@ -6,13 +6,15 @@ step, the share of the step spent in torch ops (by op, self time) against the
 rest (Python: scheduler, sampling bookkeeping, KV slot updates), and the DRAM
 floor: weight bytes one step must read over the read bandwidth measured now.
 
-    .venv/bin/python -m bench.decode_profile [--batch 1 8 32] [--steps 16] [--threads 2]
+    .venv/bin/python -m bench.decode_profile [--batch 1 8 32] [--steps 16] [--threads 2] [--dtype bfloat16] [--quantization int8]
+        [--python-layers]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -67,7 +69,8 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, se
     return {
         "batch": batch, "median_step_ms": round(step_ms, 2), "tok_s": round(batch / step_ms * 1e3, 1),
         "torch_ops_share": round(torch_us / total_us, 3),
-        "top_ops": [{"op": name, "share": round(us / total_us, 3)} for name, us in ops[:8]],
+        "top_ops": [{"op": name, "share": round(us / total_us, 3), "ms_per_step": round(us / steps / 1e3, 2)}
+                    for name, us in ops[:8]],
     }
 
 
@@ -78,19 +81,27 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype: auto | float32 | bfloat16")
+    parser.add_argument("--quantization", default="none", help="vLLM's --quantization: none | int8 | q4_1 | gguf")
+    parser.add_argument("--python-layers", action="store_true",
+                        help="run the layers from Python (BATON_CPU_LAYER_LOOP=0), so the profile names each kernel")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=512 << 20))
+    if args.python_layers:
+        os.environ["BATON_CPU_LAYER_LOOP"] = "0"
+    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=512 << 20,
+                                    dtype=args.dtype, quantization=args.quantization))
     bandwidth = copy_bandwidth_gbs()
     wbytes = weight_bytes(engine)
     rows = [profile_batch(engine, b, args.steps, args.prompt_len, seed=b) for b in args.batch]
     floor_ms = wbytes / (bandwidth["read_gbs"] * 1e9) * 1e3
     result = {"bench": "decode_profile", "model": args.model, "threads": args.threads,
+              "dtype": args.dtype, "quantization": args.quantization, "python_layers": args.python_layers,
               "weight_bytes": wbytes, "bandwidth": bandwidth, "dram_floor_step_ms": round(floor_ms, 2),
               "rows": rows}
     for row in rows:
-        ops = ", ".join(f"{o['op']} {o['share']:.0%}" for o in row["top_ops"][:5])
+        ops = ", ".join(f"{o['op']} {o['share']:.0%} ({o['ms_per_step']:.1f} ms)" for o in row["top_ops"][:5])
         print(f"batch {row['batch']}: {row['median_step_ms']:.1f} ms/step (floor {floor_ms:.1f}), "
               f"torch ops {row['torch_ops_share']:.0%}: {ops}", file=sys.stderr)
     write_results(result, args.out, "serve-decode-profile", indent=1)

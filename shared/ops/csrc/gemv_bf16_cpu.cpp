@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -34,6 +35,18 @@ torch::Tensor gemv_bf16_pack(torch::Tensor weight) {
   auto padded = torch::zeros({panels * kGemvLanes, 2 * K2}, weight.options().dtype(at::kBFloat16));
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);  // torch's rounding to nearest even
   return padded.view({panels, kGemvLanes, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// How far ahead of the tile loads (bytes) the amx level prefetches a weight it streams from DRAM; 0: not at
+// all. bench/tile_prefetch.py sets it through gemv_bf16_prefetch to compare distances in one process: on
+// Sapphire Rapids (tile_prefetch-20261127-221009, two threads, SmolLM2's projections, 135 MB a pass) 4-32 KB
+// all gave 1.13-1.21x at 1 to 32 rows, 1.05-1.14x at 64, and 0.97-0.99x (noise) at 256, where the tiles'
+// arithmetic, not DRAM, bounds a pass.
+static std::atomic<int64_t> tile_prefetch_bytes{16 << 10};
+
+int64_t gemv_bf16_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0 && bytes <= (1 << 20), "gemv_bf16_prefetch: whole lines, at most 1 MiB");
+  return tile_prefetch_bytes.exchange(bytes);
 }
 
 #define BATON_IMPL "gemv_bf16_impl.h"
@@ -59,6 +72,7 @@ TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("gemv_bf16_pack(Tensor weight) -> Tensor");
   m.def("gemv_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("gemv_bf16_silu(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("gemv_bf16_prefetch(int bytes) -> int", &gemv_bf16_prefetch);
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("gemv_bf16_pack", &gemv_bf16_pack);

@@ -166,13 +166,19 @@ static void amx_configure_bf16() {
   _tile_loadconfig(&cfg);
 }
 
+// A pass that streams the weight from DRAM prefetches it into L2 tile_prefetch_bytes (gemv_bf16_cpu.cpp) ahead
+// of its tile loads: a tile load's 16 lines wait for memory with nothing else in flight, and the hardware
+// prefetchers do not run far enough ahead of them. Panels of a thread lie back to back, so the stream runs on
+// across them.
 // RT row tiles (16 * RT rows of `pairs`, ld pairs apart, K2p pairs zero-padded to whole tiles) against one
 // panel: sums [16 * RT][kGemvLanes] into out, ldo floats a row apart. Pairs past the panel's whole tiles come
-// from `tail` (the panel's last pairs, zero-padded to a tile).
+// from `tail` (the panel's last pairs, zero-padded to a tile). With `prefetch` > 0 (on the first pass over the
+// weight; later passes find it in L2) each tile step prefetches what lies that many bytes on.
 template <int RT>
 static void amx_panel_rows(const uint32_t* pairs, int64_t ld, const uint16_t* panel, int64_t K2, int64_t K2p,
-                           const uint16_t* tail, float* out, int64_t ldo) {
+                           const uint16_t* tail, float* out, int64_t ldo, int64_t prefetch) {
   constexpr int64_t kRowStride = 4 * kGemvLanes;  // bytes from one pair row of a panel to the next
+  constexpr int64_t kStepBytes = kTilePairs * kRowStride;  // a tile step's share of the panel
   const int64_t whole = K2 / kTilePairs * kTilePairs;
   _tile_zero(0);
   _tile_zero(1);
@@ -182,6 +188,10 @@ static void amx_panel_rows(const uint32_t* pairs, int64_t ld, const uint16_t* pa
   }
   for (int64_t k0 = 0; k0 < K2p; k0 += kTilePairs) {
     const uint16_t* w = k0 < whole ? panel + k0 * 2 * kGemvLanes : tail;
+    if (prefetch > 0) {
+      const char* ahead = reinterpret_cast<const char*>(panel + k0 * 2 * kGemvLanes) + prefetch;
+      for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    }
     _tile_loadd(6, w, kRowStride);
     _tile_loadd(7, w + kGemvLanes, kRowStride);
     _tile_loadd(4, pairs + k0, ld * 4);
@@ -224,12 +234,13 @@ static TileRows tile_rows(const float* x, int64_t M, int64_t K, int64_t K2) {
 
 // The rows from m (32, or the 16 that remain) against one panel, sums into out, ldo floats a row apart
 static void amx_rows(const TileRows& t, int64_t m, const uint16_t* panel, int64_t K2, const uint16_t* tail,
-                     float* out, int64_t ldo) {
+                     float* out, int64_t ldo, int64_t prefetch) {
   const uint32_t* rows = t.pairs.data() + m * t.ld;
+  prefetch = m == 0 ? prefetch : 0;
   if (t.Mp - m >= 2 * kTileRows)
-    amx_panel_rows<2>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo);
+    amx_panel_rows<2>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo, prefetch);
   else
-    amx_panel_rows<1>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo);
+    amx_panel_rows<1>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo, prefetch);
 }
 
 // The loop order is a GEMM's, not a GEMV's: a block of panels (the weight, up to kTilePanelBytes) stays in L2
@@ -244,6 +255,7 @@ static void amx_rows(const TileRows& t, int64_t m, const uint16_t* panel, int64_
 static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t panels, int64_t K2,
                             int64_t N, float* y, SiluColsFn silu) {
   const TileRows t = tile_rows(x, M, K, K2);
+  const int64_t prefetch = tile_prefetch_bytes.load(std::memory_order_relaxed);
   const int64_t whole = K2 / kTilePairs * kTilePairs, tail_size = kTilePairs * 2 * kGemvLanes;
   const int64_t width = silu ? 2 : 1, steps = panels / width, I = N / 2;  // panels a step runs
   const int64_t block = std::max<int64_t>(1, kTilePanelBytes / (width * t.K2p * 4 * kGemvLanes));
@@ -266,8 +278,9 @@ static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t
         for (int64_t p = p0; p < p1; ++p) {
           const uint16_t* panel = wp + p * K2 * 2 * kGemvLanes;
           if (silu) {
-            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes);
-            amx_rows(t, m, panel + steps * K2 * 2 * kGemvLanes, K2, tail_of(p - p0, 1), out[1], kGemvLanes);
+            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes, prefetch);
+            amx_rows(t, m, panel + steps * K2 * 2 * kGemvLanes, K2, tail_of(p - p0, 1), out[1], kGemvLanes,
+                     prefetch);
             for (int64_t r = 0; r < rows; ++r)
               silu(out[0] + r * kGemvLanes, out[1] + r * kGemvLanes, y + (m + r) * I + p * kGemvLanes,
                    p * kGemvLanes, kGemvLanes, I);
@@ -275,10 +288,10 @@ static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t
           }
           const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
           if (rows == 2 * kTileRows && ncols == kGemvLanes) {  // whole tiles: stored in place
-            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), y + m * N + p * kGemvLanes, N);
+            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), y + m * N + p * kGemvLanes, N, prefetch);
             continue;
           }
-          amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes);
+          amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes, prefetch);
           for (int64_t r = 0; r < rows; ++r)
             std::memcpy(y + (m + r) * N + p * kGemvLanes, out[0] + r * kGemvLanes, ncols * sizeof(float));
         }

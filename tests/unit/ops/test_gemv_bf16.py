@@ -109,3 +109,23 @@ def test_gate_up_and_silu_refuses_an_odd_width() -> None:
     packed = torch.ops.baton_cpu.gemv_bf16_pack(torch.randn(65, 32))
     with pytest.raises(RuntimeError, match="even"):
         torch.ops.baton_cpu.gemv_bf16_silu(torch.randn(2, 32), packed, 65)
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_bits_do_not_depend_on_the_prefetch_distance(rows: int) -> None:
+    """The amx level prefetches the weight ahead of its tile loads (gemv_bf16_prefetch sets how far, 0: not at
+    all); a prefetch moves no sum, in the plain and the gate_up-with-SiLU form alike. Other levels ignore it."""
+    g = torch.Generator().manual_seed(rows)
+    lin = LinearWeight(torch.randn(3072, 576, generator=g) * 0.1, weight_dtype=torch.bfloat16)
+    x = torch.randn(rows, 576, generator=g)
+    default = torch.ops.baton_cpu.gemv_bf16_prefetch(0)
+    try:
+        assert default > 0
+        off, off_silu = lin(x), lin.silu_mul(x)
+        for distance in (64, 4096, 1 << 20):
+            torch.ops.baton_cpu.gemv_bf16_prefetch(distance)
+            assert torch.equal(lin(x), off) and torch.equal(lin.silu_mul(x), off_silu), distance
+    finally:
+        torch.ops.baton_cpu.gemv_bf16_prefetch(default)
+    with pytest.raises(RuntimeError, match="whole lines"):
+        torch.ops.baton_cpu.gemv_bf16_prefetch(100)
