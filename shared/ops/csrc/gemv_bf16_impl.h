@@ -232,12 +232,23 @@ static TileRows tile_rows(const float* x, int64_t M, int64_t K, int64_t K2) {
   return t;
 }
 
-// The rows from m (32, or the 16 that remain) against one panel, sums into out, ldo floats a row apart
-static void amx_rows(const TileRows& t, int64_t m, const uint16_t* panel, int64_t K2, const uint16_t* tail,
-                     float* out, int64_t ldo, int64_t prefetch) {
+// Rows a pass over a block of panels takes: two row tiles, but at 17-32 rows (a decode batch) one in each of
+// two passes. With two row tiles in flight the first pass, which streams the weight from DRAM, stalls on its
+// tile loads' misses with four products queued behind them; one tile keeps up with DRAM, and the second 16
+// rows then cost a pass from L2. bench/tile_prefetch.py, three rounds in turn against two tiles (Sapphire
+// Rapids, 2026-11-27): 32 rows 1.10-1.34x; the same split at 64 rows lost 5-10% (two passes of two tiles
+// stay), 48 rows was even.
+static int64_t amx_pass_rows(int64_t m, int64_t M) {
+  return m == 0 && M <= 2 * kTileRows ? kTileRows : 2 * kTileRows;
+}
+
+// The rows from m (amx_pass_rows, or the 16 that remain) of M against one panel, sums into out, ldo floats a
+// row apart
+static void amx_rows(const TileRows& t, int64_t m, int64_t M, const uint16_t* panel, int64_t K2,
+                     const uint16_t* tail, float* out, int64_t ldo, int64_t prefetch) {
   const uint32_t* rows = t.pairs.data() + m * t.ld;
   prefetch = m == 0 ? prefetch : 0;
-  if (t.Mp - m >= 2 * kTileRows)
+  if (amx_pass_rows(m, M) == 2 * kTileRows && t.Mp - m >= 2 * kTileRows)
     amx_panel_rows<2>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo, prefetch);
   else
     amx_panel_rows<1>(rows, t.ld, panel, K2, t.K2p, tail, out, ldo, prefetch);
@@ -273,13 +284,13 @@ static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t
         for (int64_t half = 0; half < width; ++half)
           std::memcpy(tail_of(p - p0, half), wp + ((p + half * steps) * K2 + whole) * 2 * kGemvLanes,
                       (K2 - whole) * 2 * kGemvLanes * sizeof(uint16_t));
-      for (int64_t m = 0; m < M; m += 2 * kTileRows) {
-        const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
+      for (int64_t m = 0; m < M; m += amx_pass_rows(m, M)) {
+        const int64_t rows = std::min<int64_t>(amx_pass_rows(m, M), M - m);
         for (int64_t p = p0; p < p1; ++p) {
           const uint16_t* panel = wp + p * K2 * 2 * kGemvLanes;
           if (silu) {
-            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes, prefetch);
-            amx_rows(t, m, panel + steps * K2 * 2 * kGemvLanes, K2, tail_of(p - p0, 1), out[1], kGemvLanes,
+            amx_rows(t, m, M, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes, prefetch);
+            amx_rows(t, m, M, panel + steps * K2 * 2 * kGemvLanes, K2, tail_of(p - p0, 1), out[1], kGemvLanes,
                      prefetch);
             for (int64_t r = 0; r < rows; ++r)
               silu(out[0] + r * kGemvLanes, out[1] + r * kGemvLanes, y + (m + r) * I + p * kGemvLanes,
@@ -288,10 +299,10 @@ static void gemv_bf16_tiles(const float* x, int64_t M, int64_t K, const uint16_t
           }
           const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
           if (rows == 2 * kTileRows && ncols == kGemvLanes) {  // whole tiles: stored in place
-            amx_rows(t, m, panel, K2, tail_of(p - p0, 0), y + m * N + p * kGemvLanes, N, prefetch);
+            amx_rows(t, m, M, panel, K2, tail_of(p - p0, 0), y + m * N + p * kGemvLanes, N, prefetch);
             continue;
           }
-          amx_rows(t, m, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes, prefetch);
+          amx_rows(t, m, M, panel, K2, tail_of(p - p0, 0), out[0], kGemvLanes, prefetch);
           for (int64_t r = 0; r < rows; ++r)
             std::memcpy(y + (m + r) * N + p * kGemvLanes, out[0] + r * kGemvLanes, ncols * sizeof(float));
         }
