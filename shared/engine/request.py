@@ -186,7 +186,10 @@ class InFlight:
     burst: int = 1
 
 
-@dataclass
+# eq=False: a request is itself, not its fields' values. The scheduler asks `request in self.running` for
+# each running request every step; the generated __eq__ built and compared tuples of every field, 496 times a
+# step at 32 requests (1.5 ms of a 44 ms bf16 step on Sapphire Rapids, cProfile).
+@dataclass(eq=False)
 class Request:
     """One generation request and its progress. Owned by the scheduler."""
 
