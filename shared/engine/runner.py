@@ -38,6 +38,7 @@ from shared.kv.layout import KVLayout, cdiv
 from shared.models.common import LayerDoneFn, PagedCausalLM
 from shared.multimodal.encoder import MediaEncoder
 from shared.multimodal.items import SEEN_BOTH_WAYS
+from shared.ops.argmax_cpu import argmax_rows
 from shared.ops.attention import AttentionMetadata
 from shared.ops.host_copy import pack_to_device, tensor_to_device, to_device, to_host_async
 from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
@@ -500,7 +501,7 @@ class ModelRunner:
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model.forward(input_ids, positions, self.model_kv, meta)
-            steps.append(torch.argmax(self.model.compute_logits(hidden), dim=-1))
+            steps.append(argmax_rows(self.model.compute_logits(hidden)))
         emitted = torch.stack(steps, dim=1)  # [n, burst]
         out = StepOutput(plan, inputs.rows, PrevOutputs(
             emitted, torch.full_like(steps[0], burst), torch.full_like(steps[0], burst - 1)))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.request import SamplingParams, TokenLogprobs
+from shared.ops.argmax_cpu import argmax_rows
 from shared.ops.host_copy import to_device
 from shared.ops.race_noise import exponential_
 
@@ -93,7 +94,7 @@ class Sampler:
 
         masked = suppress(logits, suppress_token_ids, suppress_active)
         # argmax's first-max tie rule gives the lowest id; with nothing suppressed this is torch.argmax(logits)
-        token_ids = torch.argmax(masked, dim=-1)
+        token_ids = argmax_rows(masked)
 
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
@@ -142,7 +143,7 @@ class Sampler:
             if generator is not None:
                 # each seeded row consumes exactly vocab draws from its own stream per step
                 exponential_(exp_noise[j], generator)
-        return torch.argmax(probs / exp_noise, dim=-1)
+        return argmax_rows(probs / exp_noise)
 
 
 def processed_probs(
