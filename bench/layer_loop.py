@@ -19,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,15 @@ from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
 
 
-def time_batch(engine: LLMEngine, batch: int, rounds: int, steps: int, prompt_len: int) -> dict[str, Any]:
-    model = engine.loaded.model
-    loop = model.cpu_layer_loop
+def alternate_decode_steps(engine: LLMEngine, batch: int, rounds: int, steps: int, prompt_len: int,
+                           variants: dict[str, Callable[[], None]], restore: Callable[[], None]) -> dict[str, list[float]]:
+    """Seconds of each timed decode step under each variant: `batch` random-token prompts are prefilled, then
+    each round runs every variant in turn (its setter called, one step to settle, `steps` timed), so drift in
+    the machine's speed reaches them alike. `restore` puts the engine back; the requests are aborted."""
     rng = random.Random(batch)
     vocab = engine.loaded.spec.vocab_size
-    params = SamplingParams(max_tokens=2 * rounds * steps + 16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=(len(variants) * (steps + 1)) * rounds + 16, temperature=0.0,
+                            ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(100, vocab) for _ in range(prompt_len)], params)
@@ -42,11 +46,11 @@ def time_batch(engine: LLMEngine, batch: int, rounds: int, steps: int, prompt_le
     while min(produced.values()) < 2:  # every prompt prefilled: what follows are decode steps
         for out in engine.step():
             produced[out.request_id] += len(out.new_token_ids)
-    times: dict[str, list[float]] = {"cpp": [], "python": []}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for r in range(rounds):
-            for name in ("cpp", "python"):
-                model.cpu_layer_loop = loop if name == "cpp" else None
+            for name, switch in variants.items():
+                switch()
                 engine.step()  # settle after the switch
                 for _ in range(steps):
                     t0 = time.perf_counter()
@@ -54,11 +58,23 @@ def time_batch(engine: LLMEngine, batch: int, rounds: int, steps: int, prompt_le
                     times[name].append(time.perf_counter() - t0)
             log(f"batch {batch}: round {r + 1}/{rounds}")
     finally:
-        model.cpu_layer_loop = loop
+        restore()
         for rid in ids:
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
+    return times
+
+
+def time_batch(engine: LLMEngine, batch: int, rounds: int, steps: int, prompt_len: int) -> dict[str, Any]:
+    model = engine.loaded.model
+    loop = model.cpu_layer_loop
+
+    def use(on: bool) -> Callable[[], None]:
+        return lambda: setattr(model, "cpu_layer_loop", loop if on else None)
+
+    times = alternate_decode_steps(engine, batch, rounds, steps, prompt_len, {"cpp": use(True), "python": use(False)},
+                                   use(True))
     cpp, python = (statistics.median(times[k]) * 1e3 for k in ("cpp", "python"))
     return {"batch": batch, "cpp_step_ms": round(cpp, 2), "python_step_ms": round(python, 2),
             "speedup": round(python / cpp, 3), "steps_each": len(times["cpp"])}

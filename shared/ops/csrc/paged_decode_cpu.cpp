@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +24,15 @@
 
 #include "bf16.h"
 #include "cpu_isa.h"
+
+// Whether the wide path prefetches the next chunk's keys and values (and the next job's first keys) into L2
+// through the block table while it computes this chunk. bench/attention_prefetch.py turns it off and on in
+// turn through paged_decode_prefetch: on Sapphire Rapids, whose 300 MB L3 holds every layer's cache, the
+// prefetch still took whole bf16 decode steps from 41.7 to 34.4 ms at batch 32 and 18.4 to 16.9 at 8
+// (attention_prefetch-20261127-225147), though perf blames ~25% of the kernel's samples on its loop.
+static std::atomic<bool> decode_prefetch{true};
+
+bool paged_decode_prefetch(bool on) { return decode_prefetch.exchange(on); }
 
 #define BATON_IMPL "paged_decode_impl.h"
 #include "isa_variants.h"
@@ -38,5 +48,6 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor rows, Tensor row_seq, Tensor row_pos, float scale, int window) -> ()");
+  m.def("paged_decode_prefetch(bool on) -> bool", &paged_decode_prefetch);
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -134,6 +134,7 @@ struct Job {
   int64_t khs, vhs;
   int64_t h0, h1, G, n;
   float scale;
+  bool prefetch;  // decode_prefetch (paged_decode_cpu.cpp) when the call began
   Prefetcher<KV> after;  // what to fetch during the value pass's last chunk: the thread's next job's first keys
 };
 
@@ -168,7 +169,7 @@ static void scores_avx512(const Job<KV>& jb, float* scores) {
     Prefetcher<KV> pf = t0 + c < jb.n
         ? Prefetcher<KV>{jb.kc, jb.koff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.khs, lines}
         : Prefetcher<KV>{jb.vc, jb.voff, 0, std::min<int64_t>(kChunk, jb.n), jb.h0, jb.h1, jb.vhs, lines};
-    const int64_t per_pass = (pf.lines() + passes - 1) / passes;
+    const int64_t per_pass = jb.prefetch ? (pf.lines() + passes - 1) / passes : 0;
     for (int64_t h = jb.h0; h < jb.h1; ++h) {
       if constexpr (kWiden)
         for (int t = 0; t < c; ++t) {
@@ -214,7 +215,7 @@ static void values_avx512(const Job<KV>& jb, const float* w, float* acc) {
         ? Prefetcher<KV>{jb.vc, jb.voff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.vhs,
                          kLinesPerHead<DV, KV>}
         : jb.after;
-    const int64_t per_pass = (pf.lines() + passes - 1) / passes;
+    const int64_t per_pass = jb.prefetch ? (pf.lines() + passes - 1) / passes : 0;
     for (int64_t h = jb.h0; h < jb.h1; ++h) {
       for (int64_t g0 = 0; g0 < jb.G; g0 += GB) {
         pf.step(per_pass);
@@ -277,6 +278,7 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
   const int64_t* rp = row_pos.data_ptr<int64_t>();
   const int64_t qrs = query.stride(0), qhs = query.stride(1), ors = out.stride(0), ohs = out.stride(1);
   const float fscale = (float)scale;
+  const bool prefetch = decode_prefetch.load(std::memory_order_relaxed);
   // A job is a row's KV heads [h0, h1): the whole row when rows alone keep every thread busy (a token's
   // keys for all heads are then one contiguous read), else the row's heads split across jobs
   const int64_t threads = at::get_num_threads();
@@ -317,7 +319,7 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
           koff[t] = block * kbs + slot * kts;
           voff[t] = block * vbs + slot * vts;
         }
-        Job<KV> jb{qj, qhs, kc, vc, koff.data(), voff.data(), khs, vhs, h0, h1, G, n, fscale, {}};
+        Job<KV> jb{qj, qhs, kc, vc, koff.data(), voff.data(), khs, vhs, h0, h1, G, n, fscale, prefetch, {}};
         int64_t next_koff[kChunk];
         if (job + 1 < end) {
           const Span nx = span_of(job + 1);
