@@ -170,6 +170,7 @@ static void amx_configure_bf16() {
 // of its tile loads: a tile load's 16 lines wait for memory with nothing else in flight, and the hardware
 // prefetchers do not run far enough ahead of them. Panels of a thread lie back to back, so the stream runs on
 // across them.
+//
 // RT row tiles (16 * RT rows of `pairs`, ld pairs apart, K2p pairs zero-padded to whole tiles) against one
 // panel: sums [16 * RT][kGemvLanes] into out, ldo floats a row apart. Pairs past the panel's whole tiles come
 // from `tail` (the panel's last pairs, zero-padded to a tile). With `prefetch` > 0 (on the first pass over the
@@ -235,9 +236,9 @@ static TileRows tile_rows(const float* x, int64_t M, int64_t K, int64_t K2) {
 // Rows a pass over a block of panels takes: two row tiles, but at 17-32 rows (a decode batch) one in each of
 // two passes. With two row tiles in flight the first pass, which streams the weight from DRAM, stalls on its
 // tile loads' misses with four products queued behind them; one tile keeps up with DRAM, and the second 16
-// rows then cost a pass from L2. bench/tile_prefetch.py, three rounds in turn against two tiles (Sapphire
-// Rapids, 2026-11-27): 32 rows 1.10-1.34x; the same split at 64 rows lost 5-10% (two passes of two tiles
-// stay), 48 rows was even.
+// rows then cost a pass from L2. bench/tile_prefetch.py, three rounds in turn against two tiles on Sapphire
+// Rapids (tile_prefetch-20261127-2220*-at-any-rows): 32 rows 1.10-1.34x; the same split at 48 rows
+// 0.99-1.21x and at 64 0.90-0.95x, so from 33 rows two passes of two tiles stay.
 static int64_t amx_pass_rows(int64_t m, int64_t M) {
   return m == 0 && M <= 2 * kTileRows ? kTileRows : 2 * kTileRows;
 }

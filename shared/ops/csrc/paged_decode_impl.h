@@ -49,7 +49,8 @@ static void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv) {
       _mm512_storeu_ps(sc + t, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + t), m)));
+    const __m512 last = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + t), m);
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive16(last));
     _mm512_mask_storeu_ps(sc + t, tail, e);
     inv[j] = 1.f / _mm512_reduce_add_ps(_mm512_add_ps(sum, e));
   }
@@ -185,7 +186,8 @@ static void scores_avx512(const Job<KV>& jb, float* scores) {
         __m512 p[kChunk];
         for (int t = 0; t < kChunk; ++t) {
           if (t < c) {
-            const float* k = kWiden ? widened + t * D : reinterpret_cast<const float*>(jb.kc + jb.koff[t0 + t] + h * jb.khs);
+            const float* k = kWiden ? widened + t * D
+                                    : reinterpret_cast<const float*>(jb.kc + jb.koff[t0 + t] + h * jb.khs);
             __m512 s = _mm512_mul_ps(qr[0], _mm512_loadu_ps(k));
             for (int dv = 1; dv < DV; ++dv) s = _mm512_fmadd_ps(qr[dv], _mm512_loadu_ps(k + dv * 16), s);
             p[t] = s;
