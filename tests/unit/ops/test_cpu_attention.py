@@ -147,3 +147,20 @@ def test_write_kv_op_rounds_fp32_keys_into_a_bf16_cache() -> None:
     assert torch.equal(caches[1].view(torch.int16), caches[3].view(torch.int16))
     with pytest.raises(RuntimeError, match="dtype"):
         torch.ops.baton_cpu.write_kv_(caches[2].float(), caches[3].float(), key.bfloat16(), value.bfloat16(), slots)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_bits_do_not_depend_on_the_prefetch(make_batch: Callable[..., AttentionBatch], kv_dtype: torch.dtype,
+                                            isa_level: str) -> None:
+    """The wide path's software prefetch (paged_decode_prefetch turns it off) moves no value."""
+    batch = make_batch(MIXED, 9, 3, 64, 16)
+    batch.kv = batch.kv.to(kv_dtype)
+    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    on = cpu_attention.paged_attention_cpu(*args, None)
+    previous = torch.ops.baton_cpu.paged_decode_prefetch(False)
+    try:
+        assert previous
+        batch.meta.step_cache.clear()
+        assert torch.equal(cpu_attention.paged_attention_cpu(*args, None), on)
+    finally:
+        torch.ops.baton_cpu.paged_decode_prefetch(previous)
