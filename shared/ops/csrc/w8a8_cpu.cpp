@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,12 @@ constexpr int64_t kW8Block = 32;
 constexpr int64_t kW8RowBlockBytes = 256 * 1024;
 
 constexpr int64_t w8_panel_bytes(int64_t K) { return K * kW8Lanes + (K / kW8Block) * kW8Lanes * 4 + kW8Lanes * 4; }
+
+// Whether a decode batch's later passes over a panel prefetch the next one (w8a8_impl.h); on by default.
+// bench/w8a8_prefetch.py turns it off and on in turn through w8a8_next_prefetch to compare in one process.
+static std::atomic<bool> w8_next_prefetch{true};
+
+bool w8a8_next_prefetch(bool on) { return w8_next_prefetch.exchange(on); }
 
 #define BATON_IMPL "w8a8_impl.h"
 #include "isa_variants.h"
@@ -90,6 +97,7 @@ torch::Tensor w8a8(torch::Tensor x, torch::Tensor packed, int64_t out_features) 
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("w8a8_pack(Tensor codes, Tensor scale) -> Tensor");
   m.def("w8a8(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("w8a8_next_prefetch(bool on) -> bool", &w8a8_next_prefetch);
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("w8a8_pack", &w8a8_pack);

@@ -18,6 +18,10 @@
 // above kW8StreamMaxRows. Measured on the VNNI path only (this CPU has no AVX2-only mode).
 constexpr int64_t kW8PrefetchAhead = 4096;
 constexpr int64_t kW8StreamMaxRows = 256;
+// With more than one pass over a panel (7 to kW8StreamMaxRows rows: a decode batch), only the first read it
+// from DRAM and the others computed from L1 with the memory bus idle. The later passes now prefetch the
+// thread's next panel into L2, each its share spread over its k loop, so that stream overlaps their
+// arithmetic and the next panel's first pass finds it in L2 (bench/linear_precisions.py). No sum changes.
 
 // Rows per pass over a panel: with VNNI six rows' block sums and running outputs (four zmm a row) stay in
 // registers beside the two weight registers and the block's two offsets
@@ -54,17 +58,27 @@ static void w8_quantize_row(const float* x, int64_t K, uint8_t* q, float* scales
   }
 }
 
+// Lines of another panel a pass prefetches into L2 beside its own work: `lines` lines from `from`, spread
+// over its blocks (at a block's start, not in the quad loop: a branch there slowed every pass by 1.4x)
+struct W8Prefetch {
+  const int8_t* from = nullptr;
+  int64_t lines = 0;
+};
+
 // MR rows against one panel: out[m][l] = sw[l] * (the blocks' fp32 fold of d_x[m, b] * sum_k q_x q_w)
 template <int MR, bool kStream>
 static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64_t lds, const int8_t* panel,
-                          int64_t blocks, float* y, int64_t ldy, int64_t ncols) {
+                          int64_t blocks, float* y, int64_t ldy, int64_t ncols, W8Prefetch next) {
   const auto* offsets = reinterpret_cast<const int32_t*>(panel + blocks * kW8Block * kW8Lanes);
   const auto* sw = reinterpret_cast<const float*>(offsets + blocks * kW8Lanes);
   float out[MR][kW8Lanes];
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  int64_t line = 0;  // the next line of `next` to prefetch
   for (int64_t b = 0; b < blocks; ++b) {
+    for (const int64_t upto = next.lines * (b + 1) / blocks; line < upto; ++line)
+      __builtin_prefetch(next.from + 64 * line, 0, 2);
     const int8_t* w = panel + b * kW8Block * kW8Lanes;
     const __m512i o0 = _mm512_loadu_si512(offsets + b * kW8Lanes), o1 = _mm512_loadu_si512(offsets + b * kW8Lanes + 16);
     __m512i sum[MR][2];
@@ -95,6 +109,7 @@ static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64
     _mm512_storeu_ps(out[m] + 16, _mm512_mul_ps(acc[m][1], s1));
   }
 #else
+  (void)next;  // measured on the VNNI path only
   float acc[MR][kW8Lanes] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* w = panel + b * kW8Block * kW8Lanes;
@@ -139,14 +154,23 @@ static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64
 template <int R>
 static inline void w8_pass(int64_t rest, const uint8_t* xq, int64_t ldx, const float* sx, int64_t lds,
                                 const int8_t* panel, int64_t blocks, float* y, int64_t ldy, int64_t ncols,
-                                bool stream) {
+                                bool stream, W8Prefetch next) {
   if constexpr (R > 0) {
     if (rest == R) {
-      if (stream) return w8_panel_rows<R, true>(xq, ldx, sx, lds, panel, blocks, y, ldy, ncols);
-      return w8_panel_rows<R, false>(xq, ldx, sx, lds, panel, blocks, y, ldy, ncols);
+      if (stream) return w8_panel_rows<R, true>(xq, ldx, sx, lds, panel, blocks, y, ldy, ncols, next);
+      return w8_panel_rows<R, false>(xq, ldx, sx, lds, panel, blocks, y, ldy, ncols, next);
     }
-    w8_pass<R - 1>(rest, xq, ldx, sx, lds, panel, blocks, y, ldy, ncols, stream);
+    w8_pass<R - 1>(rest, xq, ldx, sx, lds, panel, blocks, y, ldy, ncols, stream, next);
   }
+}
+
+// Pass `pass` (0 the first) of `passes` over a panel: the share of the next panel (`panel_bytes` at `next`,
+// nullptr at the thread's last) that it prefetches. The first pass streams its own panel and none.
+static W8Prefetch w8_next_share(const int8_t* next, int64_t panel_bytes, int64_t pass, int64_t passes) {
+  if (next == nullptr || pass == 0 || pass >= passes) return {};
+  const int64_t lines = (panel_bytes + 63) / 64, later = passes - 1;
+  const int64_t first = lines * (pass - 1) / later;
+  return {next + 64 * first, lines * pass / later - first};
 }
 
 void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N, float* y) {
@@ -159,19 +183,24 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64
   // a thread's panels pass over a block of rows that stays in L2 (a prompt chunk's rows would not)
   const int64_t row_block = std::max<int64_t>(kW8Rows, kW8RowBlockBytes / K / kW8Rows * kW8Rows);
   const bool stream = M <= kW8StreamMaxRows;  // the first pass over each panel prefetches ahead
+  const bool prefetch_next = stream && w8_next_prefetch.load(std::memory_order_relaxed);
   // panels split across threads, never k: each output's fold is the same whatever the threads and rows
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t m1 = std::min(M, m0 + row_block);
+      const int64_t passes = (m1 - m0 + kW8Rows - 1) / kW8Rows;
       for (int64_t p = begin; p < end; ++p) {
         const int8_t* panel = packed + p * panel_bytes;
+        const int8_t* next = prefetch_next && p + 1 < end ? panel + panel_bytes : nullptr;
         const int64_t ncols = std::min(kW8Lanes, N - p * kW8Lanes);
         int64_t m = m0;
         for (; m + kW8Rows <= m1; m += kW8Rows)
           w8_pass<kW8Rows>(kW8Rows, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks,
-                                y + m * N + p * kW8Lanes, N, ncols, stream && m == 0);
+                           y + m * N + p * kW8Lanes, N, ncols, stream && m == 0,
+                           w8_next_share(next, panel_bytes, (m - m0) / kW8Rows, passes));
         w8_pass<kW8Rows - 1>(m1 - m, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks,
-                                  y + m * N + p * kW8Lanes, N, ncols, stream && m == 0);
+                             y + m * N + p * kW8Lanes, N, ncols, stream && m == 0,
+                             w8_next_share(next, panel_bytes, (m - m0) / kW8Rows, passes));
       }
     }
   });

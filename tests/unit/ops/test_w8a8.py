@@ -86,6 +86,26 @@ def test_bits_do_not_depend_on_threads(threads: int) -> None:
         assert torch.equal(lin(x), two)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 32, 64, 300])
+def test_the_next_panel_prefetch_changes_no_bit(rows: int, isa_level: str) -> None:
+    """A decode batch's later passes prefetch the next panel (w8a8_next_prefetch): the same sums either way,
+    at one pass (1 row), several, and more rows than stream (300)."""
+    w, codes = _weight(3072, 576, 9)
+    lin = LinearWeight.quantized(codes)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(10))
+    toggle = torch.ops.baton_cpu.w8a8_next_prefetch
+    default = toggle(False)
+    try:
+        off = lin(x)
+        toggle(True)
+        on = lin(x)
+    finally:
+        toggle(default)
+    assert default is True
+    assert torch.equal(on, off)
+    _close(on, w8a8_ref(x, codes))
+
+
 def test_a_byte_and_an_eighth_a_weight() -> None:
     """A code, and a block offset (int32) per 32 of them: 0.56x bf16's bytes."""
     w, codes = _weight(960, 576, 13)
