@@ -7,7 +7,7 @@ rest (Python: scheduler, sampling bookkeeping, KV slot updates), and the DRAM
 floor: weight bytes one step must read over the read bandwidth measured now.
 
     .venv/bin/python -m bench.decode_profile [--batch 1 8 32] [--steps 16] [--threads 2] [--dtype bfloat16] [--quantization int8]
-        [--python-layers]
+        [--kv-cache-dtype bfloat16] [--python-layers]
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="vLLM's --dtype: auto | float32 | bfloat16")
     parser.add_argument("--quantization", default="none", help="vLLM's --quantization: none | int8 | q4_1 | gguf")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype: auto | float32 | bfloat16")
     parser.add_argument("--python-layers", action="store_true",
                         help="run the layers from Python (BATON_CPU_LAYER_LOOP=0), so the profile names each kernel")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -91,13 +92,15 @@ def main() -> int:
     if args.python_layers:
         os.environ["BATON_CPU_LAYER_LOOP"] = "0"
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048, kv_cache_bytes=512 << 20,
-                                    dtype=args.dtype, quantization=args.quantization))
+                                    dtype=args.dtype, quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     bandwidth = copy_bandwidth_gbs()
     wbytes = weight_bytes(engine)
     rows = [profile_batch(engine, b, args.steps, args.prompt_len, seed=b) for b in args.batch]
     floor_ms = wbytes / (bandwidth["read_gbs"] * 1e9) * 1e3
     result = {"bench": "decode_profile", "model": args.model, "threads": args.threads,
-              "dtype": args.dtype, "quantization": args.quantization, "python_layers": args.python_layers,
+              "dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+              "python_layers": args.python_layers,
               "weight_bytes": wbytes, "bandwidth": bandwidth, "dram_floor_step_ms": round(floor_ms, 2),
               "rows": rows}
     for row in rows:

@@ -9,6 +9,7 @@ oneDNN GEMMs, AMX tiles where the CPU has them, and its SDPA), timed in turn wit
 machine's speed reaches both alike.
 
     .venv/bin/python -m bench.prefill [--prompts 8] [--prompt-len 256] [--dtype bfloat16] [--repeats 7] [--quick]
+        [--quantization int8] [--kv-cache-dtype bfloat16] [--profile]
 
 Writes JSON to bench/results/prefill-<stamp>.json and prints it as the last line.
 """
@@ -52,6 +53,16 @@ def time_transformers(hf: Any, prompts: list[list[int]]) -> float:
     return time.perf_counter() - started
 
 
+def profile_ops(engine: LLMEngine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """One baton round under the torch profiler: each op's self time (ms) and share of the round's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall_s = time_baton(engine, prompts, "profiled")
+    ops = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    return [{"op": name, "ms": round(us / 1e3, 2), "share": round(us / 1e6 / wall_s, 3)} for name, us in ops[:16]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -59,6 +70,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="baton's weights and KV, and transformers' dtype")
+    parser.add_argument("--quantization", default="none", help="baton's weights: none | int8 | gguf")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="baton's KV cache: auto | float32 | bfloat16")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed rounds, one more baton round under the torch profiler: time by op")
     parser.add_argument("--repeats", type=int, default=7, help="timings of each system, in turn (first one dropped)")
     parser.add_argument("--quick", action="store_true", help="2 prompts of 64 tokens, one timing each")
     parser.add_argument("--seed", type=int, default=0)
@@ -73,6 +88,7 @@ def main() -> None:
     log(f"loading {args.model} ({args.dtype}) ...")
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=max(2048, args.prompt_len + 16),
                                     kv_cache_bytes=1 << 30, dtype=args.dtype, enable_prefix_caching=False,
+                                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                     max_num_batched_tokens=max(2048, tokens)))
     hf = AutoModelForCausalLM.from_pretrained(engine.loaded.hf_dir, dtype=getattr(torch, args.dtype)).eval()
     rng = random.Random(args.seed)
@@ -89,6 +105,8 @@ def main() -> None:
         log(f"round {i}/{args.repeats}: baton {tokens / baton_s:.0f} prompt tok/s ({baton_s * 1e3:.0f} ms), "
             f"transformers {tokens / hf_s:.0f} ({hf_s * 1e3:.0f} ms)")
     pairs = [b / t for b, t in zip(runs["baton"], runs["transformers"], strict=True)]
+    ops = profile_ops(engine, [[rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+                               for _ in range(args.prompts)]) if args.profile else []
     result = {
         "bench": "prefill", "model": args.model, "dtype": args.dtype, "prompts": args.prompts,
         "prompt_len": args.prompt_len, "repeats": args.repeats, "isa": cpu_isa.active_isa(),
@@ -96,11 +114,13 @@ def main() -> None:
         "baton_prompt_tok_s": statistics.median(runs["baton"]),
         "transformers_prompt_tok_s": statistics.median(runs["transformers"]),
         "baton_runs": runs["baton"], "transformers_runs": runs["transformers"],
-        "speedup_runs": pairs, "speedup_median_of_pairs": statistics.median(pairs),
+        "speedup_runs": pairs, "speedup_median_of_pairs": statistics.median(pairs), "profile_ops": ops,
     }
     path = write_results(result, args.out, "prefill")
     log(f"baton {result['baton_prompt_tok_s']:.0f} prompt tok/s, transformers "
         f"{result['transformers_prompt_tok_s']:.0f}: x{result['speedup_median_of_pairs']:.2f} (median of pairs)")
+    for op in ops[:10]:
+        log(f"  {op['op']}: {op['ms']:.1f} ms ({op['share']:.0%})")
     log(f"wrote {path}")
     print(json.dumps(result))
 
