@@ -169,9 +169,13 @@ class LinearWeight:
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features // 2]
         """silu(gate) * up of this gate_up projection (gate's outputs first, then up's), with the bits of
         silu_mul_cpu over its output: one op for the bf16 kernel (one pass on AMX tiles: the [n, out_features]
-        projection never reaches memory, csrc/gemv_bf16_impl.h), else the projection and then silu_mul."""
+        projection never reaches memory, csrc/gemv_bf16_impl.h) and for W8A8 (one pass at every level,
+        csrc/w8a8_impl.h), else the projection and then silu_mul."""
         if self.backend == "gemv_bf16":
             return torch.ops.baton_cpu.gemv_bf16_silu(  # type: ignore[no-any-return]
+                x.float().contiguous(), self.weight, self.out_features)
+        if self.backend == "w8a8":
+            return torch.ops.baton_cpu.w8a8_silu(  # type: ignore[no-any-return]
                 x.float().contiguous(), self.weight, self.out_features)
         return torch.ops.baton_cpu.silu_mul(self(x))  # type: ignore[no-any-return]
 

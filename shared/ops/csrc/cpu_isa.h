@@ -55,9 +55,10 @@ using GemvBf16Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed, int6
 // silu(gate) * up of elements [j0, j0 + n) of a row I wide, gate, up and out pointing at element j0, with
 // silu_mul's bits (silu_mul_cpu.cpp's silu_mul_cols): a GEMM's epilogue
 using SiluColsFn = void (*)(const float* g, const float* u, float* o, int64_t j0, int64_t n, int64_t I);
-// x [M, K] fp32 rows, packed by w8a8_pack, y [M, N] (w8a8_cpu.cpp)
+// x [M, K] fp32 rows, packed by w8a8_pack, y [M, N] (w8a8_cpu.cpp); with `silu`, a gate_up weight's
+// silu(gate) * up, y [M, N / 2]
 using W8a8Fn = void (*)(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N,
-                        float* y);
+                        float* y, SiluColsFn silu);
 using PagedDecodeFn = void (*)(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq,
                                torch::Tensor row_pos, double scale, int64_t window);
@@ -95,7 +96,7 @@ BATON_DECLARE_VARIANTS(void prefill_attention(torch::Tensor out, torch::Tensor q
                                               torch::Tensor value, double scale, int64_t window))
 BATON_DECLARE_VARIANTS(torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features))
 BATON_DECLARE_VARIANTS(void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels,
-                                      int64_t N, float* y))
+                                      int64_t N, float* y, SiluColsFn silu))
 BATON_DECLARE_VARIANTS(void qgemv_rows(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels,
                                        int64_t units, int64_t N, int64_t format, float* y))
 

@@ -32,6 +32,13 @@ struct Projection {
     if (packed.scalar_type() == at::kChar) return w8a8(x, packed, out_features);
     return gemv(x.contiguous(), packed, out_features, k_block);
   }
+  // silu(gate) * up of a gate_up projection, with silu_mul(operator()(x))'s bits: one pass where the kernel
+  // has one (W8A8, bf16 on AMX tiles)
+  torch::Tensor silu_gated(const torch::Tensor& x) const {
+    if (packed.scalar_type() == at::kBFloat16) return gemv_bf16_silu(x.contiguous(), packed, out_features);
+    if (packed.scalar_type() == at::kChar) return w8a8_silu(x, packed, out_features);
+    return silu_mul((*this)(x));
+  }
 };
 
 // rms_norm_cpu's contract (shared/ops/norm_rope_cpu.py): over the last dim, any leading shape
@@ -109,13 +116,12 @@ struct DecoderLayers : torch::CustomClassHolder {
       a = w[1](a.reshape({-1, q_size}));
       if (norm_of(i, kAttnOut).numel() > 0) a = norm(a, norm_of(i, kAttnOut), eps);
       std::tie(x, h) = add_rms_norm_rows(x.contiguous(), a.contiguous(), norm_of(i, kFfnIn), eps);
-      auto gate_up = w[2](h);
       torch::Tensor act;
       if (gelu_tanh) {
-        auto halves = gate_up.chunk(2, -1);
+        auto halves = w[2](h).chunk(2, -1);
         act = at::gelu(halves[0], "tanh") * halves[1];
       } else {
-        act = silu_mul(gate_up);
+        act = w[2].silu_gated(h);
       }
       m = w[3](act);
       if (norm_of(i, kFfnOut).numel() > 0) m = norm(m, norm_of(i, kFfnOut), eps);

@@ -17,6 +17,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
 torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // w8a8_cpu.cpp
 torch::Tensor w8a8(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+// silu_mul(w8a8(x, packed, out_features)) in one pass where gate and up are whole panels
+torch::Tensor w8a8_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // norm_rope_cpu.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_rows(torch::Tensor x, torch::Tensor delta,

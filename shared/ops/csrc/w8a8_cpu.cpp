@@ -30,6 +30,7 @@
 #endif
 
 #include "cpu_isa.h"
+#include "kernels_cpu.h"
 
 constexpr int64_t kW8Lanes = 32;
 constexpr int64_t kW8Block = 32;
@@ -79,27 +80,50 @@ torch::Tensor w8a8_pack(torch::Tensor codes, torch::Tensor scale) {
   return packed;
 }
 
-torch::Tensor w8a8(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+static void check_w8a8(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kW8Block == 0,
               "w8a8: [M, K] float32 x with K a multiple of ", kW8Block);
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-              packed.size(1) == w8_panel_bytes(K), "w8a8: weight not packed by w8a8_pack for this input width");
+              packed.size(1) == w8_panel_bytes(x.size(1)), "w8a8: weight not packed by w8a8_pack for this input width");
   const int64_t panels = packed.size(0);
   TORCH_CHECK(N > (panels - 1) * kW8Lanes && N <= panels * kW8Lanes, "w8a8: out_features does not match the weight");
+}
+
+torch::Tensor w8a8(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  check_w8a8(x, packed, out_features);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   const auto xc = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
   if (M > 0)
-    active_kernels().w8a8_rows(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), panels, N, y.data_ptr<float>());
+    active_kernels().w8a8_rows(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), packed.size(0), N,
+                               y.data_ptr<float>(), nullptr);
+  return y;
+}
+
+// The MLP's gate_up projection and silu(gate) * up in one pass, with silu_mul(w8a8(...))'s bits: the gate and
+// up panels of each 32 outputs run together and their sums go through silu_mul's own form from the stack.
+// Where gate and up are not whole panels (out_features / 2 not a multiple of 32), the two ops.
+torch::Tensor w8a8_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(out_features % 2 == 0, "w8a8_silu: out_features is gate's and up's, an even number");
+  if (out_features % (2 * kW8Lanes) != 0) return silu_mul(w8a8(std::move(x), std::move(packed), out_features));
+  check_w8a8(x, packed, out_features);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const auto xc = x.contiguous();
+  auto y = torch::empty({M, N / 2}, x.options());
+  if (M > 0)
+    active_kernels().w8a8_rows(xc.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(), packed.size(0), N,
+                               y.data_ptr<float>(), silu_mul_cols());
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("w8a8_pack(Tensor codes, Tensor scale) -> Tensor");
   m.def("w8a8(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("w8a8_silu(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("w8a8_next_prefetch(bool on) -> bool", &w8a8_next_prefetch);
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("w8a8_pack", &w8a8_pack);
   m.impl("w8a8", &w8a8);
+  m.impl("w8a8_silu", &w8a8_silu);
 }

@@ -173,7 +173,8 @@ static W8Prefetch w8_next_share(const int8_t* next, int64_t panel_bytes, int64_t
   return {next + 64 * first, lines * pass / later - first};
 }
 
-void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N, float* y) {
+void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N, float* y,
+               SiluColsFn silu) {
   const int64_t blocks = K / kW8Block, panel_bytes = w8_panel_bytes(K);
   std::vector<uint8_t> xq(M * K);
   std::vector<float> sx(M * blocks);
@@ -184,23 +185,38 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64
   const int64_t row_block = std::max<int64_t>(kW8Rows, kW8RowBlockBytes / K / kW8Rows * kW8Rows);
   const bool stream = M <= kW8StreamMaxRows;  // the first pass over each panel prefetches ahead
   const bool prefetch_next = stream && w8_next_prefetch.load(std::memory_order_relaxed);
+  // With `silu` the weight is a gate_up projection (gate outputs [0, N / 2), up [N / 2, N), N / 2 a whole
+  // number of panels) and y is silu(gate) * up [M, N / 2]: gate panel p and up panel p + N / 64 run one pass
+  // after the other into the stack and their sums go through `silu`, so the [M, N] projection is never
+  // written nor read back (a prompt chunk's gate_up is 25 MB a layer at 2,048 rows).
+  const int64_t width = silu ? 2 : 1, steps = panels / width, I = N / 2;  // panels a step runs
   // panels split across threads, never k: each output's fold is the same whatever the threads and rows
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, steps, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[2][kW8Rows * kW8Lanes];
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t m1 = std::min(M, m0 + row_block);
       const int64_t passes = (m1 - m0 + kW8Rows - 1) / kW8Rows;
       for (int64_t p = begin; p < end; ++p) {
-        const int8_t* panel = packed + p * panel_bytes;
-        const int8_t* next = prefetch_next && p + 1 < end ? panel + panel_bytes : nullptr;
-        const int64_t ncols = std::min(kW8Lanes, N - p * kW8Lanes);
-        int64_t m = m0;
-        for (; m + kW8Rows <= m1; m += kW8Rows)
-          w8_pass<kW8Rows>(kW8Rows, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks,
-                           y + m * N + p * kW8Lanes, N, ncols, stream && m == 0,
-                           w8_next_share(next, panel_bytes, (m - m0) / kW8Rows, passes));
-        w8_pass<kW8Rows - 1>(m1 - m, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks,
-                             y + m * N + p * kW8Lanes, N, ncols, stream && m == 0,
-                             w8_next_share(next, panel_bytes, (m - m0) / kW8Rows, passes));
+        // the rows [m, m + rest) of M against panel q (gate or up of step p with silu), into dst
+        auto pass = [&](int64_t q, int64_t m, int64_t rest, float* dst, int64_t ldd, int64_t ncols) {
+          const int8_t* panel = packed + q * panel_bytes;
+          const int8_t* next = prefetch_next && p + 1 < end ? panel + panel_bytes : nullptr;
+          const W8Prefetch share = w8_next_share(next, panel_bytes, (m - m0) / kW8Rows, passes);
+          w8_pass<kW8Rows>(rest, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks, dst, ldd,
+                           ncols, stream && m == 0, share);
+        };
+        for (int64_t m = m0; m < m1; m += kW8Rows) {
+          const int64_t rest = std::min<int64_t>(kW8Rows, m1 - m);
+          if (!silu) {
+            pass(p, m, rest, y + m * N + p * kW8Lanes, N, std::min(kW8Lanes, N - p * kW8Lanes));
+            continue;
+          }
+          pass(p, m, rest, out[0], kW8Lanes, kW8Lanes);
+          pass(p + steps, m, rest, out[1], kW8Lanes, kW8Lanes);
+          for (int64_t r = 0; r < rest; ++r)
+            silu(out[0] + r * kW8Lanes, out[1] + r * kW8Lanes, y + (m + r) * I + p * kW8Lanes, p * kW8Lanes,
+                 kW8Lanes, I);
+        }
       }
     }
   });

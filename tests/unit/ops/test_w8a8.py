@@ -106,6 +106,34 @@ def test_the_next_panel_prefetch_changes_no_bit(rows: int, isa_level: str) -> No
     _close(on, w8a8_ref(x, codes))
 
 
+# gate_up shapes: SmolLM2's (two panels of gate a step: 1536 of 576), one panel each, and gate and up not whole
+# panels (the two ops)
+GATE_UP = [(3072, 576), (64, 96), (2 * 40, 64)]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), GATE_UP, ids=[f"{o}x{i}" for o, i in GATE_UP])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 32, 300, 1000])
+def test_the_gated_projection_gives_silu_mul_of_the_projection(out_features: int, in_features: int, rows: int,
+                                                               isa_level: str) -> None:
+    """w8a8_silu runs gate_up and silu(gate) * up in one pass: silu_mul over w8a8's output, bit for bit, at
+    every row count (one pass, several, streamed, row blocks) and through LinearWeight.silu_mul."""
+    w, codes = _weight(out_features, in_features, 11)
+    lin = LinearWeight.quantized(codes)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(12))
+    expected = torch.ops.baton_cpu.silu_mul(lin(x))
+    got = torch.ops.baton_cpu.w8a8_silu(x, lin.weight, out_features)
+    assert got.shape == (rows, out_features // 2)
+    assert torch.equal(got, expected)
+    assert torch.equal(lin.silu_mul(x), expected)
+
+
+def test_the_gated_projection_rejects_an_odd_width() -> None:
+    w, codes = _weight(64, 64, 13)
+    lin = LinearWeight.quantized(codes)
+    with pytest.raises(RuntimeError, match="even number"):
+        torch.ops.baton_cpu.w8a8_silu(torch.randn(2, 64), lin.weight, 63)
+
+
 def test_a_byte_and_an_eighth_a_weight() -> None:
     """A code, and a block offset (int32) per 32 of them: 0.56x bf16's bytes."""
     w, codes = _weight(960, 576, 13)
