@@ -51,10 +51,11 @@ struct QRows {
 // units: blocks or super-blocks a panel has (qgemv_layout.h); format: a QFormat
 using QgemvFn = void (*)(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels, int64_t units,
                          int64_t N, int64_t format, float* y);
-using GemvBf16Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // silu(gate) * up of elements [j0, j0 + n) of a row I wide, gate, up and out pointing at element j0, with
 // silu_mul's bits (silu_mul_cpu.cpp's silu_mul_cols): a GEMM's epilogue
 using SiluColsFn = void (*)(const float* g, const float* u, float* o, int64_t j0, int64_t n, int64_t I);
+// y [M, N]; with `silu`, a gate_up weight's silu(gate) * up, y [M, N / 2] (gemv_bf16_impl.h)
+using GemvBf16Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed, int64_t out_features, SiluColsFn silu);
 // x [M, K] fp32 rows, packed by w8a8_pack, y [M, N] (w8a8_cpu.cpp); with `silu`, a gate_up weight's
 // silu(gate) * up, y [M, N / 2]
 using W8a8Fn = void (*)(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N,
@@ -71,7 +72,7 @@ struct KernelTable {
   GemvBf16Fn gemv_bf16;         // gemv_bf16_cpu.cpp
   PagedDecodeFn paged_decode;   // paged_decode_cpu.cpp (fp32 or bf16 KV)
   QgemvFn qgemv_rows;           // qgemv_cpu.cpp (GGUF block and super-block formats)
-  W8a8Fn w8a8_rows;             // w8a8_cpu.cpp (int8 per channel, rows quantized per row)
+  W8a8Fn w8a8_rows;             // w8a8_cpu.cpp (int8 per channel, rows quantized per block of 32)
   PrefillAttentionFn prefill_attention;  // prefill_attention_cpu.cpp (a prompt chunk, causal)
 };
 
@@ -94,7 +95,8 @@ BATON_DECLARE_VARIANTS(void paged_decode(torch::Tensor out, torch::Tensor query,
                                          int64_t window))
 BATON_DECLARE_VARIANTS(void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key,
                                               torch::Tensor value, double scale, int64_t window))
-BATON_DECLARE_VARIANTS(torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features))
+BATON_DECLARE_VARIANTS(torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                                               SiluColsFn silu))
 BATON_DECLARE_VARIANTS(void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels,
                                       int64_t N, float* y, SiluColsFn silu))
 BATON_DECLARE_VARIANTS(void qgemv_rows(const QRows& x, int64_t M, const uint8_t* packed, int64_t panels,
@@ -102,7 +104,5 @@ BATON_DECLARE_VARIANTS(void qgemv_rows(const QRows& x, int64_t M, const uint8_t*
 
 // The kernels with a tile path of their own at the amx level (isa_variants.h's BATON_IMPL_AMX)
 namespace amx {
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-// the gate_up projection and silu(gate) * up in one pass (out_features / 2 a whole number of panels)
-torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features, SiluColsFn silu);
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features, SiluColsFn silu);
 }  // namespace amx

@@ -49,22 +49,29 @@ int64_t gemv_bf16_prefetch(int64_t bytes) {
   return tile_prefetch_bytes.exchange(bytes);
 }
 
+// Whether the levels below amx prefetch the next panel in a decode batch's later passes over a panel (up to
+// this many rows, as the W8A8 kernel streams); on by default. bench/next_panel_prefetch.py turns it off and on
+// in turn through gemv_bf16_next_prefetch to compare in one process.
+constexpr int64_t kBf16NextPrefetchMaxRows = 256;
+static std::atomic<bool> bf16_next_prefetch{true};
+
+bool gemv_bf16_next_prefetch(bool on) { return bf16_next_prefetch.exchange(on); }
+
 #define BATON_IMPL "gemv_bf16_impl.h"
 #define BATON_IMPL_AMX
 #include "isa_variants.h"
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  return active_kernels().gemv_bf16(std::move(x), std::move(packed), out_features);
+  return active_kernels().gemv_bf16(std::move(x), std::move(packed), out_features, nullptr);
 }
 
-// The MLP's gate_up projection and silu(gate) * up: at the amx level in one pass (the [M, 2I] projection
-// never reaches memory), elsewhere the two ops; the bits are silu_mul(gemv_bf16(...))'s either way.
+// The MLP's gate_up projection and silu(gate) * up in one pass at every level (the [M, 2I] projection never
+// reaches memory) where gate and up are whole panels, else the two ops; the bits are
+// silu_mul(gemv_bf16(...))'s either way.
 torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(out_features % 2 == 0, "gemv_bf16_silu: out_features is gate's and up's, an even number");
-#if defined(__x86_64__)
-  if (active_kernels().isa == Isa::kAmx && out_features % (2 * kGemvLanes) == 0)
-    return amx::gemv_bf16_silu(std::move(x), std::move(packed), out_features, silu_mul_cols());
-#endif
+  if (out_features % (2 * kGemvLanes) == 0)
+    return active_kernels().gemv_bf16(std::move(x), std::move(packed), out_features, silu_mul_cols());
   return silu_mul(gemv_bf16(std::move(x), std::move(packed), out_features));
 }
 
@@ -73,6 +80,7 @@ TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("gemv_bf16_silu(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("gemv_bf16_prefetch(int bytes) -> int", &gemv_bf16_prefetch);
+  m.def("gemv_bf16_next_prefetch(bool on) -> bool", &gemv_bf16_next_prefetch);
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) {
   m.impl("gemv_bf16_pack", &gemv_bf16_pack);

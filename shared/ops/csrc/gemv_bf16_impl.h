@@ -19,24 +19,47 @@ static inline void widen_pair_avx512(const uint16_t* w, __m512 (&out)[4]) {
 }
 #endif
 
+// Lines of another panel a pass prefetches into L2 beside its own work (gemv_bf16's decode batches)
+struct Bf16Prefetch {
+  const uint16_t* from = nullptr;
+  int64_t lines = 0;
+};
+
+// Pairs of k between two looks at the prefetch: at a chunk's start, not in the pair loop (a branch there
+// slowed the W8A8 kernel's every pass by 1.4x)
+constexpr int64_t kBf16PrefetchChunk = 16;
+// At most this many lines a pass (24 KB): a panel of SmolLM2's is 36-96 KB, and with two passes (9-16 rows)
+// the second prefetching all of the next one made 16 rows 0.87x; the lines a cap leaves out stream on the
+// next panel's first pass as before. Zen 5, a pass over the projections, off against on in turn
+// (next_panel_prefetch-20261129-0411*, -0414*, -0417*): no cap 16 rows 0.87x, 32 rows 1.24x; 12 KB 1.04x,
+// 1.16x; 24 KB 1.08x, 1.18x (24 rows 1.23x, 64 1.08x)
+constexpr int64_t kBf16PrefetchMaxLines = 384;
+
 // MR rows against one panel of K2 pairs: y[m][l] for l < ncols. x: fp32 rows (widening paths) or bf16 pairs
-// as uint32 (vdpbf16ps), ldx elements apart.
+// as uint32 (vdpbf16ps), ldx elements apart. `next`: lines of the next panel to prefetch meanwhile
+// (avx512_bf16 and up; the levels below ignore it).
 template <int MR>
 static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx, const uint16_t* panel, int64_t K2,
-                            int64_t K, float* y, int64_t ldy, int64_t ncols) {
+                            int64_t K, float* y, int64_t ldy, int64_t ncols, Bf16Prefetch next) {
   float out[MR][kGemvLanes];
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
   (void)x;
   (void)K;
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < K2; ++kk) {
-    const uint16_t* w = panel + kk * 2 * kGemvLanes;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[m * ldx + kk]));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+  int64_t line = 0;  // the next line of `next` to prefetch
+  for (int64_t k0 = 0; k0 < K2; k0 += kBf16PrefetchChunk) {
+    const int64_t k1 = std::min(K2, k0 + kBf16PrefetchChunk);
+    for (const int64_t upto = next.lines * k1 / K2; line < upto; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(next.from) + 64 * line, _MM_HINT_T1);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const uint16_t* w = panel + kk * 2 * kGemvLanes;
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[m * ldx + kk]));
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -45,6 +68,7 @@ static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx,
   }
 #elif BATON_ISA >= BATON_ISA_AVX512
   (void)xpairs;
+  (void)next;
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < K2; ++kk) {
@@ -64,6 +88,7 @@ static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx,
   }
 #elif BATON_ISA >= BATON_ISA_AVX2
   (void)xpairs;
+  (void)next;
   // a pair kk's 32 lanes as 4 groups of 8: one 256-bit load holds a group's even and odd k, widened by a
   // shift (even) and a mask (odd); the FMAs in the widening paths' order
   __m256 acc[MR][4];
@@ -88,6 +113,7 @@ static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx,
     for (int g = 0; g < 4; ++g) _mm256_storeu_ps(out[m] + 8 * g, acc[m][g]);
 #else
   (void)xpairs;
+  (void)next;
   // portable: lanes l of the pair kk sit at
   // [l * 2] (even k) and [l * 2 + 1] (odd k)
   float acc[MR][kGemvLanes] = {};
@@ -112,12 +138,14 @@ static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx,
     for (int64_t l = 0; l < ncols; ++l) y[m * ldy + l] = out[m][l];
 }
 
+// One pass of exactly `rest` rows (0 < rest <= R)
 template <int R>
-static inline void bf16_tail_rows(int64_t rest, const float* x, const uint32_t* xpairs, int64_t ldx,
-                                  const uint16_t* panel, int64_t K2, int64_t K, float* y, int64_t ldy, int64_t ncols) {
+static inline void bf16_pass(int64_t rest, const float* x, const uint32_t* xpairs, int64_t ldx,
+                             const uint16_t* panel, int64_t K2, int64_t K, float* y, int64_t ldy, int64_t ncols,
+                             Bf16Prefetch next) {
   if constexpr (R > 0) {
-    if (rest == R) return bf16_panel_rows<R>(x, xpairs, ldx, panel, K2, K, y, ldy, ncols);
-    bf16_tail_rows<R - 1>(rest, x, xpairs, ldx, panel, K2, K, y, ldy, ncols);
+    if (rest == R) return bf16_panel_rows<R>(x, xpairs, ldx, panel, K2, K, y, ldy, ncols, next);
+    bf16_pass<R - 1>(rest, x, xpairs, ldx, panel, K2, K, y, ldy, ncols, next);
   }
 }
 
@@ -324,27 +352,19 @@ static void check_gemv_bf16(const torch::Tensor& x, const torch::Tensor& packed,
               "gemv_bf16: out_features does not match the weight");
 }
 
-#if BATON_ISA >= BATON_ISA_AMX
-torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features, SiluColsFn silu) {
+// y = x @ W.T [M, N]; with `silu` the weight is a gate_up projection (gate outputs [0, N / 2), up [N / 2, N),
+// N / 2 a whole number of panels) and y is silu(gate) * up [M, N / 2], silu_mul's bits: the [M, N]
+// projection is never written (the tiles' path above, or the passes below).
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features, SiluColsFn silu) {
   check_gemv_bf16(x, packed, out_features);
-  TORCH_CHECK(out_features % (2 * kGemvLanes) == 0, "gemv_bf16_silu: gate and up of whole panels");
-  const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1), panels = packed.size(0);
-  auto y = torch::empty({M, out_features / 2}, x.options());
-  gemv_bf16_tiles(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-                  panels, K2, out_features, y.data_ptr<float>(), silu);
-  return y;
-}
-#endif
-
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  check_gemv_bf16(x, packed, out_features);
+  TORCH_CHECK(!silu || out_features % (2 * kGemvLanes) == 0, "gemv_bf16 with silu: gate and up of whole panels");
   const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1), panels = packed.size(0), N = out_features;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, silu ? N / 2 : N}, x.options());
   const float* xp = x.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
 #if BATON_ISA >= BATON_ISA_AMX
-  gemv_bf16_tiles(xp, M, K, wp, panels, K2, N, yp, nullptr);
+  gemv_bf16_tiles(xp, M, K, wp, panels, K2, N, yp, silu);
 #else
   std::vector<uint32_t> pairs;
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
@@ -355,17 +375,41 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
   const int64_t ldx = K;
 #endif
   const uint32_t* xq = pairs.empty() ? nullptr : pairs.data();
+  constexpr int64_t R = kBf16RowsPerPass;
+  // A decode batch passes each panel several times and only the first pass reads it from DRAM: the later
+  // passes prefetch the thread's next panel into L2, each its share, as w8a8_impl.h's do
+  // (bench/next_panel_prefetch.py)
+  const int64_t panel_elems = K2 * 2 * kGemvLanes, lines = (panel_elems * 2 + 63) / 64, passes = (M + R - 1) / R;
+  const bool prefetch_next = M <= kBf16NextPrefetchMaxRows && passes > 1 &&
+                             bf16_next_prefetch.load(std::memory_order_relaxed);
+  const int64_t width = silu ? 2 : 1, steps = panels / width, I = N / 2;  // panels a step runs
   // panels split across threads, never k: each output's sum is the same whatever the threads and rows
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, steps, 4, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[2][R * kGemvLanes];
     for (int64_t p = begin; p < end; ++p) {
-      const uint16_t* panel = wp + p * K2 * 2 * kGemvLanes;
-      const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
-      int64_t m = 0;
-      for (; m + kBf16RowsPerPass <= M; m += kBf16RowsPerPass)
-        bf16_panel_rows<kBf16RowsPerPass>(xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K, yp + m * N + p * kGemvLanes,
-                                          N, ncols);
-      bf16_tail_rows<kBf16RowsPerPass - 1>(M - m, xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K,
-                                           yp + m * N + p * kGemvLanes, N, ncols);
+      // rows [m, m + rest) against panel q (gate or up of step p with silu), into dst
+      auto pass = [&](int64_t q, int64_t m, int64_t rest, float* dst, int64_t ldd, int64_t ncols) {
+        const uint16_t* panel = wp + q * panel_elems;
+        Bf16Prefetch next;
+        if (prefetch_next && p + 1 < end && m > 0) {
+          const int64_t later = passes - 1, pass_no = m / R, first = lines * (pass_no - 1) / later;
+          const int64_t share = std::min(lines * pass_no / later - first, kBf16PrefetchMaxLines);
+          next = {panel + panel_elems + first * 32, share};  // 32 bf16 a line
+        }
+        bf16_pass<R>(rest, xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K, dst, ldd, ncols, next);
+      };
+      for (int64_t m = 0; m < M; m += R) {
+        const int64_t rest = std::min<int64_t>(R, M - m);
+        if (!silu) {
+          pass(p, m, rest, yp + m * N + p * kGemvLanes, N, std::min(kGemvLanes, N - p * kGemvLanes));
+          continue;
+        }
+        pass(p, m, rest, out[0], kGemvLanes, kGemvLanes);
+        pass(p + steps, m, rest, out[1], kGemvLanes, kGemvLanes);
+        for (int64_t r = 0; r < rest; ++r)
+          silu(out[0] + r * kGemvLanes, out[1] + r * kGemvLanes, yp + (m + r) * I + p * kGemvLanes,
+               p * kGemvLanes, kGemvLanes, I);
+      }
     }
   });
 #endif

@@ -56,7 +56,7 @@ torch::Tensor project(const torch::Tensor& rows, const torch::Tensor& packed, in
   const KernelTable& k = active_kernels();
   if (packed.scalar_type() == at::kChar) return w8a8(rows, packed, N);  // W8A8 panels of int8 per channel
   if (packed.scalar_type() == at::kByte) return qgemv(rows, packed, N);  // block formats (qgemv_layout.h)
-  if (packed.scalar_type() == at::kBFloat16) return k.gemv_bf16(rows, packed, N);
+  if (packed.scalar_type() == at::kBFloat16) return k.gemv_bf16(rows, packed, N, nullptr);
   return k.gemv_f32(rows, packed, N, rows.size(1));  // one FMA chain per output over all of k
 }
 

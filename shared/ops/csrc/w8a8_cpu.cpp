@@ -40,7 +40,7 @@ constexpr int64_t kW8RowBlockBytes = 256 * 1024;
 constexpr int64_t w8_panel_bytes(int64_t K) { return K * kW8Lanes + (K / kW8Block) * kW8Lanes * 4 + kW8Lanes * 4; }
 
 // Whether a decode batch's later passes over a panel prefetch the next one (w8a8_impl.h); on by default.
-// bench/w8a8_prefetch.py turns it off and on in turn through w8a8_next_prefetch to compare in one process.
+// bench/next_panel_prefetch.py turns it off and on in turn through w8a8_next_prefetch to compare in one process.
 static std::atomic<bool> w8_next_prefetch{true};
 
 bool w8a8_next_prefetch(bool on) { return w8_next_prefetch.exchange(on); }

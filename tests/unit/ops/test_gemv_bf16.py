@@ -83,18 +83,18 @@ def test_kernel_rejects_a_mismatched_weight() -> None:
         torch.ops.baton_cpu.gemv_bf16(torch.randn(1, 96).bfloat16(), packed, 64)
 
 
-# (3072, 576): SmolLM2's gate_up (I = 1536, fused on amx); (96, 64): I = 48, half a panel (the two ops);
+# (3072, 576): SmolLM2's gate_up (I = 1536, fused); (96, 64): I = 48, half a panel (the two ops);
 # (128, 1000): I = 64, K with a tail tile
 GATE_UP_SHAPES = [(3072, 576), (96, 64), (128, 1000)]
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), GATE_UP_SHAPES,
                          ids=[f"{o}x{i}" for o, i in GATE_UP_SHAPES])
-@pytest.mark.parametrize("rows", [1, 17, 40, 601])
+@pytest.mark.parametrize("rows", [1, 7, 17, 40, 601])
 def test_gate_up_and_silu_in_one_op_give_the_two_ops_bits(out_features: int, in_features: int, rows: int,
                                                           isa_level: str) -> None:
-    """gemv_bf16_silu (one pass on AMX tiles, silu(gate) * up from the tiles' sums) against the projection then
-    silu_mul: the same bits at every level, in the vector chunks and the scalar tail alike."""
+    """gemv_bf16_silu (one pass at every level: silu(gate) * up from the tiles' or the passes' sums) against the
+    projection then silu_mul: the same bits at every level, in the vector chunks and the scalar tail alike."""
     g = torch.Generator().manual_seed(rows + out_features)
     lin = LinearWeight(torch.randn(out_features, in_features, generator=g) * 0.1, weight_dtype=torch.bfloat16)
     x = torch.randn(rows, in_features, generator=g) * 2
@@ -129,3 +129,21 @@ def test_bits_do_not_depend_on_the_prefetch_distance(rows: int) -> None:
         torch.ops.baton_cpu.gemv_bf16_prefetch(default)
     with pytest.raises(RuntimeError, match="whole lines"):
         torch.ops.baton_cpu.gemv_bf16_prefetch(100)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 32, 64, 300])
+def test_bits_do_not_depend_on_the_next_panel_prefetch(rows: int, isa_level: str) -> None:
+    """Below amx a decode batch's later passes prefetch the next panel (gemv_bf16_next_prefetch): no sum moves,
+    plain or gate_up with its SiLU, at one pass (1 row), several, and more rows than it runs at (300)."""
+    g = torch.Generator().manual_seed(rows + 1)
+    lin = LinearWeight(torch.randn(3072, 576, generator=g) * 0.1, weight_dtype=torch.bfloat16)
+    x = torch.randn(rows, 576, generator=g)
+    toggle = torch.ops.baton_cpu.gemv_bf16_next_prefetch
+    default = toggle(False)
+    try:
+        off, off_silu = lin(x), lin.silu_mul(x)
+        toggle(True)
+        assert torch.equal(lin(x), off) and torch.equal(lin.silu_mul(x), off_silu)
+    finally:
+        toggle(default)
+    assert default is True
