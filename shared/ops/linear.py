@@ -168,9 +168,9 @@ class LinearWeight:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, in_features] -> [n, out_features // 2]
         """silu(gate) * up of this gate_up projection (gate's outputs first, then up's), with the bits of
-        silu_mul_cpu over its output: one op for the bf16 kernel (one pass on AMX tiles: the [n, out_features]
-        projection never reaches memory, csrc/gemv_bf16_impl.h) and for W8A8 (one pass at every level,
-        csrc/w8a8_impl.h), else the projection and then silu_mul."""
+        silu_mul_cpu over its output: one op for the bf16 kernel and for W8A8, which run it as one pass (the
+        [n, out_features] projection never reaches memory) on AMX tiles at any n and elsewhere for prompt chunks
+        (csrc/gemv_bf16_cpu.cpp, csrc/w8a8_cpu.cpp), else the projection and then silu_mul."""
         if self.backend == "gemv_bf16":
             return torch.ops.baton_cpu.gemv_bf16_silu(  # type: ignore[no-any-return]
                 x.float().contiguous(), self.weight, self.out_features)

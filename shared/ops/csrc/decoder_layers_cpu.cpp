@@ -32,8 +32,8 @@ struct Projection {
     if (packed.scalar_type() == at::kChar) return w8a8(x, packed, out_features);
     return gemv(x.contiguous(), packed, out_features, k_block);
   }
-  // silu(gate) * up of a gate_up projection, with silu_mul(operator()(x))'s bits: one pass where the kernel
-  // has one (W8A8, bf16 on AMX tiles)
+  // silu(gate) * up of a gate_up projection, with silu_mul(operator()(x))'s bits: the kernel's own op where it
+  // has one (W8A8, bf16), which runs it as one pass where that pays
   torch::Tensor silu_gated(const torch::Tensor& x) const {
     if (packed.scalar_type() == at::kBFloat16) return gemv_bf16_silu(x.contiguous(), packed, out_features);
     if (packed.scalar_type() == at::kChar) return w8a8_silu(x, packed, out_features);

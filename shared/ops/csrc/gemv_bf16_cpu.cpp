@@ -65,12 +65,18 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
   return active_kernels().gemv_bf16(std::move(x), std::move(packed), out_features, nullptr);
 }
 
-// The MLP's gate_up projection and silu(gate) * up in one pass at every level (the [M, 2I] projection never
-// reaches memory) where gate and up are whole panels, else the two ops; the bits are
-// silu_mul(gemv_bf16(...))'s either way.
+// Rows from which the levels below amx run gemv_bf16_silu as one pass: a prompt chunk's. Zen 5, SmolLM2's 30
+// gate_up projections, one pass against the two ops in turn: 2,048 rows 250 against 275 ms, 256 and 32 rows
+// level, 8 rows 3.03 against 2.77 (two panels streamed side by side from DRAM, where the two ops stream one)
+constexpr int64_t kBf16FusedSiluMinRows = 257;
+
+// The MLP's gate_up projection and silu(gate) * up in one pass (the [M, 2I] projection never reaches memory)
+// where gate and up are whole panels, on the amx tiles at any row count and below them from
+// kBf16FusedSiluMinRows rows; else the two ops. The bits are silu_mul(gemv_bf16(...))'s either way.
 torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(out_features % 2 == 0, "gemv_bf16_silu: out_features is gate's and up's, an even number");
-  if (out_features % (2 * kGemvLanes) == 0)
+  if (out_features % (2 * kGemvLanes) == 0 &&
+      (active_kernels().isa == Isa::kAmx || x.size(0) >= kBf16FusedSiluMinRows))
     return active_kernels().gemv_bf16(std::move(x), std::move(packed), out_features, silu_mul_cols());
   return silu_mul(gemv_bf16(std::move(x), std::move(packed), out_features));
 }

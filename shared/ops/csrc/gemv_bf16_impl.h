@@ -4,6 +4,8 @@
 // registers (a shift or a mask per pair of k; 256-bit on AVX2, 512-bit on AVX-512) and multiply the fp32 rows
 // exactly: half the bytes, fp32 arithmetic. amx: the same bf16 rows and panels through tiles (below).
 
+#include "gated_rows.h"  // inside the level's namespace: the row loop with its SiLU epilogue
+
 // Rows per pass over a panel: with AVX-512 eight rows' partial sums (two registers each) stay in registers.
 constexpr int kBf16RowsPerPass = BATON_ISA >= BATON_ISA_AVX512 ? 8 : 2;
 
@@ -382,7 +384,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
   const int64_t panel_elems = K2 * 2 * kGemvLanes, lines = (panel_elems * 2 + 63) / 64, passes = (M + R - 1) / R;
   const bool prefetch_next = M <= kBf16NextPrefetchMaxRows && passes > 1 &&
                              bf16_next_prefetch.load(std::memory_order_relaxed);
-  const int64_t width = silu ? 2 : 1, steps = panels / width, I = N / 2;  // panels a step runs
+  const int64_t width = silu ? 2 : 1, steps = panels / width;  // panels a step runs (gated_rows.h)
   // panels split across threads, never k: each output's sum is the same whatever the threads and rows
   at::parallel_for(0, steps, 4, [&](int64_t begin, int64_t end) {
     alignas(64) float out[2][R * kGemvLanes];
@@ -398,18 +400,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
         }
         bf16_pass<R>(rest, xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K, dst, ldd, ncols, next);
       };
-      for (int64_t m = 0; m < M; m += R) {
-        const int64_t rest = std::min<int64_t>(R, M - m);
-        if (!silu) {
-          pass(p, m, rest, yp + m * N + p * kGemvLanes, N, std::min(kGemvLanes, N - p * kGemvLanes));
-          continue;
-        }
-        pass(p, m, rest, out[0], kGemvLanes, kGemvLanes);
-        pass(p + steps, m, rest, out[1], kGemvLanes, kGemvLanes);
-        for (int64_t r = 0; r < rest; ++r)
-          silu(out[0] + r * kGemvLanes, out[1] + r * kGemvLanes, yp + (m + r) * I + p * kGemvLanes,
-               p * kGemvLanes, kGemvLanes, I);
-      }
+      gated_rows<R, kGemvLanes>(0, M, p, steps, N, yp, silu, out, pass);
     }
   });
 #endif

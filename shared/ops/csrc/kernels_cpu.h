@@ -17,7 +17,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
 torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // w8a8_cpu.cpp
 torch::Tensor w8a8(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-// silu_mul(w8a8(x, packed, out_features)) in one pass where gate and up are whole panels
+// silu_mul(w8a8(x, packed, out_features)), one pass for a prompt chunk's rows where gate and up are whole panels
 torch::Tensor w8a8_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // norm_rope_cpu.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);
@@ -28,7 +28,8 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor si
 torch::Tensor silu_mul(torch::Tensor gate_up);
 // the form of SiluColsFn (cpu_isa.h) that torch's own silu runs on this CPU (j0 a multiple of 16)
 SiluColsFn silu_mul_cols();
-// gemv_bf16_cpu.cpp: silu_mul(gemv_bf16(x, packed, out_features)), one pass where gate and up are whole panels
+// gemv_bf16_cpu.cpp: silu_mul(gemv_bf16(x, packed, out_features)), one pass on the amx tiles or for a prompt
+// chunk's rows, where gate and up are whole panels
 torch::Tensor gemv_bf16_silu(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 // write_kv_cpu.cpp
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value,

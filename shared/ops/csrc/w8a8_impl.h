@@ -23,6 +23,8 @@ constexpr int64_t kW8StreamMaxRows = 256;
 // thread's next panel into L2, each its share spread over its k loop, so that stream overlaps their
 // arithmetic and the next panel's first pass finds it in L2 (bench/linear_precisions.py). No sum changes.
 
+#include "gated_rows.h"  // inside the level's namespace: the row loop with its SiLU epilogue
+
 // Rows per pass over a panel: with VNNI six rows' block sums and running outputs (four zmm a row) stay in
 // registers beside the two weight registers and the block's two offsets
 constexpr int kW8Rows = BATON_ISA >= BATON_ISA_AVX512_BF16 ? 6 : 2;
@@ -185,11 +187,9 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64
   const int64_t row_block = std::max<int64_t>(kW8Rows, kW8RowBlockBytes / K / kW8Rows * kW8Rows);
   const bool stream = M <= kW8StreamMaxRows;  // the first pass over each panel prefetches ahead
   const bool prefetch_next = stream && w8_next_prefetch.load(std::memory_order_relaxed);
-  // With `silu` the weight is a gate_up projection (gate outputs [0, N / 2), up [N / 2, N), N / 2 a whole
-  // number of panels) and y is silu(gate) * up [M, N / 2]: gate panel p and up panel p + N / 64 run one pass
-  // after the other into the stack and their sums go through `silu`, so the [M, N] projection is never
-  // written nor read back (a prompt chunk's gate_up is 25 MB a layer at 2,048 rows).
-  const int64_t width = silu ? 2 : 1, steps = panels / width, I = N / 2;  // panels a step runs
+  // With `silu`, gate_up and silu(gate) * up in one pass (gated_rows.h): a prompt chunk's gate_up, 25 MB a
+  // layer at 2,048 rows, is never written nor read back
+  const int64_t width = silu ? 2 : 1, steps = panels / width;  // panels a step runs
   // panels split across threads, never k: each output's fold is the same whatever the threads and rows
   at::parallel_for(0, steps, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[2][kW8Rows * kW8Lanes];
@@ -205,18 +205,7 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64
           w8_pass<kW8Rows>(rest, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks, dst, ldd,
                            ncols, stream && m == 0, share);
         };
-        for (int64_t m = m0; m < m1; m += kW8Rows) {
-          const int64_t rest = std::min<int64_t>(kW8Rows, m1 - m);
-          if (!silu) {
-            pass(p, m, rest, y + m * N + p * kW8Lanes, N, std::min(kW8Lanes, N - p * kW8Lanes));
-            continue;
-          }
-          pass(p, m, rest, out[0], kW8Lanes, kW8Lanes);
-          pass(p + steps, m, rest, out[1], kW8Lanes, kW8Lanes);
-          for (int64_t r = 0; r < rest; ++r)
-            silu(out[0] + r * kW8Lanes, out[1] + r * kW8Lanes, y + (m + r) * I + p * kW8Lanes, p * kW8Lanes,
-                 kW8Lanes, I);
-        }
+        gated_rows<kW8Rows, kW8Lanes>(m0, m1, p, steps, N, y, silu, out, pass);
       }
     }
   });
