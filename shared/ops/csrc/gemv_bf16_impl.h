@@ -5,6 +5,7 @@
 // exactly: half the bytes, fp32 arithmetic. amx: the same bf16 rows and panels through tiles (below).
 
 #include "gated_rows.h"  // inside the level's namespace: the row loop with its SiLU epilogue
+#include "panel_prefetch.h"  // the later passes' share of the next panel
 
 // Rows per pass over a panel: with AVX-512 eight rows' partial sums (two registers each) stay in registers.
 constexpr int kBf16RowsPerPass = BATON_ISA >= BATON_ISA_AVX512 ? 8 : 2;
@@ -21,14 +22,7 @@ static inline void widen_pair_avx512(const uint16_t* w, __m512 (&out)[4]) {
 }
 #endif
 
-// Lines of another panel a pass prefetches into L2 beside its own work (gemv_bf16's decode batches)
-struct Bf16Prefetch {
-  const uint16_t* from = nullptr;
-  int64_t lines = 0;
-};
-
-// Pairs of k between two looks at the prefetch: at a chunk's start, not in the pair loop (a branch there
-// slowed the W8A8 kernel's every pass by 1.4x)
+// Pairs of k between two looks at the next panel's prefetch (panel_prefetch.h: not in the pair loop)
 constexpr int64_t kBf16PrefetchChunk = 16;
 // At most this many lines a pass (24 KB): a panel of SmolLM2's is 36-96 KB, and with two passes (9-16 rows)
 // the second prefetching all of the next one made 16 rows 0.87x; the lines a cap leaves out stream on the
@@ -42,7 +36,7 @@ constexpr int64_t kBf16PrefetchMaxLines = 384;
 // (avx512_bf16 and up; the levels below ignore it).
 template <int MR>
 static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx, const uint16_t* panel, int64_t K2,
-                            int64_t K, float* y, int64_t ldy, int64_t ncols, Bf16Prefetch next) {
+                            int64_t K, float* y, int64_t ldy, int64_t ncols, PanelPrefetch next) {
   float out[MR][kGemvLanes];
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
   (void)x;
@@ -52,8 +46,7 @@ static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx,
   int64_t line = 0;  // the next line of `next` to prefetch
   for (int64_t k0 = 0; k0 < K2; k0 += kBf16PrefetchChunk) {
     const int64_t k1 = std::min(K2, k0 + kBf16PrefetchChunk);
-    for (const int64_t upto = next.lines * k1 / K2; line < upto; ++line)
-      _mm_prefetch(reinterpret_cast<const char*>(next.from) + 64 * line, _MM_HINT_T1);
+    prefetch_share_upto(next, line, k1, K2);
     for (int64_t kk = k0; kk < k1; ++kk) {
       const uint16_t* w = panel + kk * 2 * kGemvLanes;
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
@@ -144,7 +137,7 @@ static void bf16_panel_rows(const float* x, const uint32_t* xpairs, int64_t ldx,
 template <int R>
 static inline void bf16_pass(int64_t rest, const float* x, const uint32_t* xpairs, int64_t ldx,
                              const uint16_t* panel, int64_t K2, int64_t K, float* y, int64_t ldy, int64_t ncols,
-                             Bf16Prefetch next) {
+                             PanelPrefetch next) {
   if constexpr (R > 0) {
     if (rest == R) return bf16_panel_rows<R>(x, xpairs, ldx, panel, K2, K, y, ldy, ncols, next);
     bf16_pass<R - 1>(rest, x, xpairs, ldx, panel, K2, K, y, ldy, ncols, next);
@@ -381,7 +374,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
   // A decode batch passes each panel several times and only the first pass reads it from DRAM: the later
   // passes prefetch the thread's next panel into L2, each its share, as w8a8_impl.h's do
   // (bench/next_panel_prefetch.py)
-  const int64_t panel_elems = K2 * 2 * kGemvLanes, lines = (panel_elems * 2 + 63) / 64, passes = (M + R - 1) / R;
+  const int64_t panel_elems = K2 * 2 * kGemvLanes, passes = (M + R - 1) / R;
   const bool prefetch_next = M <= kBf16NextPrefetchMaxRows && passes > 1 &&
                              bf16_next_prefetch.load(std::memory_order_relaxed);
   const int64_t width = silu ? 2 : 1, steps = panels / width;  // panels a step runs (gated_rows.h)
@@ -392,12 +385,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
       // rows [m, m + rest) against panel q (gate or up of step p with silu), into dst
       auto pass = [&](int64_t q, int64_t m, int64_t rest, float* dst, int64_t ldd, int64_t ncols) {
         const uint16_t* panel = wp + q * panel_elems;
-        Bf16Prefetch next;
-        if (prefetch_next && p + 1 < end && m > 0) {
-          const int64_t later = passes - 1, pass_no = m / R, first = lines * (pass_no - 1) / later;
-          const int64_t share = std::min(lines * pass_no / later - first, kBf16PrefetchMaxLines);
-          next = {panel + panel_elems + first * 32, share};  // 32 bf16 a line
-        }
+        const uint16_t* following = prefetch_next && p + 1 < end ? panel + panel_elems : nullptr;
+        const PanelPrefetch next = next_panel_share(following, panel_elems * 2, m / R, passes, kBf16PrefetchMaxLines);
         bf16_pass<R>(rest, xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K, dst, ldd, ncols, next);
       };
       gated_rows<R, kGemvLanes>(0, M, p, steps, N, yp, silu, out, pass);

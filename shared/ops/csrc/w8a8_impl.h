@@ -25,6 +25,7 @@ constexpr int64_t kW8StreamMaxRows = 256;
 // 32 rows on Zen 5). No sum changes.
 
 #include "gated_rows.h"  // inside the level's namespace: the row loop with its SiLU epilogue
+#include "panel_prefetch.h"  // the later passes' share of the next panel
 
 // Rows per pass over a panel: with VNNI six rows' block sums and running outputs (four zmm a row) stay in
 // registers beside the two weight registers and the block's two offsets
@@ -61,27 +62,19 @@ static void w8_quantize_row(const float* x, int64_t K, uint8_t* q, float* scales
   }
 }
 
-// Lines of another panel a pass prefetches into L2 beside its own work: `lines` lines from `from`, spread
-// over its blocks (at a block's start, not in the quad loop: a branch there slowed every pass by 1.4x)
-struct W8Prefetch {
-  const int8_t* from = nullptr;
-  int64_t lines = 0;
-};
-
 // MR rows against one panel: out[m][l] = sw[l] * (the blocks' fp32 fold of d_x[m, b] * sum_k q_x q_w)
 template <int MR, bool kStream>
 static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64_t lds, const int8_t* panel,
-                          int64_t blocks, float* y, int64_t ldy, int64_t ncols, W8Prefetch next) {
+                          int64_t blocks, float* y, int64_t ldy, int64_t ncols, PanelPrefetch next) {
   const auto* offsets = reinterpret_cast<const int32_t*>(panel + blocks * kW8Block * kW8Lanes);
   const auto* sw = reinterpret_cast<const float*>(offsets + blocks * kW8Lanes);
   float out[MR][kW8Lanes];
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  int64_t line = 0;  // the next line of `next` to prefetch
+  int64_t line = 0;  // the next line of `next` to prefetch, spread over the blocks
   for (int64_t b = 0; b < blocks; ++b) {
-    for (const int64_t upto = next.lines * (b + 1) / blocks; line < upto; ++line)
-      __builtin_prefetch(next.from + 64 * line, 0, 2);
+    prefetch_share_upto(next, line, b + 1, blocks);
     const int8_t* w = panel + b * kW8Block * kW8Lanes;
     const __m512i o0 = _mm512_loadu_si512(offsets + b * kW8Lanes), o1 = _mm512_loadu_si512(offsets + b * kW8Lanes + 16);
     __m512i sum[MR][2];
@@ -157,7 +150,7 @@ static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64
 template <int R>
 static inline void w8_pass(int64_t rest, const uint8_t* xq, int64_t ldx, const float* sx, int64_t lds,
                                 const int8_t* panel, int64_t blocks, float* y, int64_t ldy, int64_t ncols,
-                                bool stream, W8Prefetch next) {
+                                bool stream, PanelPrefetch next) {
   if constexpr (R > 0) {
     if (rest == R) {
       if (stream) return w8_panel_rows<R, true>(xq, ldx, sx, lds, panel, blocks, y, ldy, ncols, next);
@@ -165,15 +158,6 @@ static inline void w8_pass(int64_t rest, const uint8_t* xq, int64_t ldx, const f
     }
     w8_pass<R - 1>(rest, xq, ldx, sx, lds, panel, blocks, y, ldy, ncols, stream, next);
   }
-}
-
-// Pass `pass` (0 the first) of `passes` over a panel: the share of the next panel (`panel_bytes` at `next`,
-// nullptr at the thread's last) that it prefetches. The first pass streams its own panel and none.
-static W8Prefetch w8_next_share(const int8_t* next, int64_t panel_bytes, int64_t pass, int64_t passes) {
-  if (next == nullptr || pass == 0 || pass >= passes) return {};
-  const int64_t lines = (panel_bytes + 63) / 64, later = passes - 1;
-  const int64_t first = lines * (pass - 1) / later;
-  return {next + 64 * first, lines * pass / later - first};
 }
 
 void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t panels, int64_t N, float* y,
@@ -202,7 +186,7 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64
         auto pass = [&](int64_t q, int64_t m, int64_t rest, float* dst, int64_t ldd, int64_t ncols) {
           const int8_t* panel = packed + q * panel_bytes;
           const int8_t* next = prefetch_next && p + 1 < end ? panel + panel_bytes : nullptr;
-          const W8Prefetch share = w8_next_share(next, panel_bytes, (m - m0) / kW8Rows, passes);
+          const PanelPrefetch share = next_panel_share(next, panel_bytes, (m - m0) / kW8Rows, passes, INT64_MAX);
           w8_pass<kW8Rows>(rest, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks, dst, ldd,
                            ncols, stream && m == 0, share);
         };
