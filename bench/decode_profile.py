@@ -83,7 +83,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="vLLM's --dtype: auto | float32 | bfloat16")
     parser.add_argument("--quantization", default="none", help="vLLM's --quantization: none | int8 | q4_1 | gguf")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype: auto | float32 | bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's --kv-cache-dtype: auto | float32 | bfloat16 | fp8 | fp8_e5m2")
     parser.add_argument("--python-layers", action="store_true",
                         help="run the layers from Python (BATON_CPU_LAYER_LOOP=0), so the profile names each kernel")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

@@ -56,6 +56,7 @@ from bench.results_file import write_results
 from bench.serve_report import write_block
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.precision import KV_CACHE_DTYPE_CHOICES
 from shared.engine.request import SamplingParams
 from shared.models.weight_format import QUANTIZATIONS
 from shared.ops.linear import LinearWeight
@@ -157,7 +158,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timings of each system per batch, alternating")
     parser.add_argument("--quick", action="store_true", help="32 new tokens, one timing each")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="transformers' dtype (its weights as loaded, and its arithmetic)")

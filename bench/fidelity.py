@@ -48,6 +48,11 @@ PRECISIONS: dict[str, tuple[WeightFormat, torch.dtype, Any]] = {
     "fp32-weights-bf16-kv": (WeightFormat(), torch.bfloat16, 0.01),
     "int8": (WeightFormat(quantization="int8"), torch.float32, 0.02),
     "int8-bf16-kv": (WeightFormat(quantization="int8"), torch.bfloat16, 0.02),
+    # an 8-bit KV cache (--kv-cache-dtype fp8 / fp8_e5m2, no scale) is held to the 8-bit weights' bound
+    "fp32-weights-fp8-kv": (WeightFormat(), torch.float8_e4m3fn, 0.02),
+    "bfloat16-fp8-kv": (WeightFormat(torch.bfloat16), torch.float8_e4m3fn, 0.02),
+    "int8-fp8-kv": (WeightFormat(quantization="int8"), torch.float8_e4m3fn, 0.02),
+    "int8-fp8_e5m2-kv": (WeightFormat(quantization="int8"), torch.float8_e5m2, 0.02),
     # 4-bit blocks made at load from the fp32 weights, held to the same bound as the GGUF file's own blocks
     "q4_1": (WeightFormat(quantization="q4_1"), torch.float32, "llama.cpp"),
     "gguf": (WeightFormat(quantization="gguf"), torch.float32, "llama.cpp"),

@@ -44,8 +44,11 @@ SYSTEMS = ("baton", "baton-fixed-shares", "baton-colocated", "baton-pinned-colo"
 # (int8-bf16-kv: int8 projections beside a bf16 KV cache, which halves what decode attention reads)
 PRECISION_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"],
                    "int8-bf16-kv": ["--quantization", "int8", "--kv-cache-dtype", "bfloat16"],
+                   "int8-fp8-kv": ["--quantization", "int8", "--kv-cache-dtype", "fp8"],
                    "gguf": ["--quantization", "gguf"]}
-VLLM_DTYPES = ("float32", "bfloat16")  # vllm@bfloat16: its --dtype (default float32, as baton's)
+# vllm@bfloat16: its --dtype (default float32, as baton's); vllm@bfloat16-fp8-kv adds its fp8 KV cache
+VLLM_PRECISIONS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
+                   "bfloat16-fp8-kv": ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]}
 # Set when kv_transfer's 30 s lease could expire behind a long prefill queue (32 concurrent 256-token
 # prompts on one core: 499s). Prefill now renews the lease while its prompt waits; the published runs
 # kept this setting, so it stays until a run without it is compared.
@@ -99,16 +102,16 @@ class Server:
 
     def __enter__(self) -> Server:
         base, _, precision = self.system.partition("@")
-        known = PRECISION_FLAGS if base.startswith("baton") else VLLM_DTYPES if base.startswith("vllm") else ()
+        known = PRECISION_FLAGS if base.startswith("baton") else VLLM_PRECISIONS if base.startswith("vllm") else {}
         if base not in SYSTEMS or (precision and precision not in known):
             raise ValueError(f"unknown system {self.system!r}; known: {', '.join(SYSTEMS)}, a baton one with "
-                             f"@{'|'.join(PRECISION_FLAGS)}, a vllm one with @{'|'.join(VLLM_DTYPES)}")
+                             f"@{'|'.join(PRECISION_FLAGS)}, a vllm one with @{'|'.join(VLLM_PRECISIONS)}")
         log_dir = self.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.started_s = time.monotonic()
         try:
             if base.startswith("vllm"):
-                self._start_vllm(log_dir, all_cores=base == "vllm-allcores", dtype=precision or "float32")
+                self._start_vllm(log_dir, all_cores=base == "vllm-allcores", flags=VLLM_PRECISIONS[precision or "float32"])
             elif base == "llamacpp":
                 self._start_llamacpp(log_dir)
             elif base.startswith("baton-pinned"):
@@ -163,7 +166,7 @@ class Server:
                 argv = ["taskset", "-c", cores[child.service], *argv]
             self._spawn(argv, {**BATON_ENV, **child.env}, log_dir / f"{child.name}.log")
 
-    def _start_vllm(self, log_dir: Path, all_cores: bool, dtype: str) -> None:
+    def _start_vllm(self, log_dir: Path, all_cores: bool, flags: list[str]) -> None:
         vllm = self.config.vllm_venv / "bin" / "vllm"
         if not vllm.exists():
             raise FileNotFoundError(f"{vllm} missing: run bench/peers/setup_vllm.sh first")
@@ -172,7 +175,7 @@ class Server:
                "HOME": str(self.config.work_dir / "home")}
         (self.config.work_dir / "home").mkdir(parents=True, exist_ok=True)
         argv = [str(vllm), "serve", str(self.config.hf_dir), "--served-model-name", MODEL_NAME,
-                "--max-model-len", str(self.config.max_model_len), "--dtype", dtype,
+                "--max-model-len", str(self.config.max_model_len), *flags,
                 "--host", HOST, "--port", str(self.config.port)]
         self._spawn(argv, env, log_dir / "vllm.log")
 

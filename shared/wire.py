@@ -44,6 +44,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # an fp8 KV cache's blocks
+    "float8_e5m2": torch.float8_e5m2,
 }
 
 

@@ -224,7 +224,7 @@ class HandoffStore:
         if lease.abandoned:  # a commit comes after the writes: the slots are free to go
             self._end(handoff_id, LeaseState.RELEASED)
             raise RequestAbortedError(f"handoff {handoff_id} was released")
-        hidden_nbytes = result.num_hidden_tokens * result.hidden_width * lease.spec.layout.itemsize
+        hidden_nbytes = result.num_hidden_tokens * result.hidden_width * lease.spec.layout.hidden_dtype.itemsize
         if hidden_nbytes > len(lease.slots.hidden_slots) * lease.slots.space.slot_nbytes:
             self._end(handoff_id, LeaseState.FAILED)
             raise InvalidRequestError(f"handoff {handoff_id}: {hidden_nbytes} bytes of hidden states were "

@@ -39,7 +39,7 @@ import torch
 
 from shared.engine.choices import ChoiceGroups, FirstToken, child_params, choice_request_id
 from shared.engine.config import EngineConfig
-from shared.engine.handoff import KVHandoff, extract_kv, inject_kv
+from shared.engine.handoff import KVHandoff, check_handoff_kv, extract_kv, inject_kv
 from shared.engine.kv_offload import group_tiers
 from shared.engine.kv_setup import build_kv_cache
 from shared.engine.kv_spill import KVSpill, KVTransferCalls
@@ -425,6 +425,7 @@ class LLMEngine:
                 f"handoff block size {handoff.block_size} != engine block size {self.config.block_size}"
             )
         self._check_new_id(request_id)
+        check_handoff_kv(self.layout, handoff.kv, len(handoff.prompt_token_ids))
         request, done = self._continue_from_first_token(request_id, handoff.prompt_token_ids, params,
                                                         handoff.first_token_id, handoff.first_logprobs,
                                                         handoff.media)

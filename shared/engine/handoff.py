@@ -15,6 +15,7 @@ import torch
 
 from shared.engine.request import TokenLogprobs
 from shared.errors import InvalidRequestError
+from shared.kv.cache_dtype import to_cache_dtype
 from shared.kv.layout import KVLayout
 from shared.multimodal.items import MediaItem
 
@@ -67,15 +68,21 @@ def extract_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]]
     return out
 
 
-def inject_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]], kv: torch.Tensor,
-              num_tokens: int) -> None:
-    """Write handed-off units (`extract_kv`'s format) into this engine's blocks (`tables`, one per group)."""
+def check_handoff_kv(layout: KVLayout, kv: torch.Tensor, num_tokens: int) -> None:
+    """Refuse handed-off units that are not `extract_kv`'s format for this layout (before any block is held)."""
     units = layout.handoff_units(num_tokens)
     if kv.dim() != 2 or kv.shape[0] != len(units) or kv.shape[1] != layout.slot_nbytes // layout.itemsize:
         raise InvalidRequestError(
             f"handoff KV of shape {tuple(kv.shape)} does not fit this engine's blocks of {layout.describe()}"
         )
-    kv = kv.to(kv_cache.device, kv_cache.dtype)
+
+
+def inject_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]], kv: torch.Tensor,
+              num_tokens: int) -> None:
+    """Write handed-off units (`extract_kv`'s format) into this engine's blocks (`tables`, one per group)."""
+    check_handoff_kv(layout, kv, num_tokens)
+    units = layout.handoff_units(num_tokens)
+    kv = to_cache_dtype(kv.to(kv_cache.device), kv_cache.dtype)
     for g, group in enumerate(layout.groups):
         rows = [r for r, (unit_group, _) in enumerate(units) if unit_group == g]
         if not rows:
@@ -83,4 +90,7 @@ def inject_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]],
         index = torch.tensor([tables[g][units[r][1]] for r in rows], dtype=torch.long, device=kv_cache.device)
         data = kv[rows]
         for layer in group.layers:
-            layout.layer_blocks(kv_cache, layer).index_copy_(0, index, layout.slot_view(data, layer))
+            blocks, src = layout.layer_blocks(kv_cache, layer), layout.slot_view(data, layer)
+            if blocks.dtype.itemsize == 1:  # torch has no index_copy_ for float8: the same bytes as uint8
+                blocks, src = blocks.view(torch.uint8), src.view(torch.uint8)
+            blocks.index_copy_(0, index, src)

@@ -111,7 +111,7 @@ class KVPuller(RequestTransfers[_PullJob]):
             group.start(TransferOp.READ, whole_slots_plan(region, slot_nbytes_for(remote), source.slots.space, slots))
         rows, width = source.hidden_shape
         if rows:
-            job.hidden = torch.empty((rows, width), dtype=self._layout.dtype)
+            job.hidden = torch.empty((rows, width), dtype=self._layout.hidden_dtype)
             region = group.register(job.hidden)
             nbytes = job.hidden.numel() * job.hidden.element_size()
             group.start(TransferOp.READ, slots_plan(region, 0, nbytes, source.slots.space, source.slots.hidden_slots))

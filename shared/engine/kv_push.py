@@ -141,7 +141,7 @@ class KVPusher(RequestTransfers[_PushJob]):
                                                               job.slots.space, slots, range(self._layout.num_layers), g))
             job.num_blocks_sent = num_blocks
         if hidden is not None and hidden.numel():
-            staged = hidden.to(self._layout.dtype).contiguous()  # [num_hidden_tokens, hidden_width]
+            staged = hidden.to(self._layout.hidden_dtype).contiguous()  # [num_hidden_tokens, hidden_width]
             region = job.group.register(staged)
             job.group.start(TransferOp.WRITE, slots_plan(region, 0, staged.numel() * staged.element_size(),
                                                          job.slots.space, job.slots.hidden_slots))

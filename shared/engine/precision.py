@@ -1,7 +1,7 @@
 """What an engine stores weights and KV in, and computes in: vLLM's `--dtype` and `--kv-cache-dtype`.
 
     --dtype           auto | float32 | bfloat16 | float16
-    --kv-cache-dtype  auto | float32 | bfloat16
+    --kv-cache-dtype  auto | float32 | bfloat16 | fp8 | fp8_e4m3 | fp8_e5m2
 
 On the CPU the activations stay fp32 and `dtype` names how the projections'
 weights are stored: bfloat16 halves the bytes a decode step streams and runs
@@ -14,7 +14,10 @@ the whole model computes in.
 within 1% of fp32; bench/fidelity.py measures it): bfloat16 on CUDA and on CPUs
 whose kernels run vdpbf16ps (AVX512-BF16 or AMX), float32 on other CPUs, where
 widening bf16 saves bytes but costs the batched steps their arithmetic speed.
-The KV cache's `auto` is the weights' dtype.
+The KV cache's `auto` is the weights' dtype. `fp8` (e4m3, as vLLM's) and
+`fp8_e5m2` store a byte a value with no scale (shared/kv/cache_dtype.py): half
+the bytes decode attention streams from a bf16 cache, widened to fp32 as the
+kernels read them. CPU only: on CUDA the cache keeps the model's dtype.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kv.cache_dtype import FP8_DTYPES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", *FP8_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ def resolve_precision(dtype: str, kv_cache_dtype: str, device: str) -> Precision
     on_cpu = not device.startswith("cuda")
     # on the CPU only bf16 has weight kernels under fp32 activations; anything else computes in its dtype
     compute = torch.float32 if on_cpu and weights == torch.bfloat16 else weights
-    kv = weights if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+    kv = weights if kv_cache_dtype == "auto" else {**DTYPES, **FP8_DTYPES}[kv_cache_dtype]
     if not on_cpu and kv != compute:
         raise ValueError(f"on CUDA the KV cache is kept in the model's dtype ({compute}), not {kv}")
     if compute == torch.float16 and kv != torch.float16:

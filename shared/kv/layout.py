@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.kv.cache_dtype import hidden_dtype
 from shared.transport.memory import host_buffer
 
 
@@ -203,6 +204,11 @@ class KVLayout:
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize  # read per block of every layer of a handoff: no tensor made to ask
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """What a handoff's hidden states travel in: the KV dtype, or bf16 beside an 8-bit cache."""
+        return hidden_dtype(self.dtype)
 
     def storage_layer(self, layer: int) -> int:
         """The layer whose cache `layer` attends over (itself unless it is KV-shared)."""

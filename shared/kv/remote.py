@@ -10,7 +10,7 @@ in both places::
     store slot    one unit: a block of one group, its stored layers  at base + slot * slot_nbytes
                   in order (layer l at KVLayout.slot_offset(l); KV-shared layers take no room)
 
-Hidden states ([num_tokens, hidden_width] in the layout dtype) fill a list of
+Hidden states ([num_tokens, hidden_width] in `KVLayout.hidden_dtype`) fill a list of
 slots as one byte string cut at slot boundaries.
 
 A handoff, seen from both ends::
@@ -130,7 +130,7 @@ class ClaimedHandoff:
     @property
     def hidden_nbytes(self) -> int:
         r = self.result
-        return r.num_hidden_tokens * r.hidden_width * self.spec.layout.itemsize
+        return r.num_hidden_tokens * r.hidden_width * self.spec.layout.hidden_dtype.itemsize
 
 
 @dataclass

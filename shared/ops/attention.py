@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from shared.kv.cache_dtype import to_cache_dtype
 from shared.kv.layout import cdiv
 
 
@@ -94,9 +95,9 @@ def write_kv(
     captures the forward recomputes it from the slots of each replay."""
     if index is None:
         index = kv_write_index(slot_mapping, k_cache.shape[1])
-    # a cache of narrower dtype (a bf16 KV cache under fp32 activations) stores the keys rounded
-    k_cache.index_put_(index, key.to(k_cache.dtype))
-    v_cache.index_put_(index, value.to(v_cache.dtype))
+    # a cache of narrower dtype (a bf16 or fp8 KV cache under fp32 activations) stores the keys rounded
+    k_cache.index_put_(index, to_cache_dtype(key, k_cache.dtype))
+    v_cache.index_put_(index, to_cache_dtype(value, v_cache.dtype))
 
 
 def _gather_keys(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:

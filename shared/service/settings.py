@@ -53,7 +53,7 @@ class EngineServiceSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="float32", description="vLLM's --dtype: on the CPU how weights are stored (activations stay "
         "fp32), on CUDA what the model computes in; auto = the fastest whose fidelity bound holds")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         default="auto", description="vLLM's --kv-cache-dtype; auto = the weights' dtype")
     quantization: Literal["none", "int8", "q4_1", "gguf"] = Field(
         default="none", description="vLLM's --quantization: int8 per channel, 4-bit blocks (Q4_1's form) made "

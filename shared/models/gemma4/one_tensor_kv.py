@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import torch
 
+from shared.kv.cache_dtype import to_cache_dtype
 from shared.models.common import AttentionFn
 from shared.ops.attention import AttentionMetadata
 
@@ -73,5 +74,6 @@ def attend_one_tensor(
     values = cache[used_ids]  # [U, block_size, heads, dim]
     positions = (first_pos[:, None] + torch.arange(block_size, device=first_pos.device)).reshape(-1)
     # rebuilt in the compute dtype, stored as the cache stores (a bf16 cache's keys are bf16 keys)
-    keys = derive(values.reshape(-1, *values.shape[2:]), positions).reshape(values.shape).to(values.dtype)
+    keys = to_cache_dtype(derive(values.reshape(-1, *values.shape[2:]), positions).reshape(values.shape),
+                          values.dtype)
     return attention(query, key, value, keys, values, compact, 1.0, window)

@@ -199,7 +199,9 @@ class Gemma4TextLM:
         assert w_k is not None
 
         def derive(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [n, heads, dim], [n]
-            return rotate(values * w_k, rope.cos_sin(positions, values.dtype))
+            # an fp8 cache's values are widened first (torch promotes no float8); bf16 ones keep bf16 angles
+            angles = values.dtype if values.dtype.itemsize > 1 else w_k.dtype
+            return rotate(values.to(w_k.dtype) * w_k, rope.cos_sin(positions, angles))
 
         return derive
 

@@ -23,6 +23,7 @@
 #endif
 
 #include "bf16.h"
+#include "fp8.h"
 #include "cpu_isa.h"
 
 // Whether the wide path prefetches the next chunk's keys and values (and the next job's first keys) into L2

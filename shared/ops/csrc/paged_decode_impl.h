@@ -103,6 +103,10 @@ static inline __m512 lane_sums16(const __m512 (&p)[kChunk]) {
 // contexts, 30 layers' caches, medians of 15): spread over the chunk's passes into L2 4.3 ms; all of the
 // next chunk's lines at its start into L2 5.5; spread into L1 5.2; none 6.1; the portable loops 5.2. Also
 // fetching the thread's next job's first keys during the last value chunk (`Job::after`): 3.9 against 4.2.
+// Where a position's heads lie side by side in whole lines (the cache's [block, slot, head, dim] layout) they
+// are one run of lines, so a step is a tight loop over the run's lines: walking them head by head, line by
+// line, cost a quarter of the kernel's time with the cache in L3 (bf16, batch 32, Zen 5, one thread: 13.3 ms
+// for 30 layers against 9.9 with the prefetch off).
 template <typename KV>
 struct Prefetcher {
   const KV* base;
@@ -110,13 +114,26 @@ struct Prefetcher {
   int64_t t, t_end, h0, h1, hs;
   int dvs;  // 64-byte lines per head
   int64_t h = h0;
-  int dv = 0;
+  int64_t dv = 0;  // the next line of head h
+
+  Prefetcher(const KV* base_, const int64_t* off_, int64_t t_, int64_t t_end_, int64_t h0_, int64_t h1_,
+             int64_t hs_, int dvs_)
+      : base(base_), off(off_), t(t_), t_end(t_end_), h0(h0_), h1(h1_), hs(hs_), dvs(dvs_), h(h0_) {
+    if (h1 > h0 + 1 && hs * static_cast<int64_t>(sizeof(KV)) == int64_t{dvs} * 64) {  // adjacent heads: one run
+      dvs *= static_cast<int>(h1 - h0);
+      h1 = h0 + 1;
+    }
+  }
+  Prefetcher() : Prefetcher(nullptr, nullptr, 0, 0, 0, 0, 0, 1) {}
 
   int64_t lines() const { return std::max<int64_t>(0, t_end - t) * (h1 - h0) * dvs; }
   void step(int64_t count) {
-    for (; count > 0 && t < t_end; --count) {
-      __builtin_prefetch(reinterpret_cast<const char*>(base + off[t] + h * hs) + dv * 64, 0, 2);
-      if (++dv == dvs) {
+    while (count > 0 && t < t_end) {
+      const char* p = reinterpret_cast<const char*>(base + off[t] + h * hs) + dv * 64;
+      const int64_t n = std::min<int64_t>(count, dvs - dv);
+      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(p + i * 64, 0, 2);
+      count -= n;
+      if ((dv += n) == dvs) {
         dv = 0;
         if (++h == h1) h = h0, ++t;
       }
@@ -142,15 +159,31 @@ struct Job {
 // scores[j * n + t] = q_j . k_t * scale for the job's query heads j, a chunk of tokens at a time (their keys,
 // all heads, stay in L1 while every head reads them). Meanwhile the next chunk's keys are prefetched, or
 // during the last chunk the first values.
-// 16 cached keys or values as fp32: loaded, or widened from bf16 (a shift of each lane's bits)
+// 16 cached keys or values as fp32, divided by kUnit<KV>: loaded, or widened from bf16 (a shift of each lane's
+// bits) or from fp8 (as fp16 bits that vcvtph2ps widens; fp8.h). An e4m3 byte sign-extended to 16 bits and
+// shifted left 7 is the fp16 of its value / 256 but for bit 14, the sign again, which the mask clears; the 256
+// is taken out of the query and put back into the normaliser (powers of two: the same bits, unless a weighted
+// value falls below fp32's normals). The kernel is bound by these instructions more than by DRAM (with the
+// cache in L3 it takes ~80% of its time out of it), so each counts: with the sign masked and shifted in and a
+// multiply by 256 here, 30 layers at batch 32 from DRAM took about what bf16 does; as here, 7.58 against
+// bf16's 9.95 ms (bench/kv_cache_dtype.py --kernel, Zen 5, two threads; e5m2 7.25).
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+static inline __m512 load16(const fp8_e5m2* p) {  // the top byte of an fp16
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8));
+}
+static inline __m512 load16(const fp8_e4m3* p) {
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
+}
+template <typename KV>
+constexpr float kUnit = std::is_same_v<KV, fp8_e4m3> ? 256.f : 1.f;
 
-// 64-byte lines of one head's DV * 16 cached elements
+// 64-byte lines of one head's DV * 16 cached elements (an fp8 head of 32 is half a line)
 template <int DV, typename KV>
-constexpr int kLinesPerHead = DV * static_cast<int>(sizeof(KV)) / 4;
+constexpr int kLinesPerHead = (DV * 16 * static_cast<int>(sizeof(KV)) + 63) / 64;
 
 template <int DV, typename KV>
 static void scores_avx512(const Job<KV>& jb, float* scores) {
@@ -162,7 +195,7 @@ static void scores_avx512(const Job<KV>& jb, float* scores) {
   // Rapids, 2.2 ms a layer before, 0.72 after; a decode step's attention (bench/decode_profile.py
   // --python-layers, two threads) 25.8 and 28.7 ms before, 17.2 and 16.3 after. An fp32 cache is read in
   // place.
-  constexpr bool kWiden = std::is_same_v<KV, uint16_t>;
+  constexpr bool kWiden = !std::is_same_v<KV, float>;
   alignas(64) float widened[kWiden ? kChunk * D : 1];
   for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
     const int c = (int)std::min<int64_t>(kChunk, jb.n - t0);
@@ -182,7 +215,9 @@ static void scores_avx512(const Job<KV>& jb, float* scores) {
         const int64_t j = (h - jb.h0) * jb.G + g;
         const float* qv = jb.q + j * jb.qhs;
         __m512 qr[DV];
-        for (int dv = 0; dv < DV; ++dv) qr[dv] = _mm512_loadu_ps(qv + dv * 16);
+        for (int dv = 0; dv < DV; ++dv)
+          qr[dv] = kUnit<KV> == 1.f ? _mm512_loadu_ps(qv + dv * 16)
+                                    : _mm512_mul_ps(_mm512_loadu_ps(qv + dv * 16), _mm512_set1_ps(kUnit<KV>));
         __m512 p[kChunk];
         for (int t = 0; t < kChunk; ++t) {
           if (t < c) {
@@ -250,11 +285,13 @@ template <int DV, typename KV>
 static void attend_avx512(const Job<KV>& jb, float* scores, float* inv, float* acc) {
   scores_avx512<DV, KV>(jb, scores);
   softmax_rows(scores, (jb.h1 - jb.h0) * jb.G, jb.n, inv);
+  if constexpr (kUnit<KV> != 1.f)  // the values' sums are of value / kUnit
+    for (int64_t j = 0; j < (jb.h1 - jb.h0) * jb.G; ++j) inv[j] *= kUnit<KV>;
   values_avx512<DV, KV>(jb, scores, acc);
 }
 #endif
 
-// KV: float (an fp32 cache) or uint16_t (a bf16 cache's bits, widened as they are read)
+// KV: float (an fp32 cache), uint16_t (a bf16 cache's bits) or fp8_e4m3 / fp8_e5m2, widened as they are read
 template <typename KV>
 static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor rows, torch::Tensor row_seq,
@@ -331,7 +368,7 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
             next_koff[t] = nx.table[p / bs] * kbs + (p % bs) * kts;
           }
           jb.after = Prefetcher<KV>{kc, next_koff, 0, nx.h0 < nx.h1 ? m : 0, nx.h0, nx.h1, khs,
-                                    (int)(dv * sizeof(KV) / 4)};
+                                    (int)((dv * 16 * sizeof(KV) + 63) / 64)};
         }
         if (dv == 2) attend_avx512<2, KV>(jb, scores.data(), inv.data(), acc.data());
         else if (dv == 4) attend_avx512<4, KV>(jb, scores.data(), inv.data(), acc.data());
@@ -384,9 +421,14 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                   double scale, int64_t window) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && v_cache.scalar_type() == kv &&
-              (kv == at::kFloat || kv == at::kBFloat16), "paged_decode: float32 queries, a float32 or bfloat16 cache");
+              (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2),
+              "paged_decode: float32 queries, a float32, bfloat16 or float8 (e4m3fn, e5m2) cache");
   if (kv == at::kFloat)
     paged_decode_t<float>(out, query, k_cache, v_cache, block_tables, rows, row_seq, row_pos, scale, window);
-  else
+  else if (kv == at::kBFloat16)
     paged_decode_t<uint16_t>(out, query, k_cache, v_cache, block_tables, rows, row_seq, row_pos, scale, window);
+  else if (kv == at::kFloat8_e4m3fn)
+    paged_decode_t<fp8_e4m3>(out, query, k_cache, v_cache, block_tables, rows, row_seq, row_pos, scale, window);
+  else
+    paged_decode_t<fp8_e5m2>(out, query, k_cache, v_cache, block_tables, rows, row_seq, row_pos, scale, window);
 }

@@ -1,5 +1,5 @@
 // Causal attention of one prompt chunk on the CPU: fp32 queries [Lq, H, D], the chunk's context keys and
-// values [Lk, Hkv, D] (fp32, or bf16 widened as they are read), Lk >= Lq: query i sits at position
+// values [Lk, Hkv, D] (fp32, or bf16 or fp8 widened as they are read), Lk >= Lq: query i sits at position
 // Lk - Lq + i and sees the keys at positions <= its own (and, with a window w > 0, > its own - w). Query head
 // h reads KV head h / (H / Hkv) (transformers' repeat_kv order). out [Lq, H, D] fp32.
 //
@@ -24,6 +24,7 @@
 #endif
 
 #include "bf16.h"
+#include "fp8.h"
 #include "cpu_isa.h"
 
 #define BATON_IMPL "prefill_attention_impl.h"
@@ -33,8 +34,8 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key
                        double scale, int64_t window) {
   const auto kv = key.scalar_type();
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && value.scalar_type() == kv &&
-              (kv == at::kFloat || kv == at::kBFloat16),
-              "prefill_attention: float32 queries and output, float32 or bfloat16 keys and values");
+              (kv == at::kFloat || kv == at::kBFloat16 || kv == at::kFloat8_e4m3fn || kv == at::kFloat8_e5m2),
+              "prefill_attention: float32 queries and output, float32, bfloat16 or float8 keys and values");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() && out.sizes() == query.sizes(),
               "prefill_attention: query / out [Lq, H, D], key / value [Lk, Hkv, D]");
   TORCH_CHECK(query.size(2) == key.size(2) && key.size(1) > 0 && query.size(1) % key.size(1) == 0 &&

@@ -229,8 +229,13 @@ static void prefill_attention_t(torch::Tensor out, torch::Tensor query, torch::T
 
 void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key, torch::Tensor value,
                        double scale, int64_t window) {
-  if (key.scalar_type() == at::kFloat)
+  const auto kv = key.scalar_type();
+  if (kv == at::kFloat)
     prefill_attention_t<float>(out, query, key, value, scale, window);
-  else
+  else if (kv == at::kBFloat16)
     prefill_attention_t<uint16_t>(out, query, key, value, scale, window);
+  else if (kv == at::kFloat8_e4m3fn)
+    prefill_attention_t<fp8_e4m3>(out, query, key, value, scale, window);
+  else
+    prefill_attention_t<fp8_e5m2>(out, query, key, value, scale, window);
 }

@@ -219,6 +219,10 @@ LOW_PRECISIONS = {
     "bf16": ({"dtype": "bfloat16"}, WeightFormat(torch.bfloat16), torch.bfloat16),
     "int8-bf16kv": ({"quantization": "int8", "kv_cache_dtype": "bfloat16"}, WeightFormat(quantization="int8"),
                     torch.bfloat16),
+    "int8-fp8kv": ({"quantization": "int8", "kv_cache_dtype": "fp8"}, WeightFormat(quantization="int8"),
+                   torch.float8_e4m3fn),
+    "bf16-fp8e5m2kv": ({"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"}, WeightFormat(torch.bfloat16),
+                       torch.float8_e5m2),
 }
 
 

@@ -1,5 +1,6 @@
 """Disaggregated output equals colocated in every precision: prefill -> kv_transfer -> decode over real gRPC
-(bf16 weights and KV cache, whose handoff moves bf16 blocks; int8 per channel; the GGUF's own blocks) against
+(bf16 weights and KV cache, whose handoff moves bf16 blocks; int8 per channel; the GGUF's own blocks; int8 with
+an fp8 KV cache, a byte a value in the handoff) against
 one engine with the same settings, on the packaged SmolLM2."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.integration.services.test_disagg_grpc import ENGINE, MODEL, QUESTIONS
 pytestmark = pytest.mark.slow
 
 PRECISIONS = {"bfloat16": dict(dtype="bfloat16"), "int8": dict(quantization="int8"),
-              "gguf": dict(quantization="gguf")}
+              "gguf": dict(quantization="gguf"), "int8-fp8-kv": dict(quantization="int8", kv_cache_dtype="fp8")}
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))

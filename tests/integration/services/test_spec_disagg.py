@@ -46,15 +46,16 @@ def random_head(path: Path) -> Path:
 
 @pytest.mark.parametrize(("method", "async_scheduling"),
                          [("ngram", False), ("draft", False), ("eagle", False), ("eagle-tree", False), ("ngram", True),
-                          ("none", True)])
+                          ("none", True), ("eagle-fp8kv", False)])
 def test_speculating_decode_service_equals_plain_greedy(method: str, async_scheduling: bool, tmp_path: Path) -> None:
-    """Each proposer (EAGLE also with a draft tree); and decode's zero-bubble loop, plain and with ngram drafts
-    proposed ahead."""
+    """Each proposer (EAGLE also with a draft tree, and over an fp8 KV cache, whose handoff carries the hidden
+    states in bf16); and decode's zero-bubble loop, plain and with ngram drafts proposed ahead."""
     tok = packaged(MODEL).tokenizer
     prompts = [encode_prompt(tok, p, chat=True) for p in PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0.0)
-    expected = [r.token_ids for r in packaged_engine(MODEL, max_model_len=1024).generate(prompts, params)]
-    spec: dict[str, object] = dict(spec=method.removesuffix("-tree"), num_speculative_tokens=3,
+    kv: dict[str, object] = {"kv_cache_dtype": "fp8"} if method.endswith("-fp8kv") else {}
+    expected = [r.token_ids for r in packaged_engine(MODEL, max_model_len=1024, **kv).generate(prompts, params)]
+    spec: dict[str, object] = dict(spec=method.removesuffix("-tree").removesuffix("-fp8kv"), num_speculative_tokens=3,
                                    spec_draft_num_layers=2, async_scheduling=async_scheduling)
     if method.startswith("eagle"):
         spec["spec_eagle_head"] = random_head(tmp_path / "head.safetensors")
@@ -62,10 +63,10 @@ def test_speculating_decode_service_equals_plain_greedy(method: str, async_sched
         spec["spec_tree"] = TREE
 
     async def main() -> tuple[list[list[int]], int, int]:
-        kv = await start_kv(KVTransferSettings(port=0, metrics_port=-1, max_claim_wait_s=1.0))
-        prefill = await start_prefill(PrefillSettings(**ENGINE))
-        decode = await start_decode(DecodeSettings(**ENGINE, **spec))  # type: ignore[arg-type]
-        stack = Stack(kv, prefill, decode)
+        kv_transfer = await start_kv(KVTransferSettings(port=0, metrics_port=-1, max_claim_wait_s=1.0))
+        prefill = await start_prefill(PrefillSettings(**ENGINE, **kv))  # type: ignore[arg-type]
+        decode = await start_decode(DecodeSettings(**ENGINE, **kv, **spec))  # type: ignore[arg-type]
+        stack = Stack(kv_transfer, prefill, decode)
         try:
             got = await asyncio.gather(*(stack.generate(p, params) for p in prompts))
             for _ in range(100):
@@ -81,7 +82,7 @@ def test_speculating_decode_service_equals_plain_greedy(method: str, async_sched
             stats = engine.speculator.stats
             return [tokens for tokens, _ in got], stats.num_verifications, stats.num_draft_tokens
         finally:
-            for s in (decode, prefill, kv):
+            for s in (decode, prefill, kv_transfer):
                 await s.stop()
 
     got, num_verifications, num_drafts = asyncio.run(main())

@@ -37,7 +37,18 @@ def test_bad_names_are_refused() -> None:
     with pytest.raises(ValueError, match="dtype"):
         resolve_precision("int3", "auto", "cpu")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="float16"):
         resolve_precision("float16", "bfloat16", "cpu")
     assert EngineConfig(dtype="auto").precision == resolve_precision("auto", "auto", "cpu")
+
+
+def test_an_fp8_kv_cache_is_vllms_spelling_on_the_cpu_only() -> None:
+    """`fp8` is e4m3 (vLLM's default fp8), `fp8_e5m2` the other; CUDA keeps the model's dtype."""
+    assert resolve_precision("auto", "fp8", "cpu").kv_cache == torch.float8_e4m3fn
+    assert resolve_precision("float32", "fp8_e4m3", "cpu").kv_cache == torch.float8_e4m3fn
+    p = resolve_precision("bfloat16", "fp8_e5m2", "cpu")
+    assert (p.weights, p.kv_cache, p.compute) == (BF16, torch.float8_e5m2, torch.float32)
+    assert p.describe() == "weights bfloat16, KV cache float8_e5m2, activations float32"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_precision("bfloat16", "fp8", "cuda")

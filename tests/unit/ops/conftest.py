@@ -46,7 +46,10 @@ class AttentionBatch:
             pos = torch.arange(s_len, device=self.kv.device)
             used[self.meta.block_tables[i].long()[pos // block_size], pos % block_size] = True
         # [num_blocks, block_size, 2, H, D] view: a bool index over the first two dims writes through.
-        self.kv[self.layer].transpose(1, 2)[~used] = float("nan")
+        if self.kv.dtype.itemsize == 1:  # fp8: torch fills no float8 tensor; 0x7f is NaN in e4m3fn and e5m2
+            self.kv.view(torch.uint8)[self.layer].transpose(1, 2)[~used] = 0x7F
+        else:
+            self.kv[self.layer].transpose(1, 2)[~used] = float("nan")
 
 
 def _allocate_tables(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from shared.kv.cache_dtype import to_cache_dtype
 from shared.ops import cpu_attention
 from shared.ops.attention import paged_attention_ref
 from tests.helpers.torch_threads import torch_threads
@@ -118,15 +119,66 @@ def test_write_kv_op_rejects_a_slot_outside_the_cache() -> None:
     [(9, 3, 64, 16), (4, 1, 256, 8), (6, 2, 12, 16), (8, 2, 128, 16)],
     ids=["smollm2", "gemma3", "d12", "d128"],
 )
-def test_a_bf16_cache_under_fp32_queries(make_batch: Callable[..., AttentionBatch], num_heads: int,
-                                         num_kv_heads: int, head_dim: int, block_size: int, isa_level: str) -> None:
-    """A bf16 KV cache is widened as it is read: the reference on the same cache, widened, is the truth."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["bf16", "e4m3", "e5m2"])
+def test_a_narrow_cache_under_fp32_queries(make_batch: Callable[..., AttentionBatch], num_heads: int,
+                                           num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype,
+                                           isa_level: str) -> None:
+    """A bf16 or fp8 KV cache is widened as it is read: the reference on the same cache, widened, is the truth.
+    The fp8 caches hold keys of magnitudes from 1e-4 to 4 and values up to 1000, so that every code,
+    subnormals too, is read (the tolerance grows with the outputs)."""
     for window in (None, 7):
         batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size)
-        batch.kv = batch.kv.bfloat16()  # the cache rounded; this step's keys (stored by the engine) too
-        batch.key, batch.value = batch.key.bfloat16().float(), batch.value.bfloat16().float()
+        if kv_dtype != torch.bfloat16:
+            g = torch.Generator().manual_seed(head_dim)
+            exponents = torch.empty(batch.kv.shape).uniform_(-4, 2.5, generator=g)
+            exponents[:, :, 0] = exponents[:, :, 0].clamp(max=0)  # keys up to ~4: no score in the thousands
+            batch.kv = batch.kv * torch.pow(10.0, exponents)
+        batch.kv = to_cache_dtype(batch.kv, kv_dtype)  # the cache rounded; this step's keys (stored by the engine) too
+        batch.key = to_cache_dtype(batch.key, kv_dtype).float()
+        batch.value = to_cache_dtype(batch.value, kv_dtype).float()
         out, ref = run_both(batch, window, poison=True)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref, atol=1e-5 * max(1.0, ref.abs().max().item()), rtol=1e-5)
+
+
+def _fp8_grid(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of an fp8 format, the midpoints between neighbours (ties, which round to the even
+    code), values just either side of them, past the largest value and at zero, both signs."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    exact = codes[codes.isfinite()].unique()  # sorted
+    mids = (exact[1:] + exact[:-1]) / 2
+    near = torch.cat([mids * (1 + 2.0**-20), mids * (1 - 2.0**-20)])
+    big = torch.tensor([1e6, float("inf"), exact.max().item() * 1.04, exact.max().item() * 1.2])
+    values = torch.cat([exact, mids, near, big, torch.tensor([0.0, 1e-30])])
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_write_kv_op_rounds_fp32_keys_into_an_fp8_cache(kv_dtype: torch.dtype) -> None:
+    """Every fp8 value, every tie between two and values past the largest: the same bits as write_kv's, which
+    clamps and lets torch round (shared/kv/cache_dtype.py), and no inf ever stored."""
+    from shared.ops.attention import write_kv
+
+    grid = _fp8_grid(kv_dtype)
+    heads, dim = 2, 8
+    n = -(-grid.numel() // (heads * dim))
+    values = torch.zeros(n * heads * dim)
+    values[: grid.numel()] = grid
+    key = values.view(n, heads, dim)
+    value = key.flip(0).contiguous()
+    blocks, bs = -(-n // 4) + 1, 4
+    caches = [torch.zeros(blocks, bs, heads, dim, dtype=kv_dtype) for _ in range(4)]
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(0))[:n]
+    write_kv(caches[0], caches[1], key, value, slots)
+    torch.ops.baton_cpu.write_kv_(caches[2], caches[3], key, value, slots)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    assert caches[2].float().isfinite().all()
+    # the fp8 values themselves (the grid's first ones) come back as they were
+    stored = caches[2].float()[slots // bs, slots % bs].reshape(-1)
+    codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype).float()
+    count = codes[codes.isfinite()].unique().numel()
+    assert torch.equal(stored[:count], grid[:count])
 
 
 def test_write_kv_op_rounds_fp32_keys_into_a_bf16_cache() -> None:
@@ -149,7 +201,7 @@ def test_write_kv_op_rounds_fp32_keys_into_a_bf16_cache() -> None:
         torch.ops.baton_cpu.write_kv_(caches[2].float(), caches[3].float(), key.bfloat16(), value.bfloat16(), slots)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_bits_do_not_depend_on_the_prefetch(make_batch: Callable[..., AttentionBatch], kv_dtype: torch.dtype,
                                             isa_level: str) -> None:
     """The wide path's software prefetch (paged_decode_prefetch turns it off) moves no value."""

@@ -43,7 +43,8 @@ CASES = [  # (query tokens, context + query tokens, heads, KV heads, head dim, w
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-kv", "bf16-kv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["fp32-kv", "bf16-kv", "e4m3-kv", "e5m2-kv"])
 @pytest.mark.parametrize(("lq", "lk", "heads", "kv_heads", "head_dim", "window"), CASES,
                          ids=[f"{c[0]}of{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-w{c[5]}" for c in CASES])
 def test_matches_sdpa_with_the_chunks_mask(lq: int, lk: int, heads: int, kv_heads: int, head_dim: int, window: int,
