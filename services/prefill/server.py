@@ -84,7 +84,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """What to reserve: a slot per prompt unit (full ones named by their prefix hash), room for hidden states."""
         engine = self.aengine.engine
         prompt = request.request.prompt_token_ids
-        hidden_nbytes = len(prompt) * engine.hidden_width * engine.layout.hidden_dtype.itemsize if self.send_hidden_states else 0
+        hidden_nbytes = (len(prompt) * engine.hidden_width * engine.layout.hidden_dtype.itemsize
+                         if self.send_hidden_states else 0)
         # the media's digests join the blocks' prefix hashes
         return handoff_spec(engine, request.handoff_id, request.request.request_id, prompt,
                             media_from_proto(request.request.media), hidden_nbytes, request.handoff_capability)

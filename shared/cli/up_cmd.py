@@ -127,7 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="weights (CPU: activations stay fp32); auto = the fastest whose fidelity bound holds")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
-                   help="KV cache and handoffs; auto = the weights' dtype")
+                   help="KV cache and handoffs; auto = the weights' dtype; fp8 (e4m3) or fp8_e5m2: a byte a value (CPU)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="int8 per channel, q4_1: 4-bit blocks made at load, or gguf: a GGUF model's projections "
                         "in the file's own blocks")

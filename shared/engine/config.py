@@ -34,7 +34,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     dtype: str = "float32"  # vLLM's --dtype: auto | float32 | bfloat16 | float16 (shared/engine/precision.py)
-    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (= the weights') | float32 | bfloat16 | fp8 (e4m3) | fp8_e5m2
+    # vLLM's --kv-cache-dtype: auto (= the weights') | float32 | bfloat16 | fp8 (= fp8_e4m3) | fp8_e5m2
+    kv_cache_dtype: str = "auto"
     quantization: str = "none"  # vLLM's --quantization: none | int8 | gguf (shared/models/weight_format.py)
     attention_backend: str = "auto"  # auto: Triton on CUDA, C++ decode kernel + torch reference on the CPU
     seed: int = 0
