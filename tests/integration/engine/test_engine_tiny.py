@@ -199,6 +199,23 @@ def test_prefill_hidden_states_cover_only_computed_positions(make_tiny) -> None:
     torch.testing.assert_close(second.kv, first.kv)
 
 
+def test_a_handoff_whose_kv_does_not_fit_is_refused_before_it_holds_blocks(make_tiny, engines) -> None:
+    """KV of another shape (a truncated handoff) is a clear error; the decode engine holds nothing after it
+    (the engines fixture checks for leaked blocks) and serves the same handoff whole afterwards."""
+    from dataclasses import replace
+
+    engine, _ = make_tiny("llama")
+    handoff = tiny_engine(engine.loaded, role="prefill").generate([[3, 4, 5, 6, 7, 8]], greedy(3))[0].handoff
+    assert handoff is not None
+    decode = tiny_engine(engine.loaded, role="decode")
+    engines.append(decode)
+    with pytest.raises(InvalidRequestError, match="does not fit"):
+        decode.add_handoff("short", greedy(3), replace(handoff, kv=handoff.kv[:, :-1]))
+    assert not decode.has_unfinished()
+    assert decode.add_handoff("whole", greedy(3), handoff) is None
+    assert len(decode.run_to_completion()["whole"].token_ids) == 2
+
+
 def test_duplicate_request_ids_are_refused(make_tiny, engines) -> None:
     engine, _ = make_tiny("llama")
     engine.add_request("dup", [3, 4, 5], greedy(2))
