@@ -4,8 +4,8 @@
 // Stored: fp32 rounded to nearest even, as torch's .to(float8) rounds, after clamping to the largest finite
 // value (what shared/kv/cache_dtype.to_cache_dtype does), so the kernels and the torch reference store the
 // same bits. Read: exactly, every fp8 value being an fp32 one: through a table in the portable loops, and
-// from AVX-512 up (load16_fp8) as an fp16 vector that vcvtph2ps widens: e5m2 is the top byte of an fp16,
-// e4m3 an fp16 whose exponent is 8 short (its bias 7 against 15), so times 256 after the widening.
+// from AVX-512 up (paged_decode_impl.h's load16) as an fp16 vector that vcvtph2ps widens: e5m2 is the top
+// byte of an fp16, e4m3 an fp16 whose exponent is 8 short (its bias 7 against 15), a value / 256.
 #pragma once
 
 #include <algorithm>

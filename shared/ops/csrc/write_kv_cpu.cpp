@@ -28,7 +28,8 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, 
   const auto cache_type = k_cache.scalar_type();
   const bool from_f32 = key.scalar_type() == at::kFloat;
   const bool to_bf16 = cache_type == at::kBFloat16 && from_f32;
-  const bool to_e4m3 = cache_type == at::kFloat8_e4m3fn && from_f32, to_e5m2 = cache_type == at::kFloat8_e5m2 && from_f32;
+  const bool to_e4m3 = cache_type == at::kFloat8_e4m3fn && from_f32;
+  const bool to_e5m2 = cache_type == at::kFloat8_e5m2 && from_f32;
   TORCH_CHECK(v_cache.scalar_type() == cache_type && value.scalar_type() == key.scalar_type() &&
               (cache_type == key.scalar_type() || to_bf16 || to_e4m3 || to_e5m2),
               "write_kv_: keys must have the cache's dtype (or be float32 for a bfloat16 or float8 cache)");
