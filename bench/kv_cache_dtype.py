@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -143,13 +144,9 @@ def main() -> int:
         for name, t in ms.items():
             log(f"{name}: 30 layers from DRAM {t['dram']:.2f} ms (x{ms[base]['dram'] / t['dram']:.3f}), "
                 f"from L3 {t['l3']:.2f} ms (x{ms[base]['l3'] / t['l3']:.3f})")
-        result = {"bench": "kv_cache_dtype", "mode": "kernel", "kv_cache_dtypes": args.kv_cache_dtypes,
-                  "threads": torch.get_num_threads(), "isa": cpu_isa.best_isa(), "machine": machine(),
-                  "rows": 32, "context": 300, "rounds": args.rounds, "ms_per_30_layers": ms}
-        path = write_results(result, args.out, "kv_cache_dtype")
-        log(f"wrote {path}")
-        print(json.dumps(result))
-        return 0
+        return _write({"bench": "kv_cache_dtype", "mode": "kernel", "kv_cache_dtypes": args.kv_cache_dtypes,
+                       "threads": torch.get_num_threads(), "isa": cpu_isa.best_isa(), "machine": machine(),
+                       "rows": 32, "context": 300, "rounds": args.rounds, "ms_per_30_layers": ms}, args.out)
     engines: dict[str, LLMEngine] = {}
     for kv in args.kv_cache_dtypes:
         log(f"loading {args.model} ({args.dtype}, {args.quantization}, KV {kv}) ...")
@@ -165,11 +162,15 @@ def main() -> int:
                "steps_each": len(times[base])}
         rows.append(row)
         log(f"batch {batch}: " + ", ".join(f"{n} {v:.2f} ms/step (x{ms[base] / v:.3f})" for n, v in ms.items()))
-    result = {"bench": "kv_cache_dtype", "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-              "kv_cache_dtypes": args.kv_cache_dtypes, "threads": torch.get_num_threads(), "isa": cpu_isa.best_isa(),
-              "machine": machine(), "prompt_len": args.prompt_len, "rounds": args.rounds, "rows": rows}
-    path = write_results(result, args.out, "kv_cache_dtype")
-    log(f"wrote {path}")
+    return _write({"bench": "kv_cache_dtype", "model": args.model, "dtype": args.dtype,
+                   "quantization": args.quantization, "kv_cache_dtypes": args.kv_cache_dtypes,
+                   "threads": torch.get_num_threads(), "isa": cpu_isa.best_isa(), "machine": machine(),
+                   "prompt_len": args.prompt_len, "rounds": args.rounds, "rows": rows}, args.out)
+
+
+def _write(result: dict[str, Any], out: Path) -> int:
+    """The results file, and the JSON line last on stdout."""
+    log(f"wrote {write_results(result, out, 'kv_cache_dtype')}")
     print(json.dumps(result))
     return 0
 
