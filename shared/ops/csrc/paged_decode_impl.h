@@ -164,9 +164,9 @@ struct Job {
 // shifted left 7 is the fp16 of its value / 256 but for bit 14, the sign again, which the mask clears; the 256
 // is taken out of the query and put back into the normaliser (powers of two: the same bits, unless a weighted
 // value falls below fp32's normals). The kernel is bound by these instructions more than by DRAM (with the
-// cache in L3 it takes ~80% of its time out of it), so each counts: with the sign masked and shifted in and a
-// multiply by 256 here, 30 layers at batch 32 from DRAM took about what bf16 does; as here, 7.58 against
-// bf16's 9.95 ms (bench/kv_cache_dtype.py --kernel, Zen 5, two threads; e5m2 7.25).
+// cache in L3 it takes ~80% of its time out of it), so each counts. 30 layers at batch 32 from DRAM, Zen 5,
+// two threads: with the sign masked and shifted in apart and a multiply by 256 here, 7.6-7.8 ms against bf16's
+// 8.4-8.6 in the same runs; as here, 7.58 against 9.95 (bench/kv_cache_dtype.py --kernel; e5m2 7.25).
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
