@@ -4,6 +4,7 @@
 #include "simd_dot.h"  // inside the level's namespace: `dot` is vectorised for the level
 
 #include "exp_simd.h"  // exp_nonpositive, for the softmax
+#include "widen16.h"   // load16 and kUnit: 16 cached values as fp32 from avx512 up
 
 // Keys (and values) are prefetched this many positions ahead, through the block table. Measured at batch
 // 32, 260-token contexts, 30 layers' caches, blocks scattered over the pool, two threads: 1.22 ms per
@@ -159,28 +160,6 @@ struct Job {
 // scores[j * n + t] = q_j . k_t * scale for the job's query heads j, a chunk of tokens at a time (their keys,
 // all heads, stay in L1 while every head reads them). Meanwhile the next chunk's keys are prefetched, or
 // during the last chunk the first values.
-// 16 cached keys or values as fp32, divided by kUnit<KV>: loaded, or widened from bf16 (a shift of each lane's
-// bits) or from fp8 (as fp16 bits that vcvtph2ps widens; fp8.h). An e4m3 byte sign-extended to 16 bits and
-// shifted left 7 is the fp16 of its value / 256 but for bit 14, the sign again, which the mask clears; the 256
-// is taken out of the query and put back into the normaliser (powers of two: the same bits, unless a weighted
-// value falls below fp32's normals). The kernel is bound by these instructions more than by DRAM (with the
-// cache in L3 it takes ~80% of its time out of it), so each counts. 30 layers at batch 32 from DRAM, Zen 5,
-// two threads: with the sign masked and shifted in apart and a multiply by 256 here, 7.6-7.8 ms against bf16's
-// 8.4-8.6 in the same runs; as here, 7.58 against 9.95 (bench/kv_cache_dtype.py --kernel; e5m2 7.25).
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-static inline __m512 load16(const fp8_e5m2* p) {  // the top byte of an fp16
-  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8));
-}
-static inline __m512 load16(const fp8_e4m3* p) {
-  const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), 7);
-  return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)));
-}
-template <typename KV>
-constexpr float kUnit = std::is_same_v<KV, fp8_e4m3> ? 256.f : 1.f;
-
 // 64-byte lines of one head's DV * 16 cached elements (an fp8 head of 32 is half a line)
 template <int DV, typename KV>
 constexpr int kLinesPerHead = (DV * 16 * static_cast<int>(sizeof(KV)) + 63) / 64;

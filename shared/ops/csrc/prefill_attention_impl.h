@@ -5,7 +5,8 @@
 // below it, plain loops over the same tiles.
 
 #include "exp_simd.h"  // inside the level's namespace: exp_nonpositive(16)
-#include "simd_dot.h"  // to_f32: a bf16 cache's bits widened
+#include "simd_dot.h"  // to_f32: a bf16 or fp8 cache's bits widened
+#include "widen16.h"   // widen16: 16 of them at once from avx512 up
 
 // A tile of 32 keys, not 16: a row's softmax (two reductions, an exp, the rescale of its sums) runs once per
 // tile, and its latency, not the FMAs, bounded the 16-key tiles; 32-key tiles and 32 positions a job took
@@ -16,6 +17,8 @@ constexpr int kVecs = kTk / 16;  // a row's scores of one tile, 16 to a register
 
 // Rows whose scores one pass computes: their accumulators are independent FMA chains
 constexpr int kRowsPerPass = 8;
+// The widest head a key row is widened for on the stack (Gemma 4's global layers: 512)
+constexpr int64_t kMaxWidenedDim = 512;
 
 // sc[r][j] = q_r . k_j for rows r < rb (q: rb rows of D, scaled), keys transposed in kt [D][kTk]
 static inline void tile_scores(const float* q, int64_t D, const float* kt, int rb, float (*sc)[kTk]) {
@@ -170,6 +173,20 @@ static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t
       if (j < n) {
         const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
         const KV* vp = jb.v + (t0 + j) * jb.vs + g * jb.vhs;
+#if BATON_ISA >= BATON_ISA_AVX512
+        // 16 at a time where the compiler's loop went value by value (an fp8 one through a table): the
+        // keys widened into the stack, then stored transposed. int8 + fp8 KV, 8 x 256 prompts, Zen 5: the
+        // chunk's attention 101.1 and 98.8 ms against 123.2 and 112.8 before (bf16 KV: 97.8, as before)
+        if constexpr (!std::is_same_v<KV, float>) {
+          if (D % 16 == 0 && D <= kMaxWidenedDim) {
+            alignas(64) float row[kMaxWidenedDim];
+            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(row + d, widen16(kp + d));
+            for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = row[d];
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vt + j * D + d, widen16(vp + d));
+            continue;
+          }
+        }
+#endif
         for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = to_f32(kp[d]);
         for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f32(vp[d]);
       } else {
