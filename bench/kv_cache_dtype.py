@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from bench.engine import log, machine
+from bench.layer_loop import end_requests, random_prompts, start_decoding, timed_steps
 from bench.results_file import write_results
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -41,38 +41,21 @@ from shared.ops import cpu_isa
 def time_steps(engines: dict[str, LLMEngine], batch: int, rounds: int, steps: int,
                prompt_len: int) -> dict[str, list[float]]:
     """Seconds of each timed decode step of each engine (see the module docstring)."""
-    rng = random.Random(batch)
-    first = next(iter(engines.values()))
-    vocab = first.loaded.spec.vocab_size
-    prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    prompts = random_prompts(next(iter(engines.values())).loaded.spec.vocab_size, batch, prompt_len)
     params = SamplingParams(max_tokens=(steps + 1) * rounds + 16, temperature=0.0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for engine in engines.values():
-        for rid, prompt in zip(ids, prompts, strict=True):
-            engine.add_request(rid, prompt, params)
-        produced = dict.fromkeys(ids, 0)
-        while min(produced.values()) < 2:  # every prompt prefilled: what follows are decode steps
-            for out in engine.step():
-                produced[out.request_id] += len(out.new_token_ids)
+        start_decoding(engine, ids, prompts, params)
     times: dict[str, list[float]] = {name: [] for name in engines}
     try:
         for r in range(rounds):
-            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-            for name in order:
-                engine = engines[name]
-                engine.step()  # settle: this engine's caches and weights back in the caches
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times[name].append(time.perf_counter() - t0)
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                times[name] += timed_steps(engines[name], steps)
             log(f"batch {batch}: round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {statistics.median(times[n][-steps:]) * 1e3:.2f} ms" for n in engines))
     finally:
         for engine in engines.values():
-            for rid in ids:
-                engine.abort(rid)
-            while engine.has_unfinished():
-                engine.step()
+            end_requests(engine, ids)
     return times
 
 

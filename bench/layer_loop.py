@@ -30,39 +30,60 @@ from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
 
 
+def random_prompts(vocab_size: int, batch: int, prompt_len: int) -> list[list[int]]:
+    """`batch` random-token prompts of `prompt_len` ids, the same for a given batch size."""
+    rng = random.Random(batch)
+    return [[rng.randrange(100, vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def start_decoding(engine: LLMEngine, ids: list[str], prompts: list[list[int]], params: SamplingParams) -> None:
+    """Add the requests and step until every prompt is prefilled: the engine's next steps are decode steps."""
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    produced = dict.fromkeys(ids, 0)
+    while min(produced.values()) < 2:
+        for out in engine.step():
+            produced[out.request_id] += len(out.new_token_ids)
+
+
+def timed_steps(engine: LLMEngine, steps: int) -> list[float]:
+    """One step to settle (caches and weights back after another setting ran), then `steps` timed ones."""
+    engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def end_requests(engine: LLMEngine, ids: list[str]) -> None:
+    """Abort the requests and step until the engine holds nothing."""
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def alternate_decode_steps(engine: LLMEngine, batch: int, rounds: int, steps: int, prompt_len: int,
                            variants: dict[str, Callable[[], None]], restore: Callable[[], None]) -> dict[str, list[float]]:
     """Seconds of each timed decode step under each variant: `batch` random-token prompts are prefilled, then
     each round runs every variant in turn (its setter called, one step to settle, `steps` timed), so drift in
     the machine's speed reaches them alike. `restore` puts the engine back; the requests are aborted."""
-    rng = random.Random(batch)
-    vocab = engine.loaded.spec.vocab_size
     params = SamplingParams(max_tokens=(len(variants) * (steps + 1)) * rounds + 16, temperature=0.0,
                             ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(100, vocab) for _ in range(prompt_len)], params)
-    produced = dict.fromkeys(ids, 0)
-    while min(produced.values()) < 2:  # every prompt prefilled: what follows are decode steps
-        for out in engine.step():
-            produced[out.request_id] += len(out.new_token_ids)
+    start_decoding(engine, ids, random_prompts(engine.loaded.spec.vocab_size, batch, prompt_len), params)
     times: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for r in range(rounds):
             for name, switch in variants.items():
                 switch()
-                engine.step()  # settle after the switch
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times[name].append(time.perf_counter() - t0)
+                times[name] += timed_steps(engine, steps)
             log(f"batch {batch}: round {r + 1}/{rounds}")
     finally:
         restore()
-        for rid in ids:
-            engine.abort(rid)
-        while engine.has_unfinished():
-            engine.step()
+        end_requests(engine, ids)
     return times
 
 
