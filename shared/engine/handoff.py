@@ -68,20 +68,21 @@ def extract_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]]
     return out
 
 
-def check_handoff_kv(layout: KVLayout, kv: torch.Tensor, num_tokens: int) -> None:
-    """Refuse handed-off units that are not `extract_kv`'s format for this layout (before any block is held)."""
+def check_handoff_kv(layout: KVLayout, kv: torch.Tensor, num_tokens: int) -> list[tuple[int, int]]:
+    """The prompt's units (`KVLayout.handoff_units`), or refuse handed-off KV that is not `extract_kv`'s format
+    for this layout (called before any block is held)."""
     units = layout.handoff_units(num_tokens)
     if kv.dim() != 2 or kv.shape[0] != len(units) or kv.shape[1] != layout.slot_nbytes // layout.itemsize:
         raise InvalidRequestError(
             f"handoff KV of shape {tuple(kv.shape)} does not fit this engine's blocks of {layout.describe()}"
         )
+    return units
 
 
 def inject_kv(layout: KVLayout, kv_cache: torch.Tensor, tables: list[list[int]], kv: torch.Tensor,
               num_tokens: int) -> None:
     """Write handed-off units (`extract_kv`'s format) into this engine's blocks (`tables`, one per group)."""
-    check_handoff_kv(layout, kv, num_tokens)
-    units = layout.handoff_units(num_tokens)
+    units = check_handoff_kv(layout, kv, num_tokens)
     kv = to_cache_dtype(kv.to(kv_cache.device), kv_cache.dtype)
     for g, group in enumerate(layout.groups):
         rows = [r for r, (unit_group, _) in enumerate(units) if unit_group == g]

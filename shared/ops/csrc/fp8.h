@@ -77,9 +77,8 @@ static inline float fp8_bits_to_float_exact(uint8_t b) {
   const int e = (b & 0x7f) >> M, m = b & ((1 << M) - 1);
   float v = e == 0 ? std::ldexp(static_cast<float>(m), 1 - Fmt::kBias - M)
                    : std::ldexp(static_cast<float>((1 << M) + m), e - Fmt::kBias - M);
-  if (e == (0x7f >> M) && (M == 2 ? true : m == 7)) {  // e5m2's top exponent: inf (m 0) or NaN; e4m3's 0x7f: NaN
-    v = (M == 2 && m == 0) ? INFINITY : NAN;
-  }
+  // e5m2's top exponent holds inf (mantissa 0) and NaN; e4m3's 0x7f is its only NaN
+  if (e == (0x7f >> M) && (M == 2 || m == 7)) v = (M == 2 && m == 0) ? INFINITY : NAN;
   return (b & 0x80) ? -v : v;
 }
 
