@@ -123,14 +123,25 @@ def request_rows(trace: Sequence[TraceRequest], records: Sequence[RequestRecord]
     """Each request as measured beside the simulator's plain run of it, in trace order: which requests make a
     point's tail, and whether the simulator has them late too (None where the request failed)."""
     rows = [{"arrival_s": round(t.arrival_s, 3), "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
-             "ttft_ms": _ms(r.ttft_s) if r.ok else None, "tpot_ms": _ms(r.tpot_s) if r.ok else None}
+             "ttft_ms": _ms(r.ttft_s) if r.ok else None, "tpot_ms": _ms(r.tpot_s) if r.ok else None,
+             **(gaps_ms(r.token_times_s) if r.ok else {})}
             for t, r in zip(trace, records, strict=True)]
     return repredicted(rows, simulated)
 
 
+def gaps_ms(token_times_s: Sequence[float], prefix: str = "") -> dict[str, float]:
+    """The gap from the first token to the second (in a split stack, the handoff's pull and the decode's first
+    step) and the longest gap after it: whether a request's TPOT is late at its start or in its stream."""
+    gaps = [b - a for a, b in zip(token_times_s, token_times_s[1:], strict=False)]
+    if not gaps:
+        return {}
+    return {f"{prefix}first_gap_ms": _ms(gaps[0]), f"{prefix}max_later_gap_ms": _ms(max(gaps[1:], default=0.0))}
+
+
 def repredicted(rows: Sequence[dict[str, Any]], simulated: Sequence[SimRequest]) -> list[dict[str, Any]]:
     """`rows` (request_rows) with the predictions of `simulated`, the same trace's run through the simulator."""
-    return [{**row, "predicted_ttft_ms": _ms(sim_ttft_s(p)), "predicted_tpot_ms": _ms(sim_tpot_s(p))}
+    return [{**row, "predicted_ttft_ms": _ms(sim_ttft_s(p)), "predicted_tpot_ms": _ms(sim_tpot_s(p)),
+             **gaps_ms(p.token_times_s, "predicted_")}
             for row, p in zip(rows, simulated, strict=True)]
 
 

@@ -23,7 +23,18 @@ stack gave 44.7 / 146.9 / 153.1 tok/s at 1 / 8 / 32 streams against 30.1 / 95.4 
 
 The thread count is set on the thread that runs the steps: torch's OpenMP build keeps the count per thread
 (omp_set_num_threads sets the calling thread's value), and every kernel of ours asks `at::get_num_threads()`
-when called.
+when called. The zero-bubble loop (decode and colocated roles) runs its steps on an executor thread, so the
+engine calls `fit_threads` there before each step (`LLMEngine.before_step`).
+
+An engine that gets work does not start its first step beside a neighbour still running more threads than its
+new share: each engine publishes the count its steps run on, and a newcomer waits (sleeping, at most
+ROOM_WAIT_S) until every busy neighbour has shrunk to its share, which it does at its next step or layer.
+Without the wait, the neighbour's step in flight ran oversubscribed to its end, and an OpenMP team with a
+descheduled thread waits at every barrier: in a 1P1D stack (2 cores, fp32), a decode step of ~15 ms that
+was in flight when a 256-token prompt reached prefill took 300-400 ms, the prompt's whole prefill, in four of
+five tries (`/proc` per-thread CPU time: decode's two threads busy throughout; a trace of the share file: no
+decode step began until prefill was done). With it (2026-11-29) the stream's longest gap beside such a prompt
+is a few of its own steps.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +51,14 @@ logger = logging.getLogger(__name__)
 
 SLOTS = 64  # engines one file serves (`baton up` numbers them; a larger stack shares no cores beyond them)
 _SLOT_BYTES = 8
+# The file: three arrays of SLOTS 8-byte values, the slot's busy pid (0: idle), the thread count its steps run
+# on now, and its share
+_FIELDS = 3
+FILE_BYTES = SLOTS * _SLOT_BYTES * _FIELDS
+# The longest a newcomer waits for its neighbours to shrink: longer than a decode step or a prefill layer at
+# batch 32 on two cores, far shorter than a prompt's prefill (then it starts anyway, oversubscribed as before)
+ROOM_WAIT_S = 0.25
+_ROOM_POLL_S = 0.0005
 
 
 def _alive(pid: int) -> bool:
@@ -61,47 +81,79 @@ class CoreShare:
             raise ValueError(f"share_threads must be >= 1, got {share_threads}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:  # every engine may be first: growing to the same size twice is harmless, and never shrinks
-            if os.fstat(fd).st_size < SLOTS * _SLOT_BYTES:
-                os.ftruncate(fd, SLOTS * _SLOT_BYTES)
-            self._map = mmap.mmap(fd, SLOTS * _SLOT_BYTES)
+            if os.fstat(fd).st_size < FILE_BYTES:
+                os.ftruncate(fd, FILE_BYTES)
+            self._map = mmap.mmap(fd, FILE_BYTES)
         finally:
             os.close(fd)
-        self._slots = memoryview(self._map).cast("q")  # aligned 8-byte stores: whole to every reader
+        self._values = memoryview(self._map).cast("q")  # aligned 8-byte stores: whole to every reader
+        self._slots, self._counts, self._shares = (self._values[i * SLOTS:(i + 1) * SLOTS] for i in range(_FIELDS))
         self.path, self.slot, self.pid = path, slot, os.getpid()
         self.share_threads = share_threads
         self.max_threads = max(share_threads, max_threads or len(os.sched_getaffinity(0)))
-        self.threads = share_threads  # what the engine thread runs with now
+        self.threads = share_threads  # what this engine's steps run on now
         self.num_changes = 0
+        self.num_waits = 0  # steps that waited for a neighbour to shrink
         self._busy = False
         self._slots[slot] = 0  # a restarted engine's old pid reads as busy again once the system reuses it
+        self._counts[slot] = 0
+        self._shares[slot] = share_threads
+
+    def _busy_others(self) -> list[int]:
+        return [i for i, pid in enumerate(self._slots) if i != self.slot and pid and _alive(pid)]
 
     def others_busy(self) -> int:
-        return sum(1 for i, pid in enumerate(self._slots) if i != self.slot and pid and _alive(pid))
+        return len(self._busy_others())
 
-    def set_busy(self, busy: bool) -> None:
-        """On the engine thread: before a step (busy) or before waiting for work (idle)."""
+    def set_busy(self, busy: bool, fit: bool = True) -> None:
+        """On the engine thread: before a step (busy) or before waiting for work (idle). `fit`: fit this
+        thread's count too (False where another thread runs the steps and fits before each)."""
         if not busy:
             if self._busy:
                 self._slots[self.slot] = 0
+                self._counts[self.slot] = 0
                 self._busy = False
             return
         if not self._busy:
             self._slots[self.slot] = self.pid  # first, then read the others: two engines starting together
-            self._busy = True  # each see the other (at worst one layer each runs oversubscribed)
-        self.fit_threads()
+            self._busy = True  # each see the other
+        if fit:
+            self.fit_threads()
 
     def fit_threads(self) -> None:
-        """On the engine thread, while busy: take what the share allows now. Called before each step, and
-        between the layers of a long step (engine.py), so that an engine that borrowed every core gives them
-        back within a layer of another engine getting work, not at the end of a whole prefill."""
-        want = max(self.share_threads, self.max_threads // (1 + self.others_busy()))
-        if want != self.threads:
+        """While busy, on the thread that runs the step's kernels: take what the share allows now, and wait
+        until the neighbours have room for it (module docstring). Called before each step, and between the
+        layers of a long step (engine.py), so that an engine that borrowed every core gives them back within
+        a layer of another engine getting work, not at the end of a whole prefill."""
+        others = self._busy_others()
+        want = max(self.share_threads, self.max_threads // (1 + len(others)))
+        have = torch.get_num_threads()
+        if have != want:
             torch.set_num_threads(want)
-            logger.debug("core share: %d -> %d torch threads", self.threads, want)
-            self.threads = want
+            logger.debug("core share: %d -> %d torch threads", have, want)
             self.num_changes += 1
+        self.threads = want
+        self._counts[self.slot] = want
+        if others and self._crowded(others):
+            self._wait_for_room()
+
+    def _crowded(self, others: list[int]) -> bool:
+        """A busy neighbour runs more threads than its share of the busy engines allows."""
+        fair = self.max_threads // (1 + len(others))
+        return any(self._counts[i] > max(self._shares[i], fair) for i in others)
+
+    def _wait_for_room(self) -> None:
+        self.num_waits += 1
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(_ROOM_POLL_S)
+            others = self._busy_others()
+            if not others or not self._crowded(others):
+                return
+        logger.debug("core share: a neighbour kept its cores for %.0f ms; stepping beside it", ROOM_WAIT_S * 1e3)
 
     def close(self) -> None:
         self.set_busy(False)
-        self._slots.release()
+        for view in (self._slots, self._counts, self._shares, self._values):
+            view.release()
         self._map.close()

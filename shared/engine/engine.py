@@ -163,6 +163,9 @@ class LLMEngine:
         # layer hook takes decode steps off their fast paths (the CPU layer loop, CUDA graphs), so short ones
         # go without
         self.between_layers: Callable[[], None] | None = None
+        # called before each step on the thread that runs its kernels (the core share's fit_threads): torch
+        # keeps a thread count per thread, and the zero-bubble loop runs its steps on the executor thread
+        self.before_step: Callable[[], None] | None = None
         self._executor: ThreadPoolExecutor | None = None  # the zero-bubble loop's, started on first use
         self._in_flight: _InFlight | None = None
         logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d, %s loop",
@@ -518,10 +521,16 @@ class LLMEngine:
             self._idle(False)
             return []
         hook = self.remote.layer_hook(plan) if self.remote is not None else None
-        if self.between_layers is not None and plan.num_tokens >= _LONG_STEP_TOKENS:
-            hook = _then(hook, self.between_layers)
-        out = self.runner.execute(self.runner.prepare(plan), None, hook)
+        out = self._execute(self.runner.prepare(plan), None, hook)
         return self._resolve(out)
+
+    def _execute(self, inputs: StepInputs, prev: StepOutput | None, hook: LayerDoneFn | None) -> StepOutput:
+        """Run a step on this thread (the engine's, or the zero-bubble loop's executor)."""
+        if self.before_step is not None:
+            self.before_step()
+        if self.between_layers is not None and inputs.plan.num_tokens >= _LONG_STEP_TOKENS:
+            hook = _then(hook, self.between_layers)
+        return self.runner.execute(inputs, prev, hook)
 
     def _idle(self, produced: bool) -> None:
         """Nothing runnable this step: the wait that follows is no bubble."""
@@ -544,7 +553,7 @@ class LLMEngine:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="executor")
             self.kv.hold_frees()
-            self._in_flight = _InFlight(inputs, self._executor.submit(self.runner.execute, inputs, done))
+            self._in_flight = _InFlight(inputs, self._executor.submit(self._execute, inputs, done, None))
         else:
             self._idle(produced or done is not None)
         return self._resolve(done) if done is not None else []

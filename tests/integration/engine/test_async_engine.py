@@ -178,6 +178,42 @@ def test_the_engine_thread_steps_on_every_core_alone_and_on_its_share_beside_a_b
     engine.check_no_leaks()
 
 
+def test_the_zero_bubble_loops_executor_steps_on_the_share_too(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """torch keeps a thread count per thread, and the zero-bubble loop runs its steps on an executor thread:
+    the share is fitted there before each step (LLMEngine.before_step), not only on the engine thread, so the
+    executor's steps follow the neighbour's slot as the engine thread's would. Same tokens either way."""
+    from shared.engine.core_share import CoreShare
+
+    loaded, _ = tiny_loaded("llama")
+    expected = [r.token_ids for r in tiny_engine(loaded).generate([[5, 9, 17, 33]], greedy(8))]
+    neighbour = CoreShare(tmp_path / "core_share", 1, share_threads=1, max_threads=2)
+    engine = tiny_engine(loaded, async_scheduling=True)
+    assert engine.async_scheduling
+    cores = CoreShare(tmp_path / "core_share", 0, share_threads=1, max_threads=2)
+    aengine = AsyncEngine(engine, cores)
+    execute = engine.runner.execute
+    stepped_on: list[tuple[str, int]] = []  # (thread, its torch count) of each step
+
+    def recording_execute(*args, **kwargs):  # type: ignore[no-untyped-def]
+        import threading
+
+        stepped_on.append((threading.current_thread().name, torch.get_num_threads()))
+        return execute(*args, **kwargs)
+    engine.runner.execute = recording_execute  # type: ignore[method-assign]
+    aengine.start()
+    try:
+        assert asyncio.run(collect(aengine, "alone", [5, 9, 17, 33], 8)) == expected[0]
+        alone, stepped_on[:] = list(stepped_on), []
+        neighbour.set_busy(True)
+        assert asyncio.run(collect(aengine, "beside", [5, 9, 17, 33], 8)) == expected[0]
+    finally:
+        aengine.stop()
+        neighbour.close()
+    assert alone and all(name.startswith("executor") and n == 2 for name, n in alone)
+    assert stepped_on and all(name.startswith("executor") and n == 1 for name, n in stepped_on)
+    engine.check_no_leaks()
+
+
 def test_a_long_step_gives_back_lent_cores_within_a_layer_of_a_neighbour_getting_work(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A prompt of 64+ tokens in one step on both cores: the neighbour gets work after the step's first layer,
     and the layers after it run on the engine's share (the count is read again between layers), with the same

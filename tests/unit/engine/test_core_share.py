@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine.core_share import SLOTS, CoreShare
+import shared.engine.core_share as core_share
+from shared.engine.core_share import FILE_BYTES, SLOTS, CoreShare
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +23,7 @@ def _restore_threads() -> object:
 
 def test_an_engine_alone_takes_every_core_and_shrinks_while_another_has_work(tmp_path: Path) -> None:
     path = tmp_path / "core_share"
+    torch.set_num_threads(1)  # engine_host starts an engine's thread on its share
     prefill = CoreShare(path, 0, share_threads=1, max_threads=2)  # `baton up`'s two engines on two cores
     decode = CoreShare(path, 1, share_threads=1, max_threads=2)
     decode.set_busy(True)
@@ -32,7 +34,7 @@ def test_an_engine_alone_takes_every_core_and_shrinks_while_another_has_work(tmp
     assert decode.threads == 1  # the next step sees prefill
     prefill.set_busy(False)
     decode.set_busy(True)
-    assert decode.threads == 2 and decode.num_changes == 3  # 1 -> 2 -> 1 -> 2
+    assert decode.threads == 2 and torch.get_num_threads() == 2
     prefill.close()
     decode.close()
 
@@ -113,7 +115,7 @@ def test_a_restarted_engine_clears_its_slot_and_close_leaves_it_idle(tmp_path: P
     assert watcher.others_busy() == 0
     first.close()
     watcher.close()
-    assert path.stat().st_size == SLOTS * 8
+    assert path.stat().st_size == FILE_BYTES == SLOTS * 8 * 3
 
 
 def test_bad_slots_and_shares_are_refused(tmp_path: Path) -> None:
@@ -121,3 +123,77 @@ def test_bad_slots_and_shares_are_refused(tmp_path: Path) -> None:
         CoreShare(tmp_path / "f", SLOTS, share_threads=1)
     with pytest.raises(ValueError, match="share_threads"):
         CoreShare(tmp_path / "f", 0, share_threads=0)
+
+
+def test_each_engine_publishes_the_count_its_steps_run_on_and_zero_when_idle(tmp_path: Path) -> None:
+    path = tmp_path / "core_share"
+    prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
+    decode = CoreShare(path, 1, share_threads=1, max_threads=2)
+    decode.set_busy(True)
+    assert prefill._counts[1] == 2 and prefill._shares[1] == 1  # what decode runs on, and its share
+    decode.set_busy(False)
+    assert prefill._counts[1] == 0
+    prefill.close()
+    decode.close()
+
+
+def test_a_newcomer_waits_until_a_neighbour_running_more_than_its_share_shrinks(tmp_path: Path) -> None:
+    """Decode steps on both cores alone; prefill gets a prompt. Prefill's first step waits until decode's next
+    step has shrunk it to its share, instead of running beside decode's step in flight (oversubscribed)."""
+    path = tmp_path / "core_share"
+    prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
+    decode = CoreShare(path, 1, share_threads=1, max_threads=2)
+    decode.set_busy(True)
+    assert decode.threads == 2
+    order: list[str] = []
+
+    def decode_steps_on() -> None:  # decode's step in flight ends, and its next one reads prefill's slot
+        while not prefill._busy:
+            pass
+        order.append("decode shrinks")
+        decode.set_busy(True)
+
+    neighbour = threading.Thread(target=decode_steps_on)
+    neighbour.start()
+    prefill.set_busy(True)
+    order.append("prefill steps")
+    neighbour.join()
+    assert order == ["decode shrinks", "prefill steps"]
+    assert prefill.num_waits == 1 and prefill.threads == 1 and decode.threads == 1
+    prefill.set_busy(True)  # both on their shares: nobody waits
+    decode.set_busy(True)
+    assert prefill.num_waits == 1 and decode.num_waits == 0
+    prefill.close()
+    decode.close()
+
+
+def test_the_wait_is_bounded_when_a_neighbour_keeps_its_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A neighbour that does not step again (stuck, or in a step with no layer hook) costs the newcomer at most
+    ROOM_WAIT_S; then it steps beside it, as before the wait existed."""
+    monkeypatch.setattr(core_share, "ROOM_WAIT_S", 0.05)
+    path = tmp_path / "core_share"
+    prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
+    decode = CoreShare(path, 1, share_threads=1, max_threads=2)
+    decode.set_busy(True)
+    prefill.set_busy(True)  # returns: decode never shrinks
+    assert prefill.num_waits == 1 and prefill.threads == 1 and decode._counts[1] == 2
+    prefill.close()
+    decode.close()
+
+
+def test_no_wait_where_every_neighbour_runs_its_share_even_past_the_cores(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """1P2D on two cores: three engines on a share of one each run three threads on two cores; none of them
+    can shrink further, so none waits for another."""
+    monkeypatch.setattr(core_share, "ROOM_WAIT_S", 0.01)  # the first round: the first engine took both cores
+    path = tmp_path / "core_share"
+    engines = [CoreShare(path, i, share_threads=1, max_threads=2) for i in range(3)]
+    for e in engines:
+        e.set_busy(True)
+    waits = [e.num_waits for e in engines]
+    for e in engines:
+        e.set_busy(True)
+    assert [e.threads for e in engines] == [1, 1, 1]
+    assert [e.num_waits for e in engines] == waits
+    for e in engines:
+        e.close()
