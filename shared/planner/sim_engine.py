@@ -21,7 +21,10 @@ gives 0.67). A fleet of separate machines has no host and no contention.
 Lent cores (`baton up`'s core share, shared/engine/core_share.py): with `curves_at` given, each step runs
 on max(its share, cores // the host's engines with work) threads, timed by the profile's curves at that
 count, as the engine picks its thread count before each step; a step of LONG_STEP_TOKENS or more picks it
-again whenever another engine gets work or runs out of it, as the engine does between its layers.
+again whenever another engine gets work or runs out of it, as the engine does between its layers. An engine
+that gets work waits (using no core, at most `room_wait_s`) while a neighbour's step in progress runs more
+threads than its share now allows, as the core share's newcomer does: a short step ends first, a long one
+shrinks at its next layer (here at once).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import simpy
 from shared.planner.profile import EngineCurves
 
 LONG_STEP_TOKENS = 64  # shared/engine/engine.py's _LONG_STEP_TOKENS: such steps refit their threads mid-step
+ROOM_WAIT_S = 0.25  # shared/engine/core_share.py's: the longest a newcomer waits for a neighbour to shrink
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Host:
         self.active_threads = 0  # of the engines that have work
         self.busy_engines = 0  # engines that have work
         self.stepping: set[simpy.Process] = set()  # engines in the middle of a step
+        self.engines: list[SimEngine] = []  # every engine on this host
 
     def speed(self, threads: int = 1) -> float:
         """The share of full speed a step on `threads` threads runs at now."""
@@ -121,9 +126,13 @@ class SimEngine:
 
     def __init__(self, env: simpy.Environment, name: str, role: str, curves: EngineCurves, threads: int,
                  host: Host, limits: tuple[int, int],
-                 curves_at: Callable[[int], EngineCurves] | None = None) -> None:
+                 curves_at: Callable[[int], EngineCurves] | None = None, room_wait_s: float = ROOM_WAIT_S) -> None:
         self.env, self.name, self.role, self.curves = env, name, role, curves
-        self.threads, self.host = threads, host
+        self.threads, self.host = threads, host  # `threads`: its share
+        host.engines.append(self)
+        self.room_wait_s = room_wait_s
+        self.stepping_threads = 0  # threads of the step in progress (0: none)
+        self._shrunk = env.event()  # succeeds when the step in progress ends or runs on fewer threads
         self.curves_at = curves_at  # lent cores: the curves at each thread count (None: `threads` always)
         self.max_num_seqs, self.max_num_batched_tokens = limits
         self.waiting: deque[SimRequest] = deque()  # prompts still to compute
@@ -191,8 +200,36 @@ class SimEngine:
         def refit() -> tuple[int, float]:
             threads = self._step_threads()
             self._hold(threads)
+            self._stepping_on(threads)
             return threads, curves_at(threads).mixed_step_s(num_prefill, batch, context)
         return refit
+
+    def _stepping_on(self, threads: int) -> None:
+        """The step in progress runs on `threads` now (0: it ended); wakes newcomers waiting for it to shrink."""
+        shrunk = threads < self.stepping_threads
+        self.stepping_threads = threads
+        if shrunk:
+            event, self._shrunk = self._shrunk, self.env.event()
+            event.succeed()
+
+    def _crowding(self) -> list[SimEngine]:
+        """Neighbours whose step in progress runs more threads than their share allows now."""
+        fair = (self.host.cores or 0) // max(1, self.host.busy_engines)
+        return [e for e in self.host.engines if e is not self and e.stepping_threads > max(e.threads, fair)]
+
+    def _wait_for_room(self, threads: int) -> Generator[Any, Any, None]:
+        """Before a step: wait, using no core, until no neighbour runs more than its share (core_share.py)."""
+        crowding = self._crowding()
+        if not crowding or self.room_wait_s <= 0:
+            return
+        deadline = self.env.now + self.room_wait_s
+        self.host.change(-threads)  # asleep meanwhile: busy (neighbours shrink for it) but on no core
+        try:
+            while crowding and self.env.now < deadline:
+                yield simpy.AnyOf(self.env, [e._shrunk for e in crowding] + [self.env.timeout(deadline - self.env.now)])
+                crowding = self._crowding()
+        finally:
+            self.host.change(threads)
 
     def _loop(self) -> Generator[Any, Any, None]:
         while True:
@@ -204,6 +241,10 @@ class SimEngine:
                 continue
             threads = self._step_threads()
             self._hold(threads)
+            if self.curves_at is not None:
+                yield from self._wait_for_room(threads)
+                threads = self._step_threads()  # what the neighbours' shrinking left it
+                self._hold(threads)
             curves = self.curves if self.curves_at is None else self.curves_at(threads)
             batch, chunks = self._plan()
             num_prefill = sum(n for _, n in chunks)
@@ -212,8 +253,12 @@ class SimEngine:
             refit = None
             if self.curves_at is not None and num_prefill + len(batch) >= LONG_STEP_TOKENS:
                 refit = self._refit(self.curves_at, num_prefill, len(batch), context)
-            yield from self.host.run_step(self.env, self.process,
-                                          curves.mixed_step_s(num_prefill, len(batch), context), threads, refit)
+            self._stepping_on(threads)
+            try:
+                yield from self.host.run_step(self.env, self.process,
+                                              curves.mixed_step_s(num_prefill, len(batch), context), threads, refit)
+            finally:
+                self._stepping_on(0)
             self.busy_s += self.env.now - started
             self._finish_step(batch, chunks)
 

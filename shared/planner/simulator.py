@@ -26,7 +26,7 @@ import simpy
 
 from shared.errors import ConfigError
 from shared.planner.profile import Profile
-from shared.planner.sim_engine import Host, SimEngine, SimRequest
+from shared.planner.sim_engine import ROOM_WAIT_S, Host, SimEngine, SimRequest
 from shared.planner.workload import TraceRequest
 from shared.registry.base import Load
 from shared.registry.cost_model import CostModel, uncached_tokens
@@ -74,6 +74,10 @@ class SimOptions:
     # an oversubscribed host: a multi-thread step's speed against processor sharing's (sim_engine.py `Host`);
     # 0.42 = 0.28 / 0.67, a 2-thread team beside a 1-thread one (bench/results/omp_contention-20261126-200252.json)
     team_speed: float = 0.42
+    # lent cores: an engine that gets work waits this long at most for a neighbour's step on more threads than
+    # its share to end or shrink (shared/engine/core_share.py ROOM_WAIT_S); 0: it steps beside it at once, as
+    # the services did before 2026-11-29
+    room_wait_s: float = ROOM_WAIT_S
     # None: the router's own CostModel() (what services/router scores with today). Profile.cost_model's measured
     # coefficients are not the default: on the H100 profile a decode request's measured step cost is ~0, so
     # prefix affinity outweighs load and every request of a system prompt lands on one decode (4 of 11 busy)
@@ -97,10 +101,10 @@ class Fleet:
         self.cost_model = options.cost_model or CostModel()
         limits = (profile.max_num_seqs, profile.max_num_batched_tokens)
         role = "colocated" if shape.colocated else "decode"
-        self.decodes = [SimEngine(env, f"decode-{i}", role, curves, threads, host, limits, curves_at)
-                        for i in range(shape.num_decode)]
+        self.decodes = [SimEngine(env, f"decode-{i}", role, curves, threads, host, limits, curves_at,
+                                  options.room_wait_s) for i in range(shape.num_decode)]
         self.prefills = [] if shape.colocated else [
-            SimEngine(env, f"prefill-{i}", "prefill", curves, threads, host, limits, curves_at)
+            SimEngine(env, f"prefill-{i}", "prefill", curves, threads, host, limits, curves_at, options.room_wait_s)
             for i in range(shape.num_prefill)]
         for engine in self.decodes:
             engine.on_prefilled = self._first_token_on(engine)

@@ -143,13 +143,14 @@ def test_a_long_step_on_lent_cores_gives_one_back_when_the_decode_gets_work(prom
                                                                           refits: bool) -> None:
     """As the engine reads its share between a long step's layers: B's prefill starts on both cores while the
     decode waits on A's pull, and once A decodes it goes on at its share of one core; a short step (below
-    LONG_STEP_TOKENS) keeps its threads and runs oversubscribed (a 2-thread team beside a thread, at 2/3 of
-    a core each times team_speed) to its end."""
-    from shared.engine import engine
+    LONG_STEP_TOKENS) keeps its threads to its end, and A's first decode step waits for that end (the core
+    share's newcomer: core_share.py). Without the wait (room_wait_s=0, the services before 2026-11-29) the
+    short step ran oversubscribed (a 2-thread team beside a thread, at 2/3 of a core each times team_speed)."""
+    from shared.engine import core_share, engine
     from shared.planner.profile import EngineCurves
-    from shared.planner.sim_engine import LONG_STEP_TOKENS
+    from shared.planner.sim_engine import LONG_STEP_TOKENS, ROOM_WAIT_S
 
-    assert LONG_STEP_TOKENS == engine._LONG_STEP_TOKENS
+    assert LONG_STEP_TOKENS == engine._LONG_STEP_TOKENS and ROOM_WAIT_S == core_share.ROOM_WAIT_S
     profile = make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.02, 0.0, 0.0), pull=(0.03, 0.0))
     profile.engines[2] = EngineCurves(prefill_fit=[0.0, 0.0005, 0.0], decode_fit=[0.01, 0.0, 0.0])
     a, b = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 10, 20), TraceRequest(0.01, prompt_tokens, 1)],
@@ -159,8 +160,12 @@ def test_a_long_step_on_lent_cores_gives_one_back_when_the_decode_gets_work(prom
     done = 0.025 / alone_s  # of B's step when A starts decoding
     if refits:
         assert ttft_s(b) == pytest.approx(0.025 + (1 - done) * prompt_tokens * 0.001)  # on one core
-    else:
-        assert ttft_s(b) == pytest.approx(0.025 + (1 - done) * alone_s / (2 / 3 * 0.42))
+        return
+    assert ttft_s(b) == pytest.approx(alone_s)  # alone on both cores to its end
+    assert a.token_times_s[1] == pytest.approx(0.01 + alone_s + 0.01)  # A's first step after it, alone again
+    a, b = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 10, 20), TraceRequest(0.01, prompt_tokens, 1)],
+                    SimOptions(cores=2, team_speed=0.42, room_wait_s=0.0))
+    assert ttft_s(b) == pytest.approx(0.025 + (1 - done) * alone_s / (2 / 3 * 0.42))
 
 
 def test_an_oversubscribed_thread_team_runs_below_processor_sharing() -> None:
@@ -181,3 +186,22 @@ def test_an_oversubscribed_thread_team_runs_below_processor_sharing() -> None:
     shared = simulate(profile, Shape(0, 2, colocated=True), trace,
                       SimOptions(policy="round_robin", cores=2, threads_per_engine=2, team_speed=1.0))
     assert [ttft_s(r) for r in shared] == pytest.approx([0.2, 0.2])
+
+
+def test_a_prompt_reaching_prefill_mid_decode_step_waits_for_that_step_then_both_share() -> None:
+    """What the services do since 2026-11-29 (core_share.py): A decodes alone on both cores (0.01 a step); B
+    reaches prefill 0.004 into one of A's steps. B waits for that step's end instead of starting beside it, and
+    then B prefills on one core while A's steps run on the other (0.02 each). With room_wait_s=0, as before,
+    A's step in flight ran oversubscribed beside B (a 2-thread team at 2/3 x team_speed of its speed)."""
+    from shared.planner.profile import EngineCurves
+
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.02, 0.0, 0.0))
+    profile.engines[2] = EngineCurves(prefill_fit=[0.0, 0.0005, 0.0], decode_fit=[0.01, 0.0, 0.0])
+    trace = [TraceRequest(0.0, 10, 40), TraceRequest(0.049, 100, 1)]
+    a, b = simulate(profile, Shape(1, 1), trace, SimOptions(cores=2, team_speed=0.42))
+    # A: prefilled on both cores by 0.005, decodes from then on: steps end at 0.015, 0.025, ... 0.055
+    assert a.token_times_s[1:6] == pytest.approx([0.015, 0.025, 0.035, 0.045, 0.055])
+    assert ttft_s(b) == pytest.approx(0.006 + 100 * 0.001)  # waited for A's step to end at 0.055, one core
+    assert a.token_times_s[6] - a.token_times_s[5] == pytest.approx(0.02)  # A on its share beside B
+    _, before = simulate(profile, Shape(1, 1), trace, SimOptions(cores=2, team_speed=0.42, room_wait_s=0.0))
+    assert ttft_s(before) > ttft_s(b)  # B's prefill shared the cores with A's oversubscribed step
