@@ -72,10 +72,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, cores: CoreShare | None = None) -> None:
         self.engine = engine
         self.cores = cores  # engines of one host lending each other their cores (shared/engine/core_share.py)
-        if cores is not None:  # on the thread that runs the step's kernels
-            engine.between_layers = cores.fit_threads
-            if engine.async_scheduling:  # the executor's (the engine thread's own count is fitted by set_busy)
-                engine.before_step = cores.fit_threads
+        if cores is not None:  # on the thread that runs the step's kernels (the engine's, or the executor's)
+            engine.before_step = engine.between_layers = cores.fit_threads
+            engine.after_step = cores.step_over
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -237,8 +236,8 @@ class AsyncEngine:
                     self.cores.set_busy(False)  # lends this engine's cores while it waits
                 self._drain_commands(block=idle)
                 if self.engine.has_unfinished():
-                    if self.cores is not None:  # this thread runs the step's kernels, or the executor does
-                        self.cores.set_busy(True, fit=not self.engine.async_scheduling)
+                    if self.cores is not None:
+                        self.cores.set_busy(True)  # the step's thread fits its count (engine.before_step)
                     self._step()
                 self._publish_load()
         except BaseException:

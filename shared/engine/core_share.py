@@ -27,7 +27,7 @@ when called. The zero-bubble loop (decode and colocated roles) runs its steps on
 engine calls `fit_threads` there before each step (`LLMEngine.before_step`).
 
 An engine that gets work does not start its first step beside a neighbour still running more threads than its
-new share: each engine publishes the count its steps run on, and a newcomer waits (sleeping, at most
+new share: each engine publishes the count its step in progress runs on, and a newcomer waits (sleeping, at most
 ROOM_WAIT_S) until every busy neighbour has shrunk to its share, which it does at its next step or layer.
 Without the wait, the neighbour's step in flight ran oversubscribed to its end, and an OpenMP team with a
 descheduled thread waits at every barrier: in a 1P1D stack (2 cores, fp32), a decode step of ~15 ms that
@@ -105,9 +105,8 @@ class CoreShare:
     def others_busy(self) -> int:
         return len(self._busy_others())
 
-    def set_busy(self, busy: bool, fit: bool = True) -> None:
-        """On the engine thread: before a step (busy) or before waiting for work (idle). `fit`: fit this
-        thread's count too (False where another thread runs the steps and fits before each)."""
+    def set_busy(self, busy: bool) -> None:
+        """On the engine thread: it has work (before its steps) or has none (before waiting for work)."""
         if not busy:
             if self._busy:
                 self._slots[self.slot] = 0
@@ -115,16 +114,15 @@ class CoreShare:
                 self._busy = False
             return
         if not self._busy:
-            self._slots[self.slot] = self.pid  # first, then read the others: two engines starting together
-            self._busy = True  # each see the other
-        if fit:
-            self.fit_threads()
+            self._slots[self.slot] = self.pid  # first, then read the others (fit_threads): two engines
+            self._busy = True  # starting together each see the other
 
     def fit_threads(self) -> None:
-        """While busy, on the thread that runs the step's kernels: take what the share allows now, and wait
-        until the neighbours have room for it (module docstring). Called before each step, and between the
-        layers of a long step (engine.py), so that an engine that borrowed every core gives them back within
-        a layer of another engine getting work, not at the end of a whole prefill."""
+        """While busy, on the thread that runs the step's kernels: take what the share allows now, publish it
+        until `step_over`, and wait until the neighbours have room for it (module docstring). Called before
+        each step, and between the layers of a long step (engine.py), so that an engine that borrowed every
+        core gives them back within a layer of another engine getting work, not at the end of a whole
+        prefill."""
         others = self._busy_others()
         want = max(self.share_threads, self.max_threads // (1 + len(others)))
         have = torch.get_num_threads()
@@ -136,6 +134,11 @@ class CoreShare:
         self._counts[self.slot] = want
         if others and self._crowded(others):
             self._wait_for_room()
+
+    def step_over(self) -> None:
+        """After each step: between steps an engine computes nothing a newcomer should wait for (a prefill
+        waiting on its pushes, a loop between its steps)."""
+        self._counts[self.slot] = 0
 
     def _crowded(self, others: list[int]) -> bool:
         """A busy neighbour runs more threads than its share of the busy engines allows."""

@@ -163,9 +163,11 @@ class LLMEngine:
         # layer hook takes decode steps off their fast paths (the CPU layer loop, CUDA graphs), so short ones
         # go without
         self.between_layers: Callable[[], None] | None = None
-        # called before each step on the thread that runs its kernels (the core share's fit_threads): torch
-        # keeps a thread count per thread, and the zero-bubble loop runs its steps on the executor thread
+        # called before and after each step on the thread that runs its kernels (the core share's fit_threads
+        # and step_over): torch keeps a thread count per thread, and the zero-bubble loop runs its steps on the
+        # executor thread
         self.before_step: Callable[[], None] | None = None
+        self.after_step: Callable[[], None] | None = None
         self._executor: ThreadPoolExecutor | None = None  # the zero-bubble loop's, started on first use
         self._in_flight: _InFlight | None = None
         logger.info("engine ready: role=%s, %d KV blocks x %d tokens (%.1f MiB), max_model_len=%d, %s loop",
@@ -530,7 +532,11 @@ class LLMEngine:
             self.before_step()
         if self.between_layers is not None and inputs.plan.num_tokens >= _LONG_STEP_TOKENS:
             hook = _then(hook, self.between_layers)
-        return self.runner.execute(inputs, prev, hook)
+        try:
+            return self.runner.execute(inputs, prev, hook)
+        finally:
+            if self.after_step is not None:
+                self.after_step()
 
     def _idle(self, produced: bool) -> None:
         """Nothing runnable this step: the wait that follows is no bubble."""

@@ -14,6 +14,19 @@ import shared.engine.core_share as core_share
 from shared.engine.core_share import FILE_BYTES, SLOTS, CoreShare
 
 
+def begin_step(share: CoreShare) -> None:
+    """What an engine does at a step's start: marks itself busy (engine thread), then fits its count on the
+    thread that runs the step (LLMEngine.before_step), published until the step is over."""
+    share.set_busy(True)
+    share.fit_threads()
+
+
+def step(share: CoreShare) -> None:
+    """A whole step: begun, then over (LLMEngine.after_step)."""
+    begin_step(share)
+    share.step_over()
+
+
 @pytest.fixture(autouse=True)
 def _restore_threads() -> object:
     before = torch.get_num_threads()
@@ -26,14 +39,14 @@ def test_an_engine_alone_takes_every_core_and_shrinks_while_another_has_work(tmp
     torch.set_num_threads(1)  # engine_host starts an engine's thread on its share
     prefill = CoreShare(path, 0, share_threads=1, max_threads=2)  # `baton up`'s two engines on two cores
     decode = CoreShare(path, 1, share_threads=1, max_threads=2)
-    decode.set_busy(True)
+    step(decode)
     assert decode.threads == 2 and torch.get_num_threads() == 2  # prefill idle: both
-    prefill.set_busy(True)
+    step(prefill)
     assert prefill.threads == 1  # decode busy: its share
-    decode.set_busy(True)
+    step(decode)
     assert decode.threads == 1  # the next step sees prefill
     prefill.set_busy(False)
-    decode.set_busy(True)
+    step(decode)
     assert decode.threads == 2 and torch.get_num_threads() == 2
     prefill.close()
     decode.close()
@@ -45,7 +58,7 @@ def test_a_busy_engine_refits_mid_step_when_another_gets_work_or_goes_idle(tmp_p
     path = tmp_path / "core_share"
     prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
     decode = CoreShare(path, 1, share_threads=1, max_threads=2)
-    prefill.set_busy(True)
+    begin_step(prefill)
     assert prefill.threads == 2
     decode.set_busy(True)  # decode gets work while prefill is mid-step
     prefill.fit_threads()
@@ -61,12 +74,12 @@ def test_shares_split_the_cores_among_busy_engines_never_below_the_share(tmp_pat
     path = tmp_path / "core_share"
     engines = [CoreShare(path, i, share_threads=2, max_threads=8) for i in range(4)]
     for e in engines[:2]:
-        e.set_busy(True)
-    engines[0].set_busy(True)
+        step(e)
+    step(engines[0])
     assert engines[0].threads == 4  # two busy: half each
     for e in engines[2:]:
-        e.set_busy(True)
-    engines[0].set_busy(True)
+        step(e)
+    step(engines[0])
     assert engines[0].threads == 2  # four busy on 8 cores: 2 each, which is also the share
     for e in engines:
         e.close()
@@ -79,7 +92,7 @@ def test_a_dead_engines_slot_counts_as_idle(tmp_path: Path) -> None:
     me = CoreShare(path, 0, share_threads=1, max_threads=2)
     other = CoreShare(path, 1, share_threads=1, max_threads=2)
     other._slots[1] = int(dead.stdout)  # an engine killed in the middle of its work
-    me.set_busy(True)
+    step(me)
     assert me.others_busy() == 0 and me.threads == 2
     me.close()
     other.close()
@@ -92,7 +105,7 @@ def test_the_count_is_set_on_the_thread_that_steps(tmp_path: Path) -> None:
 
     def engine_thread() -> None:
         share = CoreShare(path, 0, share_threads=1, max_threads=3)
-        share.set_busy(True)
+        step(share)
         seen.append(torch.get_num_threads())
         share.close()
 
@@ -105,12 +118,12 @@ def test_the_count_is_set_on_the_thread_that_steps(tmp_path: Path) -> None:
 def test_a_restarted_engine_clears_its_slot_and_close_leaves_it_idle(tmp_path: Path) -> None:
     path = tmp_path / "core_share"
     first = CoreShare(path, 3, share_threads=1, max_threads=2)
-    first.set_busy(True)
+    step(first)
     watcher = CoreShare(path, 0, share_threads=1, max_threads=2)
     assert watcher.others_busy() == 1
     again = CoreShare(path, 3, share_threads=1, max_threads=2)  # the same slot, restarted
     assert watcher.others_busy() == 0
-    again.set_busy(True)
+    step(again)
     again.close()
     assert watcher.others_busy() == 0
     first.close()
@@ -125,12 +138,17 @@ def test_bad_slots_and_shares_are_refused(tmp_path: Path) -> None:
         CoreShare(tmp_path / "f", 0, share_threads=0)
 
 
-def test_each_engine_publishes_the_count_its_steps_run_on_and_zero_when_idle(tmp_path: Path) -> None:
+def test_each_engine_publishes_the_count_its_step_runs_on_and_zero_between_steps(tmp_path: Path) -> None:
     path = tmp_path / "core_share"
     prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
     decode = CoreShare(path, 1, share_threads=1, max_threads=2)
-    decode.set_busy(True)
-    assert prefill._counts[1] == 2 and prefill._shares[1] == 1  # what decode runs on, and its share
+    begin_step(decode)
+    assert prefill._counts[1] == 2 and prefill._shares[1] == 1  # what decode's step runs on, and its share
+    decode.step_over()
+    assert prefill._counts[1] == 0  # between steps it computes nothing to wait for
+    begin_step(prefill)
+    assert prefill.num_waits == 0 and prefill.threads == 1  # decode is busy: its share, at once
+    begin_step(decode)
     decode.set_busy(False)
     assert prefill._counts[1] == 0
     prefill.close()
@@ -143,7 +161,7 @@ def test_a_newcomer_waits_until_a_neighbour_running_more_than_its_share_shrinks(
     path = tmp_path / "core_share"
     prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
     decode = CoreShare(path, 1, share_threads=1, max_threads=2)
-    decode.set_busy(True)
+    begin_step(decode)
     assert decode.threads == 2
     order: list[str] = []
 
@@ -151,17 +169,17 @@ def test_a_newcomer_waits_until_a_neighbour_running_more_than_its_share_shrinks(
         while not prefill._busy:
             pass
         order.append("decode shrinks")
-        decode.set_busy(True)
+        begin_step(decode)
 
     neighbour = threading.Thread(target=decode_steps_on)
     neighbour.start()
-    prefill.set_busy(True)
+    begin_step(prefill)
     order.append("prefill steps")
     neighbour.join()
     assert order == ["decode shrinks", "prefill steps"]
     assert prefill.num_waits == 1 and prefill.threads == 1 and decode.threads == 1
-    prefill.set_busy(True)  # both on their shares: nobody waits
-    decode.set_busy(True)
+    begin_step(prefill)  # both on their shares: nobody waits
+    begin_step(decode)
     assert prefill.num_waits == 1 and decode.num_waits == 0
     prefill.close()
     decode.close()
@@ -174,8 +192,8 @@ def test_the_wait_is_bounded_when_a_neighbour_keeps_its_cores(tmp_path: Path, mo
     path = tmp_path / "core_share"
     prefill = CoreShare(path, 0, share_threads=1, max_threads=2)
     decode = CoreShare(path, 1, share_threads=1, max_threads=2)
-    decode.set_busy(True)
-    prefill.set_busy(True)  # returns: decode never shrinks
+    begin_step(decode)
+    begin_step(prefill)  # returns: decode never shrinks
     assert prefill.num_waits == 1 and prefill.threads == 1 and decode._counts[1] == 2
     prefill.close()
     decode.close()
@@ -189,10 +207,10 @@ def test_no_wait_where_every_neighbour_runs_its_share_even_past_the_cores(tmp_pa
     path = tmp_path / "core_share"
     engines = [CoreShare(path, i, share_threads=1, max_threads=2) for i in range(3)]
     for e in engines:
-        e.set_busy(True)
+        begin_step(e)
     waits = [e.num_waits for e in engines]
     for e in engines:
-        e.set_busy(True)
+        begin_step(e)
     assert [e.threads for e in engines] == [1, 1, 1]
     assert [e.num_waits for e in engines] == waits
     for e in engines:
