@@ -74,51 +74,74 @@ class SimRequest:
 class Host:
     """Cores shared by the engines of one machine; `None` cores: each engine has its own."""
 
-    def __init__(self, cores: int | None, team_speed: float = 1.0) -> None:
+    def __init__(self, cores: int | None, team_speed: float = 1.0,
+                 corun_speed: dict[str, float] | None = None) -> None:
         self.cores = cores
         self.team_speed = team_speed  # of processor sharing's speed, for a team of 2+ threads oversubscribed
+        # a step's speed (by kind: "prefill", "decode") while another engine of the host steps too, on cores
+        # of its own: what they share is the memory bus and the last-level cache (bench/corun.py)
+        self.corun_speed = corun_speed or {}
         self.active_threads = 0  # of the engines that have work
         self.busy_engines = 0  # engines that have work
         self.stepping: set[simpy.Process] = set()  # engines in the middle of a step
+        self._rerated: simpy.Event | None = None  # what the steps in progress wait on beside their end
         self.engines: list[SimEngine] = []  # every engine on this host
 
-    def speed(self, threads: int = 1) -> float:
-        """The share of full speed a step on `threads` threads runs at now."""
-        if self.cores is None or self.active_threads <= self.cores:
+    def speed(self, threads: int = 1, kind: str = "decode") -> float:
+        """The share of full speed a step of `kind` on `threads` threads runs at now."""
+        if self.cores is None:
             return 1.0
+        corun = self.corun_speed.get(kind, 1.0) if len(self.stepping) > 1 else 1.0
+        if self.active_threads <= self.cores:
+            return corun
         shared = self.cores / self.active_threads
-        return shared * self.team_speed if threads > 1 else shared
+        return corun * (shared * self.team_speed if threads > 1 else shared)
 
     def change(self, threads: int) -> None:
-        """An engine with `threads` threads got work (> 0) or ran out of it (< 0): re-rate running steps
-        (but the caller's own, which re-rates itself)."""
+        """An engine with `threads` threads got work (> 0) or ran out of it (< 0): re-rate running steps."""
         self.active_threads += threads
-        if self.cores is not None:
-            for process in list(self.stepping):
-                if process is not process.env.active_process:
-                    process.interrupt("re-rate")
+        self._rerate()
+
+    def _rerate(self) -> None:
+        """Wake the steps in progress to take their speed again (an event, not an interrupt: a step that
+        ends at the same instant must not find a stray interrupt in its engine's next wait)."""
+        if self._rerated is not None and not self._rerated.triggered:
+            self._rerated.succeed()
 
     def run_step(self, env: simpy.Environment, process: simpy.Process, work_s: float, threads: int = 1,
-                 refit: Callable[[], tuple[int, float]] | None = None) -> Generator[Any, Any, None]:
+                 refit: Callable[[], tuple[int, float]] | None = None,
+                 kind: str = "decode") -> Generator[Any, Any, None]:
         """Hold the caller for a step of `work_s` seconds of full-speed work at the speed of the moment.
         `refit`: the step takes its thread count again at each re-rate (a long step on lent cores, as
-        core_share.py reads it between layers); it returns the count and the whole step's time on it."""
+        core_share.py reads it between layers); it returns the count and the whole step's time on it.
+        `kind`: "prefill" or "decode", for the co-running speed."""
         if work_s <= 0.0:
             return
+        if self.cores is None:  # machines of their own: nothing re-rates a step
+            yield env.timeout(work_s)
+            return
         self.stepping.add(process)
+        if self.corun_speed and len(self.stepping) == 2:
+            self._rerate()  # the other one now runs beside this step
         try:
             done = 0.0  # fraction of the step
             while done < 1.0 - 1e-12:
-                speed, started = self.speed(threads), env.now
-                try:
-                    yield env.timeout((1.0 - done) * work_s / speed)
+                if self._rerated is None or self._rerated.triggered:
+                    self._rerated = env.event()
+                rerated = self._rerated
+                speed, started = self.speed(threads, kind), env.now
+                timeout = env.timeout((1.0 - done) * work_s / speed)
+                yield timeout | rerated
+                if timeout.processed:  # the rest of the step's work is done (a re-rate may fall at its end)
                     done = 1.0
-                except simpy.Interrupt:
-                    done += (env.now - started) * speed / work_s
-                    if refit is not None:
-                        threads, work_s = refit()
+                    continue
+                done += (env.now - started) * speed / work_s
+                if refit is not None:
+                    threads, work_s = refit()
         finally:
             self.stepping.discard(process)
+            if self.corun_speed and len(self.stepping) == 1:
+                self._rerate()  # the one left runs alone now
 
 
 class SimEngine:
@@ -256,7 +279,8 @@ class SimEngine:
             self._stepping_on(threads)
             try:
                 yield from self.host.run_step(self.env, self.process,
-                                              curves.mixed_step_s(num_prefill, len(batch), context), threads, refit)
+                                              curves.mixed_step_s(num_prefill, len(batch), context), threads, refit,
+                                              "prefill" if num_prefill else "decode")
             finally:
                 self._stepping_on(0)
             self.busy_s += self.env.now - started

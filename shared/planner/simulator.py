@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import simpy
 
@@ -33,6 +33,9 @@ from shared.registry.cost_model import CostModel, uncached_tokens
 from shared.registry.kv_picker import rendezvous_weight
 
 POLICIES = ("kv", "least_loaded", "round_robin")
+# SimOptions.corun_speed's default: SmolLM2 fp32, a decode (one stream) and a prefill (256-token prompts) on one
+# thread each of a 2-core Zen 5 host, together against alone (bench/results/corun-20261129-102536.json)
+CORUN_SPEED = {"prefill": 0.927, "decode": 0.971}
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class SimOptions:
     # its share to end or shrink (shared/engine/core_share.py ROOM_WAIT_S); 0: it steps beside it at once, as
     # the services did before 2026-11-29
     room_wait_s: float = ROOM_WAIT_S
+    # one host's engines stepping at once, each on cores of its own: each step's speed by kind ("prefill",
+    # "decode") against alone, from the memory bus and cache they share (bench/corun.py); {}: no effect
+    corun_speed: dict[str, float] = field(default_factory=lambda: dict(CORUN_SPEED))
     # None: the router's own CostModel() (what services/router scores with today). Profile.cost_model's measured
     # coefficients are not the default: on the H100 profile a decode request's measured step cost is ~0, so
     # prefix affinity outweighs load and every request of a system prompt lands on one decode (4 of 11 busy)
@@ -91,7 +97,7 @@ class Fleet:
         if options.policy not in POLICIES:
             raise ConfigError(f"routing policy must be one of {POLICIES}, got {options.policy!r}")
         self.env, self.profile, self.shape, self.options = env, profile, shape, options
-        host = Host(options.cores, options.team_speed)
+        host = Host(options.cores, options.team_speed, options.corun_speed)
         threads = options.threads_per_engine or (
             max(1, options.cores // shape.num_engines) if options.cores else max(profile.engines))
         curves = profile.curves(threads)

@@ -6,12 +6,20 @@ import random
 
 import pytest
 
+from shared.planner import simulator
 from shared.planner.metrics import SLO, summarize, tpot_s, ttft_s
 from shared.planner.sim_engine import Host
 from shared.planner.simulator import Shape, SimOptions, simulate
 from shared.planner.workload import TraceRequest
 from shared.registry.cost_model import CostModel
 from tests.unit.planner.factories import make_profile
+
+
+@pytest.fixture(autouse=True)
+def _no_corun_effect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cases here are worked out by hand with engines that do not slow each other's steps down through
+    the memory bus; the test of that effect sets its own SimOptions.corun_speed."""
+    monkeypatch.setattr(simulator, "CORUN_SPEED", {})
 
 
 def test_one_request_colocated() -> None:
@@ -205,3 +213,20 @@ def test_a_prompt_reaching_prefill_mid_decode_step_waits_for_that_step_then_both
     assert a.token_times_s[6] - a.token_times_s[5] == pytest.approx(0.02)  # A on its share beside B
     _, before = simulate(profile, Shape(1, 1), trace, SimOptions(cores=2, team_speed=0.42, room_wait_s=0.0))
     assert ttft_s(before) > ttft_s(b)  # B's prefill shared the cores with A's oversubscribed step
+
+
+def test_engines_stepping_at_once_run_at_their_corun_speed() -> None:
+    """The case above with the memory bus shared (bench/corun.py): while B's prefill and A's decode steps run
+    at once, each on its own core, the prefill runs at half its speed and the decode at 0.8; A alone again
+    after B runs at full speed."""
+    from shared.planner.profile import EngineCurves
+
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), decode=(0.02, 0.0, 0.0))
+    profile.engines[2] = EngineCurves(prefill_fit=[0.0, 0.0005, 0.0], decode_fit=[0.01, 0.0, 0.0])
+    trace = [TraceRequest(0.0, 10, 40), TraceRequest(0.049, 100, 1)]
+    a, b = simulate(profile, Shape(1, 1), trace,
+                    SimOptions(cores=2, team_speed=0.42, corun_speed={"prefill": 0.5, "decode": 0.8}))
+    assert a.token_times_s[1:6] == pytest.approx([0.015, 0.025, 0.035, 0.045, 0.055])  # alone: unchanged
+    assert ttft_s(b) == pytest.approx(0.006 + 100 * 0.001 / 0.5)
+    assert a.token_times_s[6] - a.token_times_s[5] == pytest.approx(0.02 / 0.8)  # beside B's prefill
+    assert a.token_times_s[-1] - a.token_times_s[-2] == pytest.approx(0.01)  # alone again, both cores
