@@ -273,6 +273,16 @@ def calibrated(points: list[dict[str, Any]], profile: Profile, args: argparse.Na
     return out
 
 
+def figure_table(points: Sequence[dict[str, Any]], key: str) -> list[str]:
+    """Markdown rows of each point's figures under `key`: predicted / measured (error)."""
+    lines = ["| shape | rate | " + " | ".join(FIGURES) + " |", "|---|---|" + "---|" * len(FIGURES)]
+    for p in points:
+        cells = [f"{f['predicted']:.3g} / {f['measured']:.3g} ({f['error']:+.0%})" if f["error"] is not None
+                 else f"{f['predicted']:.3g} / {f['measured']:.3g}" for f in (p[key][n] for n in FIGURES)]
+        lines.append(f"| {p['shape']} | {p['rate']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def readme_table(result: dict[str, Any]) -> str:
     lines = [f"Predicted (simulator, profile `{result['profile_file']}`) against measured (`baton up`), chat "
              f"workload capped at {result['max_prompt']}/{result['max_output']} tokens, {result['requests']} "
@@ -280,11 +290,7 @@ def readme_table(result: dict[str, Any]) -> str:
              f"run `{result['file']}` (load average at start {result['machine'].get('loadavg_at_start', '?')})"
              + (f", the measurements of `{result['resimulated_from']}` against the simulator as it is now"
                 if result.get("resimulated_from") else "") + ". Each cell: predicted / measured (error).", "",
-             "| shape | rate | " + " | ".join(FIGURES) + " |", "|---|---|" + "---|" * len(FIGURES)]
-    for p in result["points"]:
-        cells = [f"{f['predicted']:.3g} / {f['measured']:.3g} ({f['error']:+.0%})" if f["error"] is not None
-                 else f"{f['predicted']:.3g} / {f['measured']:.3g}" for f in (p["figures"][n] for n in FIGURES)]
-        lines.append(f"| {p['shape']} | {p['rate']} | " + " | ".join(cells) + " |")
+             *figure_table(result["points"], "figures")]
     within = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p["figures"].values() if f["error"] is not None]
     lines += ["", f"Points within 15%: {sum(within)} of {len(within)}."]
     fixed = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p.get("figures_fixed_shares", {}).values()
@@ -298,6 +304,9 @@ def readme_table(result: dict[str, Any]) -> str:
         lines.append(f"Probed (each stack's serving overhead and the machine's prefill and decode speed, from probe "
                      f"requests served alone before each rate's trace; every trace point held out): {sum(probed)} of "
                      f"{len(probed)} within 15%.")
+    if probed:
+        lines += ["", "Probed, each point (the simulator with the probes' overhead and speeds):", "",
+                  *figure_table(result["points"], "figures_probed")]
     held_out = [abs(f["error"]) <= 0.15 for p in result.get("calibrated", []) if not p["fitted"]
                 for f in p["figures"].values() if f["error"] is not None]
     if held_out:
