@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -195,8 +196,6 @@ def test_the_zero_bubble_loops_executor_steps_on_the_share_too(tmp_path) -> None
     stepped_on: list[tuple[str, int]] = []  # (thread, its torch count) of each step
 
     def recording_execute(*args, **kwargs):  # type: ignore[no-untyped-def]
-        import threading
-
         stepped_on.append((threading.current_thread().name, torch.get_num_threads()))
         return execute(*args, **kwargs)
     engine.runner.execute = recording_execute  # type: ignore[method-assign]
