@@ -39,6 +39,7 @@ def worker(role: str, seconds: float, threads: int, dtype: str, quantization: st
 
     import torch
 
+    from bench.layer_loop import end_requests
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.engine.request import SamplingParams
@@ -47,31 +48,30 @@ def worker(role: str, seconds: float, threads: int, dtype: str, quantization: st
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=2048))
     vocab = engine.loaded.spec.vocab_size
     rng = random.Random(0 if role == "decode" else 1)
-    count = [0]
+    count = 0  # requests so far: fresh ids, and fresh prompts (no prefix-cache hits)
 
-    def prompt() -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)]
+    def add(max_tokens: int) -> str:
+        nonlocal count
+        rid = f"{role}-{count}"
+        count += 1
+        engine.add_request(rid, [rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)],
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        return rid
 
     def prefill_once() -> None:
-        engine.add_request(f"p{count[0]}", prompt(), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        while engine.has_unfinished():
+        add(1)
+        while engine.has_unfinished():  # one step: the prompt, and its one token
             engine.step()
-        count[0] += 1
 
     def decode_for(until: float) -> int:
         steps = 0
         while time.perf_counter() < until:
-            rid = f"d{count[0]}"
-            count[0] += 1
-            engine.add_request(rid, prompt(), SamplingParams(max_tokens=DECODE_RESTART + 1, temperature=0.0,
-                                                             ignore_eos=True))
+            rid = add(DECODE_RESTART + 1)
             engine.step()  # its prefill, not counted
             while engine.has_unfinished() and time.perf_counter() < until:
                 engine.step()
                 steps += 1
-            engine.abort(rid)
-            while engine.has_unfinished():
-                engine.step()
+            end_requests(engine, [rid])
         return steps
 
     for _ in range(2):  # warm: first-call costs stay out

@@ -28,7 +28,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` rounded into a cache of `dtype` (saturating for float8: 448 for e4m3, 57344 for e5m2)."""
     if x.dtype == dtype:
         return x
-    if dtype.itemsize == 1:
+    if dtype in FP8_DTYPES.values():  # torch makes e5m2 inf past its largest: a cache must not hold one
         limit = torch.finfo(dtype).max
         x = x.clamp(-limit, limit)
     return x.to(dtype)
