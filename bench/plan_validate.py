@@ -11,11 +11,14 @@
 
 The error of each figure is (predicted − measured) / measured. Two further predictions are reported beside
 the plain one, never instead of it:
-  probed (probe_stack(), every run): before each rate's trace, the stack serves a few probe requests
-      alone (fresh prompts of two lengths, none of them the trace's); the served TTFT against the simulator's
-      for the same requests gives a fixed serving overhead (HTTP, tokenization, gRPC, the stream's first
-      hop: the simulator's `router_overhead_s`) and the machine's prefill speed now against the profile's;
-      their TPOT its decode speed. Every trace point stays held out.
+  probed (probe_stack(), every run): before and after each rate's trace, the stack serves a few probe
+      requests alone (fresh prompts of two lengths, none of them the trace's); the served TTFT against the
+      simulator's for the same requests gives a fixed serving overhead (HTTP, tokenization, gRPC, the
+      stream's first hop: the simulator's `router_overhead_s`) and the machine's prefill speed then against
+      the profile's; their TPOT its decode speed. The trace is predicted with the mean of the two probes
+      (bracketed(): the machine's speed moves by a fifth or more within a trace's minute or two), and, in
+      `figures_probed_before`, with the probe before it alone, as runs before 2026-11-29 13:00 were. Every
+      trace point stays held out.
   calibrated (`--calibrate`, calibrated()): each shape's prefill and decode curves scaled to what its lowest
       rate measured, the other rates held out.
 
@@ -205,6 +208,14 @@ def fit_probe(rows: Sequence[dict[str, float]], predicted: dict[int, tuple[float
             "decode_scale": round(decode_scale, 3)}
 
 
+def bracketed(before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, Any]:
+    """The probes before and after a trace as one: the mean of each fitted figure (the machine's speed
+    during the trace, between the two); `before` alone where no probe followed (runs before 2026-11-29)."""
+    if after is None:
+        return before
+    return {k: round((before[k] + after[k]) / 2, 4) for k in ("router_overhead_s", "prefill_scale", "decode_scale")}
+
+
 def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.Namespace,
               vocab: Sequence[int]) -> list[dict[str, Any]]:
     shape = SHAPES[name]
@@ -225,13 +236,18 @@ def run_shape(name: str, config: ServerConfig, profile: Profile, args: argparse.
             specs = trace_specs(trace, vocab, args.seed * 1000 + i + 1)
             records, span = asyncio.run(replay(server.base_url, trace, specs, args.timeout))
             measured = measured_summary(records, span, slo)
+            probe_after = probe_stack(server.base_url, vocab, profile, shape, args.seed * 1000 + 950 + i,
+                                      args.timeout)
+            logger.info("%s probe after: serving overhead %.1f ms, prefill x%.2f, decode x%.2f of the profile",
+                        name, probe_after["router_overhead_s"] * 1e3, probe_after["prefill_scale"],
+                        probe_after["decode_scale"])
             # plain; on fixed shares (the simulator before it modelled `baton up`'s lent cores); probed
-            predicted, plain = predictions(profile, name, rate, args, probe)
+            predicted, plain = predictions(profile, name, rate, args, probe, probe_after)
             point = {"shape": name, "rate": rate, "num_failed": measured["num_failed"],
                      "measured_attainment": measured.get("slo_attainment"),
                      "predicted_attainment": predicted["figures"]["slo_attainment"],
                      **{key: compare(figures, measured) for key, figures in predicted.items()},
-                     "probe": probe,
+                     "probe": probe, "probe_after": probe_after,
                      "ttfts_ms": sorted(round(r.ttft_s * 1e3, 1) for r in records if r.ok),
                      "requests": request_rows(trace, records, plain)}
             logger.info("%s at %.3g req/s: %s; probed %s", name, rate,
@@ -300,10 +316,14 @@ def readme_table(result: dict[str, Any]) -> str:
                      f"(no lent cores, `SimOptions(core_share=False)`): {sum(fixed)} of {len(fixed)} within 15%.")
     probed = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p.get("figures_probed", {}).values()
               if f["error"] is not None]
+    before = [abs(f["error"]) <= 0.15 for p in result["points"] for f in p.get("figures_probed_before", {}).values()
+              if f["error"] is not None]
     if probed:
+        when = "before and after" if before else "before"
         lines.append(f"Probed (each stack's serving overhead and the machine's prefill and decode speed, from probe "
-                     f"requests served alone before each rate's trace; every trace point held out): {sum(probed)} of "
-                     f"{len(probed)} within 15%.")
+                     f"requests served alone {when} each rate's trace; every trace point held out): {sum(probed)} of "
+                     f"{len(probed)} within 15%." + (f" With the probe before each trace alone: {sum(before)} of "
+                                                     f"{len(before)}." if before else ""))
     if probed:
         lines += ["", "Probed, each point (the simulator with the probes' overhead and speeds):", "",
                   *figure_table(result["points"], "figures_probed")]
@@ -342,9 +362,10 @@ def plot(result: dict[str, Any], png: Path) -> bool:
 
 
 def predictions(profile: Profile, shape_name: str, rate: float, args: argparse.Namespace,
-                probe: dict[str, Any] | None) -> tuple[dict[str, dict[str, float]], list[SimRequest]]:
-    """The simulator's figures for one point (plain, on fixed core shares, and probed when a probe ran), and
-    the plain run's requests."""
+                probe: dict[str, Any] | None, probe_after: dict[str, Any] | None = None,
+                ) -> tuple[dict[str, dict[str, float]], list[SimRequest]]:
+    """The simulator's figures for one point (plain, on fixed core shares, and probed when a probe ran: with
+    the probes before and after the trace, and with the one before alone), and the plain run's requests."""
     shape = SHAPES[shape_name]
     slo = SimSLO(args.ttft_slo, args.tpot_slo)
     trace = capped_trace(rate, args.requests, args.seed, args.max_prompt, args.max_output)
@@ -352,10 +373,14 @@ def predictions(profile: Profile, shape_name: str, rate: float, args: argparse.N
     out = {"figures": sim_summarize(plain, slo),
            "figures_fixed_shares": sim_summarize(simulate(profile, shape, trace, SimOptions(
                cores=os.cpu_count(), core_share=False)), slo)}
+    def probed(fit: dict[str, Any]) -> dict[str, float]:
+        return sim_summarize(simulate(scaled(profile, fit["prefill_scale"], fit["decode_scale"]), shape, trace,
+                                      SimOptions(cores=os.cpu_count(), router_overhead_s=fit["router_overhead_s"])),
+                             slo)
     if probe is not None:
-        out["figures_probed"] = sim_summarize(simulate(
-            scaled(profile, probe["prefill_scale"], probe["decode_scale"]), shape, trace,
-            SimOptions(cores=os.cpu_count(), router_overhead_s=probe["router_overhead_s"])), slo)
+        out["figures_probed"] = probed(bracketed(probe, probe_after))
+        if probe_after is not None:
+            out["figures_probed_before"] = probed(probe)
     return out, plain
 
 
@@ -376,7 +401,7 @@ def resimulate(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         measured = {k: v["measured"] for k, v in point["figures"].items()}
         new = {**point}
         predicted, plain = predictions(profile, point["shape"], point["rate"], args,
-                                       point.get("probe") or first_probes.get(point["shape"]))
+                                       point.get("probe") or first_probes.get(point["shape"]), point.get("probe_after"))
         for key, figures in predicted.items():
             new[key] = compare(figures, measured)
         if "requests" in point:  # each request's prediction too, from the simulator as it is now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bench.plan_validate import (
     FIGURES,
+    bracketed,
     capped_trace,
     compare,
     fit_probe,
@@ -51,6 +52,25 @@ def test_the_probe_separates_a_fixed_overhead_from_the_speeds() -> None:
     assert fit == {"router_overhead_s": 0.04, "prefill_scale": 1.2, "decode_scale": 1.1}
     slower = [{**r, "ttft_s": 10 * r["ttft_s"]} for r in rows]
     assert fit_probe(slower, predicted)["prefill_scale"] == 2.0  # held to 2x: a probe is no licence to refit
+
+
+def test_probes_before_and_after_a_trace_are_averaged() -> None:
+    before = {"rows": [], "router_overhead_s": 0.01, "prefill_scale": 1.0, "decode_scale": 1.2}
+    after = {"rows": [], "router_overhead_s": 0.03, "prefill_scale": 1.5, "decode_scale": 0.9}
+    assert bracketed(before, after) == {"router_overhead_s": 0.02, "prefill_scale": 1.25, "decode_scale": 1.05}
+    assert bracketed(before, None) is before  # a run from before the probe after each trace
+
+
+def test_the_table_counts_the_probe_before_alone_beside_the_bracketed_one() -> None:
+    good = compare(dict.fromkeys(FIGURES, 105.0), dict.fromkeys(FIGURES, 100.0))
+    bad = compare(dict.fromkeys(FIGURES, 150.0), dict.fromkeys(FIGURES, 100.0))
+    result = {"profile_file": "p.json", "max_prompt": 256, "max_output": 32, "requests": 8, "file": "x.json",
+              "slo": {"ttft_s": 3.0, "tpot_s": 0.3}, "machine": {"loadavg_at_start": [1.0]},
+              "points": [{"shape": "1P1D", "rate": 0.2, "figures": bad, "figures_probed": good,
+                          "figures_probed_before": bad}]}
+    table = readme_table(result)
+    assert "served alone before and after each rate's trace; every trace point held out): 5 of 5 within 15%." in table
+    assert "With the probe before each trace alone: 0 of 5." in table
 
 
 def test_request_rows_put_each_measured_request_beside_its_simulated_run() -> None:
