@@ -4,7 +4,8 @@
  loop:  wait for work
         plan:  every running request decodes one token (up to max_num_seqs), then the waiting
                prompts are chunked FCFS into what is left of the step's token budget
-        time:  EngineCurves.mixed_step_s(prefill tokens, batch, its context) × CPU contention
+        time:  EngineCurves.mixed_step_s(prefill tokens, batch, its context) (+ the chunks' KV push, for a
+               prefill engine that pushes within its steps) × CPU contention
         update: a prompt whose last chunk ran samples its first token → on_prefilled(request)
                (prefill role: the handoff; otherwise it joins the running batch);
                each decoded request gets a token, and leaves at its output length
@@ -149,11 +150,15 @@ class SimEngine:
 
     def __init__(self, env: simpy.Environment, name: str, role: str, curves: EngineCurves, threads: int,
                  host: Host, limits: tuple[int, int],
-                 curves_at: Callable[[int], EngineCurves] | None = None, room_wait_s: float = ROOM_WAIT_S) -> None:
+                 curves_at: Callable[[int], EngineCurves] | None = None, room_wait_s: float = ROOM_WAIT_S,
+                 push_s: Callable[[int], float] | None = None) -> None:
+        """`push_s`: a prefill engine that pushes each chunk's KV within its step (the seconds for so many
+        tokens' KV, added to the step's work); None: nothing but the curves' step time."""
         self.env, self.name, self.role, self.curves = env, name, role, curves
         self.threads, self.host = threads, host  # `threads`: its share
         host.engines.append(self)
         self.room_wait_s = room_wait_s
+        self.push_s = push_s
         self.stepping_threads = 0  # threads of the step in progress (0: none)
         self._shrunk = env.event()  # succeeds when the step in progress ends or runs on fewer threads
         self.curves_at = curves_at  # lent cores: the curves at each thread count (None: `threads` always)
@@ -219,12 +224,12 @@ class SimEngine:
         return max(self.threads, self.host.cores // (1 + others))
 
     def _refit(self, curves_at: Callable[[int], EngineCurves], num_prefill: int, batch: int,
-               context: int) -> Callable[[], tuple[int, float]]:
+               context: int, push_s: float) -> Callable[[], tuple[int, float]]:
         def refit() -> tuple[int, float]:
             threads = self._step_threads()
             self._hold(threads)
             self._stepping_on(threads)
-            return threads, curves_at(threads).mixed_step_s(num_prefill, batch, context)
+            return threads, curves_at(threads).mixed_step_s(num_prefill, batch, context) + push_s
         return refit
 
     def _stepping_on(self, threads: int) -> None:
@@ -272,15 +277,16 @@ class SimEngine:
             batch, chunks = self._plan()
             num_prefill = sum(n for _, n in chunks)
             context = sum(r.context_tokens for r in batch)
+            push_s = sum(self.push_s(n) for _, n in chunks) if self.push_s is not None else 0.0
             started = self.env.now
             refit = None
             if self.curves_at is not None and num_prefill + len(batch) >= LONG_STEP_TOKENS:
-                refit = self._refit(self.curves_at, num_prefill, len(batch), context)
+                refit = self._refit(self.curves_at, num_prefill, len(batch), context, push_s)
             self._stepping_on(threads)
             try:
                 yield from self.host.run_step(self.env, self.process,
-                                              curves.mixed_step_s(num_prefill, len(batch), context), threads, refit,
-                                              "prefill" if num_prefill else "decode")
+                                              curves.mixed_step_s(num_prefill, len(batch), context) + push_s,
+                                              threads, refit, "prefill" if num_prefill else "decode")
             finally:
                 self._stepping_on(0)
             self.busy_s += self.env.now - started

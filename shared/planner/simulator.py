@@ -5,6 +5,7 @@
    colocated:  colocated engine d: prefill (chunked) → first token → decode batch → done
    disagg:     prefill engine p: prefill (chunked) → first token sampled
                  └─ + push_s(KV bytes): reply after Commit            TTFT ends here
+                    (on one host, layerwise_push: each chunk's push is part of its step, on the same cores)
                kv_transfer k (K channels): pull_s(KV bytes the decode's own prefix cache lacks)
                decode engine d: joins the running batch → tokens 2..n → done
    local prefill (disagg, local_prefill_max_tokens): a prompt whose chosen decode instance lacks at most
@@ -84,6 +85,14 @@ class SimOptions:
     # one host's engines stepping at once, each on cores of its own: each step's speed by kind ("prefill",
     # "decode") against alone, from the memory bus and cache they share (bench/corun.py); {}: no effect
     corun_speed: dict[str, float] = field(default_factory=lambda: dict(CORUN_SPEED))
+    # on one host (cores set): a prefill engine pushes each chunk's KV while it computes it (the services'
+    # layer-wise push, shared/engine/remote_kv.py) on the same cores, so the push's time is part of the step
+    # and the handoff after it is the pull alone; a prompt queued behind another waits for that push too. In a
+    # 1P1D run (plan_validate-20261129-124828) a 229-token prompt alone on 2 threads took 184 ms of prefill
+    # with its push against 110 predicted, and a 256-token one arriving 3 ms after it started prefill only
+    # when that push was over. False, or machines of their own: the push after the step, beside the engine's
+    # next (RDMA does not take the engine's cores)
+    layerwise_push: bool = True
     # None: the router's own CostModel() (what services/router scores with today). Profile.cost_model's measured
     # coefficients are not the default: on the H100 profile a decode request's measured step cost is ~0, so
     # prefix affinity outweighs load and every request of a system prompt lands on one decode (4 of 11 busy)
@@ -109,8 +118,12 @@ class Fleet:
         role = "colocated" if shape.colocated else "decode"
         self.decodes = [SimEngine(env, f"decode-{i}", role, curves, threads, host, limits, curves_at,
                                   options.room_wait_s) for i in range(shape.num_decode)]
+        self.push_in_step = options.layerwise_push and options.cores is not None
+        push_s = (lambda tokens: profile.handoff.push_s(tokens * profile.kv_bytes_per_token)) \
+            if self.push_in_step else None
         self.prefills = [] if shape.colocated else [
-            SimEngine(env, f"prefill-{i}", "prefill", curves, threads, host, limits, curves_at, options.room_wait_s)
+            SimEngine(env, f"prefill-{i}", "prefill", curves, threads, host, limits, curves_at, options.room_wait_s,
+                      push_s)
             for i in range(shape.num_prefill)]
         for engine in self.decodes:
             engine.on_prefilled = self._first_token_on(engine)
@@ -230,8 +243,8 @@ class Fleet:
 
     def _handoff_process(self, request: SimRequest):  # type: ignore[no-untyped-def]
         handoff = self.profile.handoff
-        kv_bytes = request.prompt_tokens * self.profile.kv_bytes_per_token
-        yield self.env.timeout(handoff.push_s(kv_bytes))
+        if not self.push_in_step:  # else it was pushed as its prefill steps ran
+            yield self.env.timeout(handoff.push_s(request.prompt_tokens * self.profile.kv_bytes_per_token))
         self._emit_first(request)
         if request.prefix_group:  # committed full blocks stay in the pool
             held = self.pool_groups.get(request.prefix_group, 0)

@@ -40,6 +40,27 @@ def test_one_request_disaggregated_pays_push_and_pull() -> None:
     assert tpot_s(r) == pytest.approx((pull + 2 * 0.025) / 2)
 
 
+def test_on_one_host_the_push_runs_in_the_prefill_step_and_a_queued_prompt_waits_for_it() -> None:
+    """The services push a chunk's KV layer by layer as they compute it, on the same cores: on a host, the
+    push is part of the prefill step (the handoff after it is the pull alone), so a second prompt waits for
+    the first one's push as well as its compute. Machines of their own (or layerwise_push off): the push
+    after the step, beside the next one."""
+    profile = make_profile(prefill=(0.0, 0.001, 0.0), push=(0.003, 1e-6), pull=(0.002, 2e-6), kv_bytes_per_token=100)
+    push, pull = 0.003 + 1e-6 * 10_000, 0.002 + 2e-6 * 10_000  # 100 tokens' KV: 13 ms and 22 ms
+    trace = [TraceRequest(0.0, 100, 1), TraceRequest(0.001, 100, 1)]
+    fixed = SimOptions(cores=2, core_share=False, policy="round_robin")
+    a, b = simulate(profile, Shape(1, 1), trace, fixed)
+    assert ttft_s(a) == pytest.approx(0.1 + push)  # its step computes and pushes, then the reply
+    assert ttft_s(b) == pytest.approx(2 * (0.1 + push) - 0.001)  # behind a's compute and push
+    [one] = simulate(profile, Shape(1, 1), [TraceRequest(0.0, 100, 2)], fixed)
+    assert one.token_times_s[1] - one.token_times_s[0] == pytest.approx(pull + 0.025)  # the pull, then a step
+    for options in (SimOptions(cores=2, core_share=False, policy="round_robin", layerwise_push=False),
+                    SimOptions(policy="round_robin")):  # the push after the step, off the engine's time
+        a, b = simulate(profile, Shape(1, 1), trace, options)
+        assert ttft_s(a) == pytest.approx(0.1 + push)
+        assert ttft_s(b) == pytest.approx(0.2 + push - 0.001)
+
+
 def test_long_prompt_is_chunked() -> None:
     profile = make_profile(prefill=(0.01, 0.001, 0.0), budget=512)
     [r] = simulate(profile, Shape(0, 1, colocated=True), [TraceRequest(0.0, 1200, 1)])
