@@ -41,6 +41,7 @@ from shared.models.weight_format import WeightFormat
 from shared.ops.attention import AttentionMetadata, kv_write_index, write_kv
 from shared.ops.cpu_attention import write_kv_cpu
 from shared.ops.cpu_kernels import cpu_kernels_available
+from shared.ops.huge_pages import weights_on_huge_pages
 from shared.ops.linear import LinearWeight
 from shared.ops.norm_rope_cpu import add_rms_norm_cpu, apply_rope_cpu_, norm_rope_cpu_available, rms_norm_cpu
 from shared.ops.silu_mul_cpu import silu_mul_cpu, silu_mul_cpu_available, silu_mul_ref
@@ -194,6 +195,9 @@ class DecoderLM:
 
             assert MAX_ROWS == GEMV_ROWS, (MAX_ROWS, GEMV_ROWS)
             self._gemv = gemv
+        if self.device.type == "cpu":  # the packs a decode step streams, on 2 MiB pages (huge_pages.py)
+            weights_on_huge_pages([*(w for layer in self.layers for w in (layer.w_qkv, layer.w_o, layer.w_gate_up,
+                                                                           layer.w_down)), self.lm_head])
         # decode steps' layers as one C++ call where every op above has its CPU kernel (cpu_layer_loop.py)
         self.cpu_layer_loop = CpuLayerLoop.build(self)
 
