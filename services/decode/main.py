@@ -13,7 +13,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.service.engine_host import RunningKVService, start_engine_service
 from shared.service.kv_calls import EngineKVCalls
 from shared.service.kv_client import KVTransferClient
-from shared.service.lifecycle import run_until_signal, set_up_process
+from shared.service.lifecycle import run, run_until_signal, set_up_process
 
 
 async def start(settings: DecodeSettings) -> RunningKVService:
@@ -35,7 +35,7 @@ async def start(settings: DecodeSettings) -> RunningKVService:
 def main() -> None:
     settings = DecodeSettings()
     set_up_process("decode", settings)  # colocated role too
-    asyncio.run(run_until_signal(lambda: start(settings)))
+    run(run_until_signal(lambda: start(settings)))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from shared.registry.base import InstanceInfo, Load, Registry
 from shared.registry.heartbeat import Heartbeater
 from shared.service.fresh_thread import run_on_fresh_thread
 from shared.service.kv_client import KVTransferClient
-from shared.service.lifecycle import MetricsHTTP, run_until_signal, set_up_process, write_port_file
+from shared.service.lifecycle import MetricsHTTP, run, run_until_signal, set_up_process, write_port_file
 from shared.wire_encoder import encoder_outputs_key
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ async def start(settings: EncoderSettings) -> RunningEncoder:
 def main() -> None:
     settings = EncoderSettings()
     set_up_process("encoder", settings)
-    asyncio.run(run_until_signal(lambda: start(settings)))
+    run(run_until_signal(lambda: start(settings)))
 
 
 if __name__ == "__main__":

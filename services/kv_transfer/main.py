@@ -38,6 +38,7 @@ from shared.service.lifecycle import (
     MetricsHTTP,
     cancel,
     every,
+    run,
     run_until_signal,
     set_up_process,
     write_port_file,
@@ -190,7 +191,7 @@ async def serve(settings: KVTransferSettings, stop: asyncio.Event | None = None)
 def main() -> None:
     settings = KVTransferSettings()
     set_up_process("kv_transfer", settings)
-    asyncio.run(serve(settings))
+    run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc.aio
 
 from proto.baton.v1 import prefill_pb2_grpc
@@ -12,7 +10,7 @@ from services.prefill.settings import PrefillSettings
 from shared.engine.async_engine import AsyncEngine
 from shared.service.engine_host import RunningKVService, start_engine_service
 from shared.service.kv_client import KVTransferClient
-from shared.service.lifecycle import run_until_signal, set_up_process
+from shared.service.lifecycle import run, run_until_signal, set_up_process
 
 
 async def start(settings: PrefillSettings) -> RunningKVService:
@@ -29,7 +27,7 @@ async def start(settings: PrefillSettings) -> RunningKVService:
 def main() -> None:
     settings = PrefillSettings()
     set_up_process("prefill", settings)
-    asyncio.run(run_until_signal(lambda: start(settings)))
+    run(run_until_signal(lambda: start(settings)))
 
 
 if __name__ == "__main__":

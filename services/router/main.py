@@ -29,7 +29,7 @@ from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
 from shared.registry import connect_registry
 from shared.registry.base import Registry
-from shared.service.lifecycle import set_up_process
+from shared.service.lifecycle import run, set_up_process
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ async def serve(settings: RouterSettings) -> None:
 def main() -> None:
     settings = RouterSettings()
     set_up_process("router", settings)
-    asyncio.run(serve(settings))
+    run(serve(settings))
 
 
 if __name__ == "__main__":

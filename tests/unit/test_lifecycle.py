@@ -1,4 +1,4 @@
-"""run_until_signal: a service that fails on its own is stopped and its process exits 1."""
+"""run_until_signal: a service that fails on its own is stopped and its process exits 1. run: the event loop."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shared.service.lifecycle import run_until_signal
+from shared.service.lifecycle import run, run_until_signal
 
 
 class _Service:
@@ -52,3 +52,26 @@ def test_a_healthy_service_runs_until_told_to_stop() -> None:
         return service
 
     assert asyncio.run(main()).stopped == 1
+
+
+@pytest.mark.parametrize("choice, loop_module", [(None, "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")])
+def test_a_service_runs_on_uvloop_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch, choice: str | None,
+                                                        loop_module: str) -> None:
+    if choice is None:
+        monkeypatch.delenv("BATON_EVENT_LOOP", raising=False)
+    else:
+        monkeypatch.setenv("BATON_EVENT_LOOP", choice)
+    seen: list[str] = []
+
+    async def main() -> None:
+        seen.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
+    run(main())
+    assert seen == [loop_module]
+
+
+def test_an_unknown_event_loop_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_EVENT_LOOP", "trio")
+    coroutine = asyncio.sleep(0)
+    with pytest.raises(ValueError, match="BATON_EVENT_LOOP must be one of"):
+        run(coroutine)
+    coroutine.close()
