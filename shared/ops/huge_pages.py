@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -29,10 +30,11 @@ from shared.transport.memory import host_buffer
 logger = logging.getLogger(__name__)
 
 _PAGE = 4096
-# Each pack starts COLOURS * _COLOUR_BYTES apart within a page, not at a page's start: packs that all began
-# page-aligned, on pages physically contiguous, left bf16 decode steps of batch 32 at 27.6-31.4 ms against
-# 24.4-25.4 with each pack in its own allocation (Zen 5, two threads); staggered, 23.6 (and batch 8 10.5
-# against 12.9). Three lines a colour keeps every pack 64-byte aligned, as the kernels' panels are.
+# Each pack starts at one of _COLOURS places _COLOUR_BYTES apart in its first page, not at the page's start:
+# packs that all began page-aligned, on pages physically contiguous, left bf16 decode steps of batch 32 at
+# 27.6-31.4 ms against 24.4-25.4 with each pack in its own allocation (Zen 5, two threads); staggered, 23.6
+# (and batch 8 10.5 against 12.9). Three lines a colour keeps every pack 64-byte aligned, as the kernels'
+# panels are.
 _COLOURS, _COLOUR_BYTES = 16, 192
 
 
@@ -43,7 +45,7 @@ def enabled() -> bool:
 def thp_mode() -> str:
     """The kernel's transparent huge page setting ("always", "madvise", "never"), or "" where it has none."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return ""
     start, end = text.find("["), text.find("]")
