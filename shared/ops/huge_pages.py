@@ -84,22 +84,6 @@ def into_one_buffer(tensors: Sequence[torch.Tensor], huge: bool = True) -> list[
     return out
 
 
-def anon_huge_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of `tensor`'s storage that sit on transparent huge pages now (/proc/self/smaps), for tests."""
-    start = tensor.untyped_storage().data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and hi > start
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 # LinearWeight backends whose `weight` is a pack of their own (never another tensor, such as a tied embedding)
 _PACKED_BACKENDS = ("gemv_bf16", "qgemv", "w8a8")
 
