@@ -49,6 +49,9 @@ PRECISION_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "int8": [
 # vllm@bfloat16: its --dtype (default float32, as baton's); vllm@bfloat16-fp8-kv adds its fp8 KV cache
 VLLM_PRECISIONS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
                    "bfloat16-fp8-kv": ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]}
+# a baton or vllm system may end in +si<N> (vllm-allcores@bfloat16+si8): the server's --stream-interval, which
+# both spell alike: a request's tokens stream in chunks of N (the first and last at once)
+STREAM_INTERVAL_MARK = "+si"
 # Set when kv_transfer's 30 s lease could expire behind a long prefill queue (32 concurrent 256-token
 # prompts on one core: 499s). Prefill now renews the lease while its prompt waits; the published runs
 # kept this setting, so it stays until a run without it is compared.
@@ -94,18 +97,33 @@ class Server:
 
     @property
     def base_system(self) -> str:
-        return self.system.partition("@")[0]
+        return self._parts[0]
 
     @property
     def precision_flags(self) -> list[str]:
-        return PRECISION_FLAGS[self.system.partition("@")[2] or "float32"]
+        return PRECISION_FLAGS[self._parts[1] or "float32"]
+
+    @property
+    def _parts(self) -> tuple[str, str, int]:
+        """The system's base, precision ("" = its default) and stream interval (1 = each step's tokens)."""
+        head, mark, interval = self.system.partition(STREAM_INTERVAL_MARK)
+        base, _, precision = head.partition("@")
+        return base, precision, int(interval) if mark and interval.isdigit() else (0 if mark else 1)
+
+    @property
+    def stream_interval_flags(self) -> list[str]:
+        interval = self._parts[2]
+        return [] if interval == 1 else ["--stream-interval", str(interval)]
 
     def __enter__(self) -> Server:
-        base, _, precision = self.system.partition("@")
+        base, precision, interval = self._parts
         known = PRECISION_FLAGS if base.startswith("baton") else VLLM_PRECISIONS if base.startswith("vllm") else {}
-        if base not in SYSTEMS or (precision and precision not in known):
+        if base not in SYSTEMS or (precision and precision not in known) or interval < 1 \
+                or (interval > 1 and base not in ("baton", "baton-colocated", "baton-fixed-shares", "vllm",
+                                                  "vllm-allcores")):
             raise ValueError(f"unknown system {self.system!r}; known: {', '.join(SYSTEMS)}, a baton one with "
-                             f"@{'|'.join(PRECISION_FLAGS)}, a vllm one with @{'|'.join(VLLM_PRECISIONS)}")
+                             f"@{'|'.join(PRECISION_FLAGS)}, a vllm one with @{'|'.join(VLLM_PRECISIONS)}, "
+                             f"either (not pinned) with {STREAM_INTERVAL_MARK}<N> for a stream interval")
         log_dir = self.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.started_s = time.monotonic()
@@ -143,7 +161,7 @@ class Server:
     def _start_baton_up(self, log_dir: Path, colocated: bool, fixed_shares: bool = False) -> None:
         argv = [sys.executable, "-m", "shared.cli.main", "up", "--model", MODEL_NAME,
                 "--port", str(self.config.port), "--max-model-len", str(self.config.max_model_len),
-                "--state-dir", str(log_dir / "state"), *self.precision_flags]
+                "--state-dir", str(log_dir / "state"), *self.precision_flags, *self.stream_interval_flags]
         if colocated:
             argv += ["--mode", "colocated"]
         if fixed_shares:  # each engine on cores / engines threads even while the other is idle
@@ -175,7 +193,7 @@ class Server:
                "HOME": str(self.config.work_dir / "home")}
         (self.config.work_dir / "home").mkdir(parents=True, exist_ok=True)
         argv = [str(vllm), "serve", str(self.config.hf_dir), "--served-model-name", MODEL_NAME,
-                "--max-model-len", str(self.config.max_model_len), *flags,
+                "--max-model-len", str(self.config.max_model_len), *flags, *self.stream_interval_flags,
                 "--host", HOST, "--port", str(self.config.port)]
         self._spawn(argv, env, log_dir / "vllm.log")
 

@@ -103,6 +103,8 @@ def _logits_processing_to_proto(params: SamplingParams, msg: common_pb2.Sampling
         ))
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.stream_interval is not None:
+        msg.stream_interval = params.stream_interval
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -126,6 +128,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         structured=_grammar_from_proto(msg.structured) if msg.HasField("structured") else None,
         reasoning=_reasoning_from_proto(msg.reasoning) if msg.HasField("reasoning") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None,
     )
 
 

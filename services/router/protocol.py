@@ -60,6 +60,7 @@ class SamplingRequest(_Request):
     prompt_logprobs: int | None = None  # vLLM
     return_token_ids: bool = False  # vLLM: the choices' token_ids and the prompt_token_ids
     skip_special_tokens: bool = True  # vLLM
+    stream_interval: int | None = None  # vLLM: tokens per streamed chunk (the larger of this and the server's)
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM
     user: str | None = None

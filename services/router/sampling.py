@@ -159,5 +159,6 @@ def sampling_params(
         logprobs=logprobs,
         n=_num_choices(body, settings),
         prompt_logprobs=body.prompt_logprobs,
+        stream_interval=body.stream_interval,
         **_logits_processing(body, defaults, vocab_size),
     )

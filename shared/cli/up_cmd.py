@@ -99,6 +99,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decode: steps where every request decodes greedily with nothing reading its "
                         "logits run up to this many decode steps per round of host work (a small model on a GPU)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="vLLM's --stream-interval: a request's tokens stream in messages of this many (its first "
+                        "and last at once); fewer messages for the router to format and the client to read")
     p.add_argument("--redis-url", default="", help="registry; default: an in-process registry in the router")
     p.add_argument("--registry-namespace", default="baton", help="Redis key namespace (one per stack)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
@@ -226,6 +229,8 @@ def plan_stack(args: argparse.Namespace) -> Stack:
         spec["ASYNC_SCHEDULING"] = str(args.async_scheduling).lower()
     if args.num_scheduler_steps != 1:
         spec["NUM_SCHEDULER_STEPS"] = str(args.num_scheduler_steps)
+    if args.stream_interval != 1:
+        spec["STREAM_INTERVAL"] = str(args.stream_interval)
     if args.spec_eagle_head is not None:
         spec["SPEC_EAGLE_HEAD"] = str(args.spec_eagle_head)
     if args.spec_draft_model is not None:

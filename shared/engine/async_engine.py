@@ -53,13 +53,33 @@ class EngineLoad:
 
 
 class _Stream:
-    """Where one request's outputs go: an asyncio queue on the caller's loop."""
+    """Where one request's outputs go: an asyncio queue on the caller's loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int) -> None:
+    With a stream interval above 1 a choice's tokens are held on the engine thread until that many are out
+    (its first output and its last go at once), so the caller's loop, the service's gRPC stream and the
+    router each handle one message per `interval` tokens rather than one per step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int, interval: int = 1) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.num_open = num_choices  # choices not finished yet (engine thread's count)
         self.finished = False
+        self.interval = interval
+        self._held: dict[int, RequestOutput] = {}  # by choice index: tokens not sent yet
+        self._started: set[int] = set()  # choices whose first output went
+
+    def send(self, out: RequestOutput) -> None:
+        """Put `out`, or hold it while its choice has fewer than `interval` tokens waiting (engine thread)."""
+        if self.interval > 1:
+            held = self._held.pop(out.index, None)
+            if held is not None:
+                out = held.followed_by(out)
+            if not (out.finished or out.index not in self._started or len(out.new_token_ids) >= self.interval):
+                self._held[out.index] = out
+                return
+            self._started.add(out.index)
+        self.put(out)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
@@ -152,7 +172,8 @@ class AsyncEngine:
              ) -> AsyncIterator[RequestOutput]:
         if self._stop.is_set():
             raise UnavailableError("engine is shutting down")
-        stream = _Stream(asyncio.get_running_loop(), params.n)
+        interval = max(params.stream_interval or 1, self.engine.config.stream_interval)
+        stream = _Stream(asyncio.get_running_loop(), params.n, interval)
 
         def add() -> None:
             if request_id in self._streams:
@@ -226,7 +247,7 @@ class AsyncEngine:
                 stream.num_open -= 1
                 if stream.num_open == 0:
                     del self._streams[out.request_id]
-            stream.put(out)
+            stream.send(out)
 
     def _loop(self) -> None:
         try:

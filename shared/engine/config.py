@@ -12,6 +12,7 @@ import torch
 
 from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.precision import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, Precision, resolve_precision
+from shared.engine.request import MAX_STREAM_INTERVAL
 from shared.models.weight_format import QUANTIZATIONS, WeightFormat
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -76,6 +77,11 @@ class EngineConfig:
     # them (Scheduler._plan_burst). For a small model on a GPU, where the host's work per step outlasts the
     # step; tokens then stream in bursts of this many. 1 = off; a speculating or prefill engine keeps 1
     num_scheduler_steps: int = 1
+    # vLLM's --stream-interval: a request's new tokens are held until this many are out before they go to its
+    # stream (its first and last go at once), so the service sends, and the router formats and writes, one
+    # message per this many tokens. 1 = every step's tokens at once. A request's own stream_interval may
+    # raise it (SamplingParams)
+    stream_interval: int = 1
     # CUDA: replay decode steps from CUDA graphs captured at start (one per padded batch size; one KV
     # block more is allocated for padding rows). False = launch every kernel eagerly (vLLM's --enforce-eager)
     cuda_graphs: bool = True
@@ -113,6 +119,8 @@ class EngineConfig:
             raise ValueError(f"spec_draft_num_layers must be >= 1, got {self.spec_draft_num_layers}")
         if not 1 <= self.num_scheduler_steps <= 64:
             raise ValueError(f"num_scheduler_steps must be in [1, 64], got {self.num_scheduler_steps}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval}")
 
     @property
     def precision(self) -> Precision:

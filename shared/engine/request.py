@@ -34,6 +34,7 @@ from shared.spec.tree import DraftTree
 from shared.structured.spec import GrammarSpec, ReasoningSpec
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_STREAM_INTERVAL = 1024  # tokens one streamed message holds at most (the wire's and the engine's bound)
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +86,10 @@ class SamplingParams:
     structured: GrammarSpec | None = None  # the output (after any thinking) follows this grammar
     reasoning: ReasoningSpec | None = None  # where thinking happens; its token budget
     prompt_logprobs: int | None = None  # None = off; n >= 0 = each prompt token's logprob plus top-n
+    # vLLM's per-request stream_interval: new tokens held until this many are out before they stream (the
+    # first token and the last always go at once); None = the engine's EngineConfig.stream_interval, and the
+    # larger of the two applies (as vLLM)
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -112,6 +117,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        if self.stream_interval is not None and not (1 <= self.stream_interval <= MAX_STREAM_INTERVAL):
+            raise InvalidRequestError(f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got "
+                                      f"{self.stream_interval}", param="stream_interval")
         if self.num_speculative_tokens is not None and not (0 <= self.num_speculative_tokens <= 16):
             raise InvalidRequestError(
                 f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}",
@@ -298,3 +306,11 @@ class RequestOutput:
     index: int = 0  # the choice these tokens belong to (params.n > 1; see shared/engine/choices.py)
     # params.prompt_logprobs, on the request's first output: prompt tokens 1 .. P-1 (token 0 has none)
     prompt_logprobs: list[TokenLogprobs] | None = None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same choice as one (a stream holding tokens back)."""
+        return RequestOutput(
+            self.request_id, self.new_token_ids + later.new_token_ids, self.new_logprobs + later.new_logprobs,
+            later.finished, later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens,
+            handoff=later.handoff, index=later.index, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.cache_dir import DEFAULT_CACHE_DIR
 from shared.engine.config import EngineConfig
+from shared.engine.request import MAX_STREAM_INTERVAL
 from shared.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -92,6 +93,9 @@ class EngineServiceSettings(BaseSettings):
     num_scheduler_steps: int = Field(default=1, ge=1, le=64, description="multi-step decode: steps where every "
                                      "request decodes greedily with nothing reading its logits run up to this "
                                      "many decode steps per round of host work (tokens stream in bursts); 1 = off")
+    stream_interval: int = Field(default=1, ge=1, le=MAX_STREAM_INTERVAL, description="vLLM's --stream-interval: "
+                                 "a request's tokens go out in messages of this many (its first and last at "
+                                 "once); 1 = each step's tokens as they come")
     cuda_graphs: bool = Field(default=True, description="CUDA: replay decode steps and the vision "
                               "encoder (per image-size bucket) from captured CUDA graphs; false = launch kernels "
                               "eagerly")
@@ -115,7 +119,7 @@ class EngineServiceSettings(BaseSettings):
             spec_disable_batch_size=self.spec_disable_batch_size, spec_tree=self.spec_tree,
             aux_hidden_layers=self.aux_hidden_layers,
             async_scheduling=self.async_scheduling, cuda_graphs=self.cuda_graphs,
-            num_scheduler_steps=self.num_scheduler_steps,
+            num_scheduler_steps=self.num_scheduler_steps, stream_interval=self.stream_interval,
             grammar_fast_forward=self.grammar_fast_forward,
             grammar_fast_forward_max_batch=self.grammar_fast_forward_max_batch,
         )

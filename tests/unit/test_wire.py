@@ -25,6 +25,7 @@ from shared.structured.spec import GrammarSpec, ReasoningSpec
         SamplingParams(structured=GrammarSpec("json_schema", '{"type": "object"}', any_whitespace=True),
                        reasoning=ReasoningSpec((5,), (6, 7), thinking_at_start=True, budget=0)),
         SamplingParams(structured=GrammarSpec("json_object"), reasoning=ReasoningSpec((5,), (6,))),
+        SamplingParams(stream_interval=8),
     ],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
@@ -36,8 +37,9 @@ def test_unset_optionals_stay_unset() -> None:
     msg = wire.sampling_params_to_proto(SamplingParams())
     assert not msg.HasField("seed") and not msg.HasField("logprobs")
     assert not msg.HasField("structured") and not msg.HasField("reasoning") and not msg.HasField("prompt_logprobs")
+    assert not msg.HasField("stream_interval")
     back = wire.sampling_params_from_proto(msg)
-    assert back.seed is None and back.logprobs is None
+    assert back.seed is None and back.logprobs is None and back.stream_interval is None
     assert back.structured is None and back.reasoning is None and back.repetition_penalty == 1.0
 
 
@@ -60,6 +62,8 @@ def test_unset_optionals_stay_unset() -> None:
          "structured_outputs"),
         ({"max_tokens": 4, "top_p": 1.0, "n": 1, "structured": common_pb2.GrammarSpec(kind="regex")},
          "structured_outputs"),
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "stream_interval": 0}, "stream_interval"),
+        ({"max_tokens": 4, "top_p": 1.0, "n": 1, "stream_interval": 1025}, "stream_interval"),
     ],
 )
 def test_invalid_sampling_params_are_invalid_requests(fields: dict[str, object], param: str) -> None:

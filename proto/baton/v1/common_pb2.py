@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/baton/v1/common.proto\x12\x08\x62\x61ton.v1\"\x90\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12\'\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x13.baton.v1.LogitBias\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12)\n\nstructured\x18\x10 \x01(\x0b\x32\x15.baton.v1.GrammarSpec\x12*\n\treasoning\x18\x11 \x01(\x0b\x32\x17.baton.v1.ReasoningSpec\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x03\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"C\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x16\n\x0e\x61ny_whitespace\x18\x03 \x01(\x08\"z\n\rReasoningSpec\x12\x17\n\x0fstart_token_ids\x18\x01 \x03(\r\x12\x15\n\rend_token_ids\x18\x02 \x03(\r\x12\x19\n\x11thinking_at_start\x18\x03 \x01(\x08\x12\x13\n\x06\x62udget\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_budget\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"I\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x08logprobs\x18\x02 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\"w\n\tMediaItem\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x14\n\x0c\x61udio_format\x18\x06 \x01(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\"\n\x05media\x18\x05 \x03(\x0b\x32\x13.baton.v1.MediaItem\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x90\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x04 \x01(\r\x12\x1f\n\x02kv\x18\x05 \x01(\x0b\x32\x13.baton.v1.KVSummary\"H\n\tKVSummary\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x11\n\thash_salt\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/baton/v1/common.proto\x12\x08\x62\x61ton.v1\"\xc2\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12\'\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x13.baton.v1.LogitBias\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12)\n\nstructured\x18\x10 \x01(\x0b\x32\x15.baton.v1.GrammarSpec\x12*\n\treasoning\x18\x11 \x01(\x0b\x32\x17.baton.v1.ReasoningSpec\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x13 \x01(\rH\x04\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x12\n\x10_stream_interval\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"C\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x16\n\x0e\x61ny_whitespace\x18\x03 \x01(\x08\"z\n\rReasoningSpec\x12\x17\n\x0fstart_token_ids\x18\x01 \x03(\r\x12\x15\n\rend_token_ids\x18\x02 \x03(\r\x12\x19\n\x11thinking_at_start\x18\x03 \x01(\x08\x12\x13\n\x06\x62udget\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_budget\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"I\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x08logprobs\x18\x02 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\"w\n\tMediaItem\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x14\n\x0c\x61udio_format\x18\x06 \x01(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\"\n\x05media\x18\x05 \x03(\x0b\x32\x13.baton.v1.MediaItem\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x90\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x04 \x01(\r\x12\x1f\n\x02kv\x18\x05 \x01(\x0b\x32\x13.baton.v1.KVSummary\"H\n\tKVSummary\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x11\n\thash_salt\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,29 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.baton.v1.common_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=570
-  _globals['_LOGITBIAS']._serialized_start=572
-  _globals['_LOGITBIAS']._serialized_end=615
-  _globals['_GRAMMARSPEC']._serialized_start=617
-  _globals['_GRAMMARSPEC']._serialized_end=684
-  _globals['_REASONINGSPEC']._serialized_start=686
-  _globals['_REASONINGSPEC']._serialized_end=808
-  _globals['_TOKENLOGPROB']._serialized_start=810
-  _globals['_TOKENLOGPROB']._serialized_end=859
-  _globals['_TOKENLOGPROBS']._serialized_start=861
-  _globals['_TOKENLOGPROBS']._serialized_end=948
-  _globals['_FIRSTTOKEN']._serialized_start=950
-  _globals['_FIRSTTOKEN']._serialized_end=1023
-  _globals['_MEDIAITEM']._serialized_start=1025
-  _globals['_MEDIAITEM']._serialized_end=1144
-  _globals['_GENERATEREQUEST']._serialized_start=1147
-  _globals['_GENERATEREQUEST']._serialized_end=1314
-  _globals['_ABORTREQUEST']._serialized_start=1316
-  _globals['_ABORTREQUEST']._serialized_end=1350
-  _globals['_ABORTRESPONSE']._serialized_start=1352
-  _globals['_ABORTRESPONSE']._serialized_end=1382
-  _globals['_LOADREPORT']._serialized_start=1385
-  _globals['_LOADREPORT']._serialized_end=1529
-  _globals['_KVSUMMARY']._serialized_start=1531
-  _globals['_KVSUMMARY']._serialized_end=1603
+  _globals['_SAMPLINGPARAMS']._serialized_end=620
+  _globals['_LOGITBIAS']._serialized_start=622
+  _globals['_LOGITBIAS']._serialized_end=665
+  _globals['_GRAMMARSPEC']._serialized_start=667
+  _globals['_GRAMMARSPEC']._serialized_end=734
+  _globals['_REASONINGSPEC']._serialized_start=736
+  _globals['_REASONINGSPEC']._serialized_end=858
+  _globals['_TOKENLOGPROB']._serialized_start=860
+  _globals['_TOKENLOGPROB']._serialized_end=909
+  _globals['_TOKENLOGPROBS']._serialized_start=911
+  _globals['_TOKENLOGPROBS']._serialized_end=998
+  _globals['_FIRSTTOKEN']._serialized_start=1000
+  _globals['_FIRSTTOKEN']._serialized_end=1073
+  _globals['_MEDIAITEM']._serialized_start=1075
+  _globals['_MEDIAITEM']._serialized_end=1194
+  _globals['_GENERATEREQUEST']._serialized_start=1197
+  _globals['_GENERATEREQUEST']._serialized_end=1364
+  _globals['_ABORTREQUEST']._serialized_start=1366
+  _globals['_ABORTREQUEST']._serialized_end=1400
+  _globals['_ABORTRESPONSE']._serialized_start=1402
+  _globals['_ABORTRESPONSE']._serialized_end=1432
+  _globals['_LOADREPORT']._serialized_start=1435
+  _globals['_LOADREPORT']._serialized_end=1579
+  _globals['_KVSUMMARY']._serialized_start=1581
+  _globals['_KVSUMMARY']._serialized_end=1653
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "structured", "reasoning", "prompt_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "structured", "reasoning", "prompt_logprobs", "stream_interval")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class SamplingParams(_message.Message):
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -44,7 +45,8 @@ class SamplingParams(_message.Message):
     structured: GrammarSpec
     reasoning: ReasoningSpec
     prompt_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_p: _Optional[float] = ..., structured: _Optional[_Union[GrammarSpec, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningSpec, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_p: _Optional[float] = ..., structured: _Optional[_Union[GrammarSpec, _Mapping]] = ..., reasoning: _Optional[_Union[ReasoningSpec, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token_id", "bias")

@@ -44,6 +44,57 @@ def test_concurrent_streams_equal_sync_generate() -> None:
     engine.check_no_leaks()
 
 
+def test_a_stream_interval_sends_the_first_token_alone_then_groups_of_the_interval_then_the_rest() -> None:
+    """vLLM's stream_interval: the engine's and a request's own (the larger applies); the tokens are the same."""
+    loaded, _ = tiny_loaded("llama")
+    prompts = [[5, 9, 17, 33, 3], [6, 10, 18, 34, 5]]
+    expected = [r.token_ids for r in tiny_engine(loaded).generate(prompts, greedy(12))]
+    engine = tiny_engine(loaded, stream_interval=4)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+
+    async def sizes(request_id: str, prompt: list[int], interval: int | None) -> tuple[list[int], list[int]]:
+        params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, stream_interval=interval)
+        tokens, counts = [], []
+        async for out in await aengine.generate(request_id, prompt, params):
+            tokens.extend(out.new_token_ids)
+            counts.append(len(out.new_token_ids))
+        return tokens, counts
+
+    async def main() -> list[tuple[list[int], list[int]]]:
+        return await asyncio.gather(sizes("engine's", prompts[0], None), sizes("own", prompts[1], 5),
+                                    sizes("below the engine's", prompts[0], 2))
+
+    try:
+        (tokens_a, counts_a), (tokens_b, counts_b), (tokens_c, counts_c) = asyncio.run(main())
+    finally:
+        aengine.stop()
+    engine.check_no_leaks()
+    assert (tokens_a, tokens_b, tokens_c) == (expected[0], expected[1], expected[0])
+    assert counts_a == counts_c == [1, 4, 4, 3]  # the last output flushes what is held
+    assert counts_b == [1, 5, 5, 1]
+
+
+def test_a_stream_interval_holds_each_choice_apart() -> None:
+    engine = tiny_engine(tiny_loaded("llama")[0], stream_interval=3)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+
+    async def main() -> dict[int, list[int]]:
+        counts: dict[int, list[int]] = {}
+        params = SamplingParams(max_tokens=7, min_tokens=7, temperature=1.0, seed=3, n=2)
+        async for out in await aengine.generate("two", [4, 8, 15, 16], params):
+            counts.setdefault(out.index, []).append(len(out.new_token_ids))
+        return counts
+
+    try:
+        counts = asyncio.run(main())
+    finally:
+        aengine.stop()
+    engine.check_no_leaks()
+    assert counts == {0: [1, 3, 3], 1: [1, 3, 3]}
+
+
 def test_leaving_a_stream_early_aborts_and_frees() -> None:
     engine = tiny_engine(tiny_loaded("llama")[0])
     aengine = AsyncEngine(engine)

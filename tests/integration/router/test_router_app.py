@@ -121,6 +121,20 @@ async def test_completion_stream_equals_full_with_logprobs(tiny_http: httpx.Asyn
 
 
 @pytest.mark.anyio
+async def test_a_stream_interval_streams_the_same_tokens_in_fewer_events(tiny_http: httpx.AsyncClient) -> None:
+    """vLLM's per-request stream_interval: the first token alone, then chunks of five, the rest at the end."""
+    body = {"model": TINY, "prompt": "Hello there", "max_tokens": 24, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True}
+    full = (await tiny_http.post("/v1/completions", json=body)).json()["choices"][0]
+    events = sse_events((await tiny_http.post("/v1/completions", json={**body, "stream": True,
+                                                                       "stream_interval": 5})).text)
+    tokens = [e["choices"][0]["logprobs"]["tokens"] for e in events if e["choices"][0]["logprobs"]]
+    assert [len(t) for t in tokens] == [1, 5, 5, 5, 5, 3]
+    assert [t for chunk in tokens for t in chunk] == full["logprobs"]["tokens"]
+    assert "".join(e["choices"][0]["text"] for e in events) == full["text"]
+
+
+@pytest.mark.anyio
 async def test_chat_logprobs_shape(tiny_http: httpx.AsyncClient) -> None:
     body = {"model": TINY, "messages": MESSAGES, "max_completion_tokens": 6, "temperature": 0, "logprobs": True,
             "top_logprobs": 2, "ignore_eos": True}

@@ -69,6 +69,7 @@ BAD_BODIES = [
     ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 200}}, "logit_bias"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {str(10**9): 1}}, "logit_bias"),
     ("/v1/completions", {**COMPLETION, "min_p": 2}, "min_p"),
+    ("/v1/completions", {**COMPLETION, "stream_interval": 0}, "stream_interval"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),

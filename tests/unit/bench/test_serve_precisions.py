@@ -22,10 +22,16 @@ def test_precision_flags_follow_the_system_name(tmp_path: Path) -> None:
     assert Server("baton-colocated@bfloat16", config).precision_flags == ["--dtype", "bfloat16"]
     assert Server("baton@gguf", config).precision_flags == ["--quantization", "gguf"]
     assert Server("baton", config).precision_flags == []
-    for bad in ("baton@fp8", "vllm@int8", "llamacpp@bfloat16", "vllm-onecore"):
+    assert Server("baton-colocated@int8+si8", config).precision_flags == ["--quantization", "int8"]
+    assert Server("baton-colocated@int8+si8", config).stream_interval_flags == ["--stream-interval", "8"]
+    assert Server("vllm-allcores+si4", config).stream_interval_flags == ["--stream-interval", "4"]
+    assert Server("baton@int8", config).stream_interval_flags == []
+    for bad in ("baton@fp8", "vllm@int8", "llamacpp@bfloat16", "vllm-onecore", "baton+si0", "baton+si",
+                "llamacpp+si4", "baton-pinned-colo+si4"):
         with pytest.raises(ValueError, match="unknown system"):
             Server(bad, config).__enter__()
-    for vllm in ("vllm@bfloat16", "vllm-allcores", "vllm-allcores@float32"):  # known: fails on the missing venv
+    for vllm in ("vllm@bfloat16", "vllm-allcores", "vllm-allcores@float32", "vllm-allcores@bfloat16+si8"):
+        # known: fails on the missing venv
         with pytest.raises(FileNotFoundError, match="setup_vllm.sh"):
             Server(vllm, config).__enter__()
 

@@ -61,6 +61,20 @@ def test_num_scheduler_steps_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert DecodeSettings().engine_config("decode").num_scheduler_steps == 8
 
 
+def test_stream_interval_reaches_the_decode_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.decode.settings import DecodeSettings
+
+    (decode,) = [c for c in plan().children if c.service == "decode"]
+    assert "BATON_DECODE_STREAM_INTERVAL" not in decode.env
+    (decode,) = [c for c in plan("--stream-interval", "4").children if c.service == "decode"]
+    for key, value in decode.env.items():
+        monkeypatch.setenv(key, value)
+    assert DecodeSettings().engine_config("decode").stream_interval == 4
+    monkeypatch.setenv("BATON_DECODE_STREAM_INTERVAL", "0")
+    with pytest.raises(ValueError, match="stream_interval"):
+        DecodeSettings()
+
+
 def test_spec_disable_batch_size_reaches_the_decode_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.decode.settings import DecodeSettings
 
