@@ -42,7 +42,15 @@ from bench.serve import vocab_ids
 from bench.serve_load import RequestSpec, random_token_set, run_load, warm_up
 from bench.serve_machine import machine_info
 from bench.serve_report import write_block
-from bench.serve_systems import BATON_ENV, MODEL_NAME, PRECISION_FLAGS, Server, ServerConfig, export_hf
+from bench.serve_systems import (
+    BATON_ENV,
+    MODEL_NAME,
+    PRECISION_FLAGS,
+    STREAM_INTERVAL_MARK,
+    Server,
+    ServerConfig,
+    export_hf,
+)
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.request import SamplingParams
@@ -114,6 +122,8 @@ def summarize(runs: list[list[float]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precision", default="float32", choices=sorted(PRECISION_FLAGS))
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the stacks' --stream-interval (tokens per streamed message; the engine's are its own)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=3, help="prompts per system per round")
     parser.add_argument("--quick", action="store_true", help="64 in / 16 out, one round, two requests")
@@ -133,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     cores = torch.get_num_threads()
     logger.info("measuring the machine ...")
     result: dict[str, Any] = {"bench": "serve_overhead", "model": MODEL_NAME, "precision": args.precision,
+                              "stream_interval": args.stream_interval,
                               "quick": args.quick, "input_len": shape[0], "output_len": shape[1],
                               "requests": requests, "machine": machine_info(config.vllm_venv), "env": BATON_ENV,
                               "stacks": {}}
-    suffix = "" if args.precision == "float32" else f"@{args.precision}"
+    suffix = ("" if args.precision == "float32" else f"@{args.precision}") + \
+        ("" if args.stream_interval == 1 else f"{STREAM_INTERVAL_MARK}{args.stream_interval}")
     stacks = {"colocated": Server(f"baton-colocated{suffix}", config),
               "disaggregated": Server(f"baton{suffix}", config),
               # the same stack with each engine on its fixed share of the cores (before core sharing)
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and args.out == RESULTS:
         write_block(Path(__file__).parent / "README.md", "serve:overhead", readme_table(RESULTS))
     print(json.dumps({"bench": "serve_overhead", "file": path.name, "commit": result["machine"]["commit"],
-                      "precision": args.precision,
+                      "precision": args.precision, "stream_interval": args.stream_interval,
                       **{name: {"served_over_engine": round(st["served_over_engine"], 3),
                                 "tok_s": [[round(row[k]["output_tok_s"], 1) for k in ("engine", "served")]
                                           for row in st["rounds"]]}
@@ -188,18 +200,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def readme_table(results: Path) -> str:
-    """Markdown: the latest full run of each precision, one row per stack (bench/README.md's serve:overhead)."""
-    latest: dict[str, dict[str, Any]] = {}
+    """Markdown: the latest full run of each precision and stream interval, one row per stack (bench/README.md's
+    serve:overhead)."""
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
     for path in sorted(results.glob("serve_overhead-*.json")):
         run = json.loads(path.read_text())
         if "stacks" in run and not run["quick"]:  # the first design kept no per-stack rounds
-            latest[run["precision"]] = run
+            latest[run["precision"], run.get("stream_interval", 1)] = run
     lines = ["One stream (256 in / 128 out, greedy), served against the same engine in-process, request by "
              "request in turn; tok/s are medians over rounds, the ratio the median of per-round ratios:", "",
              "| precision | stack | run | engine tok/s | served tok/s | served / engine (rounds) | TTFT engine / "
              "served (ms) | TPOT engine / served (ms) | CPU a token: router / client (ms) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for precision, run in sorted(latest.items()):
+    for (precision, interval), run in sorted(latest.items()):
+        setting = precision if interval == 1 else f"{precision}, stream interval {interval}"
         for name, stack in run["stacks"].items():
             rows = stack["rounds"]
 
@@ -210,7 +224,7 @@ def readme_table(results: Path) -> str:
             cpu = [statistics.median(r.get("cpu_ms_per_token", {}).get(k, float("nan")) for r in rows)
                    for k in ("router", "client")]
             lines.append(
-                f"| {precision} | {name} | `{run['file']}` (`{run['machine']['commit']}`) | "
+                f"| {setting} | {name} | `{run['file']}` (`{run['machine']['commit']}`) | "
                 f"{med('engine', 'output_tok_s'):.1f} | {med('served', 'output_tok_s'):.1f} | "
                 f"**{stack['served_over_engine']:.2f}** ({ratios}) | "
                 f"{med('engine', 'p50_ttft_ms'):.0f} / {med('served', 'p50_ttft_ms'):.0f} | "
