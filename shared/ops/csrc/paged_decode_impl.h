@@ -268,6 +268,181 @@ static void attend_avx512(const Job<KV>& jb, float* scores, float* inv, float* a
     for (int64_t j = 0; j < (jb.h1 - jb.h0) * jb.G; ++j) inv[j] *= kUnit<KV>;
   values_avx512<DV, KV>(jb, scores, acc);
 }
+
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+// avx512_bf16 and up, for a bf16 or fp8 cache: both passes as vdpbf16ps, two products a lane per instruction,
+// where the fp32 passes above widen every cached value to fp32 first (four instructions per 16 fp8 values)
+// and take one FMA per product. An fp8 byte becomes a bf16 by a shift of its bits (three instructions per 32
+// values): e4m3 sign-extended to 16 bits, shifted left 4 and masked is the bf16 of its value * 2^-120, e5m2
+// shifted 5 of its value * 2^-112 (a bf16 cache is read as it is). The query and the softmax weights are
+// rounded to bf16, scaled by 2^(shift - 20) so that the products land at 2^-20 of their value, well inside
+// fp32's normals; the sums are fp32. vdpbf16ps reads subnormal inputs as zero: fp8 values below the format's
+// smallest normal (2^-6 for e4m3, 2^-14 for e5m2) count as zero here, an error below the format's own
+// rounding of any value above 2^-2. The order of the additions is fixed, so a row's result still depends on
+// nothing but the row.
+template <typename KV>
+constexpr int kBf16Shift = std::is_same_v<KV, fp8_e4m3> ? 120 : std::is_same_v<KV, fp8_e5m2> ? 112 : 0;
+template <typename KV>  // the query and the weights are scaled by 2^this before rounding to bf16
+constexpr int kOperandExp = kBf16Shift<KV> == 0 ? 0 : kBf16Shift<KV> - 20;
+template <typename KV>  // what a sum of products is multiplied by to be the sum of the values' products
+constexpr float kProductUnit = static_cast<float>(1u << (kBf16Shift<KV> - kOperandExp<KV>));
+
+// 32 cached values (dims 32i .. 32i + 31 of one head) as bf16 of value * 2^-kBf16Shift, element i = dim i
+static inline __m512i load32_bf16(const uint16_t* p) { return _mm512_loadu_si512(p); }
+static inline __m512i load32_bf16(const fp8_e4m3* p) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16((short)0x87f0));
+}
+static inline __m512i load32_bf16(const fp8_e5m2* p) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_and_si512(_mm512_slli_epi16(w, 5), _mm512_set1_epi16((short)0x8fe0));
+}
+
+// n fp32 values * 2^e as bf16 (to nearest even), out padded with zeros to a multiple of 32
+static inline void to_bf16_scaled(const float* x, int64_t n, float scale, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __mmask16 m0 = (__mmask16)(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+    const __mmask16 m1 = (__mmask16)(n - i >= 32 ? 0xffff : n - i <= 16 ? 0 : (1u << (n - i - 16)) - 1);
+    const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, x + i), s);
+    const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, x + i + 16), s);
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// scores as scores_avx512's, each q . k a sum of DV / 2 vdpbf16ps over the bf16 query (qb: per query head j,
+// D values at qb + j * D) and the chunk's keys, made bf16 once per KV head in L1 (read in place from a bf16
+// cache)
+template <int DV, typename KV>
+static void scores_bf16dp(const Job<KV>& jb, const uint16_t* qb, float* scores) {
+  constexpr int64_t D = DV * 16, DP = DV / 2;  // bf16 vectors per head
+  constexpr bool kConvert = !std::is_same_v<KV, uint16_t>;
+  const int64_t passes = (jb.h1 - jb.h0) * jb.G;
+  alignas(64) uint16_t keys[kConvert ? kChunk * D : 1];
+  const float unit = jb.scale * kProductUnit<KV>;
+  for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
+    const int c = (int)std::min<int64_t>(kChunk, jb.n - t0);
+    constexpr int lines = kLinesPerHead<DV, KV>;
+    Prefetcher<KV> pf = t0 + c < jb.n
+        ? Prefetcher<KV>{jb.kc, jb.koff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.khs, lines}
+        : Prefetcher<KV>{jb.vc, jb.voff, 0, std::min<int64_t>(kChunk, jb.n), jb.h0, jb.h1, jb.vhs, lines};
+    const int64_t per_pass = jb.prefetch ? (pf.lines() + passes - 1) / passes : 0;
+    for (int64_t h = jb.h0; h < jb.h1; ++h) {
+      if constexpr (kConvert)
+        for (int t = 0; t < c; ++t) {
+          const KV* k = jb.kc + jb.koff[t0 + t] + h * jb.khs;
+          for (int v = 0; v < DP; ++v) _mm512_store_si512(keys + t * D + v * 32, load32_bf16(k + v * 32));
+        }
+      for (int64_t g = 0; g < jb.G; ++g) {
+        pf.step(per_pass);
+        const int64_t j = (h - jb.h0) * jb.G + g;
+        __m512bh qr[DP];
+        for (int v = 0; v < DP; ++v) qr[v] = (__m512bh)_mm512_loadu_si512(qb + j * D + v * 32);
+        __m512 p[kChunk];
+        for (int t = 0; t < kChunk; ++t) {
+          if (t < c) {
+            const uint16_t* k = kConvert ? keys + t * D
+                                         : reinterpret_cast<const uint16_t*>(jb.kc + jb.koff[t0 + t] + h * jb.khs);
+            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qr[0], (__m512bh)_mm512_loadu_si512(k));
+            for (int v = 1; v < DP; ++v) s = _mm512_dpbf16_ps(s, qr[v], (__m512bh)_mm512_loadu_si512(k + v * 32));
+            p[t] = s;
+          } else {
+            p[t] = _mm512_setzero_ps();
+          }
+        }
+        const __m512 s = _mm512_mul_ps(lane_sums16(p), _mm512_set1_ps(unit));
+        _mm512_mask_storeu_ps(scores + j * jb.n + t0, (__mmask16)((1u << c) - 1), s);
+      }
+    }
+  }
+}
+
+// acc as values_avx512's, two tokens a vdpbf16ps: the values of tokens t and t + 1 interleaved (within each
+// 128-bit lane, so each 32 dims' sums sit in two registers in the order `unpermute_pairs` undoes) against the
+// bf16 pair (w_t, w_t+1) of the weights (wb: per query head j, n rounded up to 32 values at wb + j * wn)
+template <int DV, typename KV>
+static void values_bf16dp(const Job<KV>& jb, const uint16_t* wb, int64_t wn, float* acc) {
+  constexpr int kAccRegs = 16;
+  constexpr int GB = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
+  constexpr int64_t D = DV * 16, DP = DV / 2;
+  const int64_t passes = (jb.h1 - jb.h0) * ((jb.G + GB - 1) / GB);
+  for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
+    const int64_t c = std::min<int64_t>(kChunk, jb.n - t0);
+    Prefetcher<KV> pf = t0 + c < jb.n
+        ? Prefetcher<KV>{jb.vc, jb.voff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.vhs,
+                         kLinesPerHead<DV, KV>}
+        : jb.after;
+    const int64_t per_pass = jb.prefetch ? (pf.lines() + passes - 1) / passes : 0;
+    for (int64_t h = jb.h0; h < jb.h1; ++h) {
+      for (int64_t g0 = 0; g0 < jb.G; g0 += GB) {
+        pf.step(per_pass);
+        const int64_t j0 = (h - jb.h0) * jb.G + g0;
+        const int gn = (int)std::min<int64_t>(GB, jb.G - g0);
+        __m512 a[GB][DV];
+        for (int g = 0; g < GB; ++g)
+          if (g < gn)
+            for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_loadu_ps(acc + (j0 + g) * D + dv * 16);
+        for (int64_t t = t0; t < t0 + c; t += 2) {
+          const KV* v0 = jb.vc + jb.voff[t] + h * jb.vhs;
+          const bool pair = t + 1 < t0 + c;
+          const KV* v1 = pair ? jb.vc + jb.voff[t + 1] + h * jb.vhs : v0;
+          __m512bh lo[DP], hi[DP];
+          for (int v = 0; v < DP; ++v) {
+            const __m512i x0 = load32_bf16(v0 + v * 32);
+            const __m512i x1 = pair ? load32_bf16(v1 + v * 32) : _mm512_setzero_si512();
+            lo[v] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            hi[v] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+          }
+          for (int g = 0; g < GB; ++g)
+            if (g < gn) {  // (w_t, w_t+1): one 32-bit pair of the row's bf16 weights (t is even)
+              const __m512bh wt = (__m512bh)_mm512_set1_epi32(
+                  reinterpret_cast<const int32_t*>(wb + (j0 + g) * wn)[t / 2]);
+              for (int v = 0; v < DP; ++v) {
+                a[g][2 * v] = _mm512_dpbf16_ps(a[g][2 * v], lo[v], wt);
+                a[g][2 * v + 1] = _mm512_dpbf16_ps(a[g][2 * v + 1], hi[v], wt);
+              }
+            }
+        }
+        for (int g = 0; g < GB; ++g)
+          if (g < gn)
+            for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(acc + (j0 + g) * D + dv * 16, a[g][dv]);
+      }
+    }
+  }
+}
+
+// acc's sums from values_bf16dp's register order back to dims: for each 32 dims, the first register holds
+// dims 0-3, 8-11, 16-19, 24-27 and the second 4-7, 12-15, 20-23, 28-31 (unpacklo / unpackhi per 128-bit lane)
+static inline void unpermute_pairs(float* acc, int64_t count32) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t i = 0; i < count32; ++i) {
+    const __m512 lo = _mm512_loadu_ps(acc + i * 32), hi = _mm512_loadu_ps(acc + i * 32 + 16);
+    _mm512_storeu_ps(acc + i * 32, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(acc + i * 32 + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
+// attend_avx512's outputs through the bf16 passes; `bf` holds the bf16 query and weights
+template <int DV, typename KV>
+static void attend_bf16dp(const Job<KV>& jb, float* scores, float* inv, float* acc, std::vector<uint16_t>& bf) {
+  constexpr int64_t D = DV * 16;
+  const int64_t nq = (jb.h1 - jb.h0) * jb.G, wn = (jb.n + 31) / 32 * 32;
+  bf.resize(nq * (D + wn));
+  uint16_t* qb = bf.data();
+  uint16_t* wb = qb + nq * D;
+  const float qscale = std::ldexp(1.f, kOperandExp<KV>);
+  for (int64_t j = 0; j < nq; ++j) to_bf16_scaled(jb.q + j * jb.qhs, D, qscale, qb + j * D);
+  scores_bf16dp<DV, KV>(jb, qb, scores);
+  softmax_rows(scores, nq, jb.n, inv);
+  for (int64_t j = 0; j < nq; ++j) {
+    to_bf16_scaled(scores + j * jb.n, jb.n, qscale, wb + j * wn);
+    inv[j] *= kProductUnit<KV>;
+  }
+  values_bf16dp<DV, KV>(jb, wb, wn, acc);
+  unpermute_pairs(acc, nq * D / 32);
+}
+#endif
 #endif
 
 // KV: float (an fp32 cache), uint16_t (a bf16 cache's bits) or fp8_e4m3 / fp8_e5m2, widened as they are read
@@ -318,6 +493,7 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
   at::parallel_for(0, R * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, inv;
     std::vector<int64_t> koff, voff;
+    std::vector<uint16_t> bf;  // the bf16 passes' query and weights (avx512_bf16 and up)
     for (int64_t job = begin; job < end; ++job) {
       const Span sp = span_of(job);
       const int64_t h0 = sp.h0, h1 = sp.h1, lo = sp.lo, n = sp.n, r = ri[sp.i];
@@ -349,10 +525,20 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
           jb.after = Prefetcher<KV>{kc, next_koff, 0, nx.h0 < nx.h1 ? m : 0, nx.h0, nx.h1, khs,
                                     (int)((dv * 16 * sizeof(KV) + 63) / 64)};
         }
-        if (dv == 2) attend_avx512<2, KV>(jb, scores.data(), inv.data(), acc.data());
-        else if (dv == 4) attend_avx512<4, KV>(jb, scores.data(), inv.data(), acc.data());
-        else if (dv == 8) attend_avx512<8, KV>(jb, scores.data(), inv.data(), acc.data());
-        else attend_avx512<16, KV>(jb, scores.data(), inv.data(), acc.data());
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+        if constexpr (!std::is_same_v<KV, float>) {
+          if (dv == 2) attend_bf16dp<2, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+          else if (dv == 4) attend_bf16dp<4, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+          else if (dv == 8) attend_bf16dp<8, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+          else attend_bf16dp<16, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+        } else
+#endif
+        {
+          if (dv == 2) attend_avx512<2, KV>(jb, scores.data(), inv.data(), acc.data());
+          else if (dv == 4) attend_avx512<4, KV>(jb, scores.data(), inv.data(), acc.data());
+          else if (dv == 8) attend_avx512<8, KV>(jb, scores.data(), inv.data(), acc.data());
+          else attend_avx512<16, KV>(jb, scores.data(), inv.data(), acc.data());
+        }
       } else
 #endif
       {
