@@ -35,6 +35,12 @@ static std::atomic<bool> decode_prefetch{true};
 
 bool paged_decode_prefetch(bool on) { return decode_prefetch.exchange(on); }
 
+// Whether a bf16 or fp8 cache goes through the vdpbf16ps passes where the level has them (avx512_bf16 and up),
+// else the fp32 ones: bench/attention_switches.py times whole decode steps each way in turn
+static std::atomic<bool> decode_bf16{true};
+
+bool paged_decode_bf16(bool on) { return decode_bf16.exchange(on); }
+
 #define BATON_IMPL "paged_decode_impl.h"
 #include "isa_variants.h"
 
@@ -50,5 +56,6 @@ TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor rows, Tensor row_seq, Tensor row_pos, float scale, int window) -> ()");
   m.def("paged_decode_prefetch(bool on) -> bool", &paged_decode_prefetch);
+  m.def("paged_decode_bf16(bool on) -> bool", &paged_decode_bf16);
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

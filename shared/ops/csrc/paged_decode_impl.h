@@ -472,6 +472,7 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
   const int64_t qrs = query.stride(0), qhs = query.stride(1), ors = out.stride(0), ohs = out.stride(1);
   const float fscale = (float)scale;
   const bool prefetch = decode_prefetch.load(std::memory_order_relaxed);
+  [[maybe_unused]] const bool bf16_passes = decode_bf16.load(std::memory_order_relaxed);
   // A job is a row's KV heads [h0, h1): the whole row when rows alone keep every thread busy (a token's
   // keys for all heads are then one contiguous read), else the row's heads split across jobs
   const int64_t threads = at::get_num_threads();
@@ -526,11 +527,14 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
                                     (int)((dv * 16 * sizeof(KV) + 63) / 64)};
         }
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
-        if constexpr (!std::is_same_v<KV, float>) {
-          if (dv == 2) attend_bf16dp<2, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
-          else if (dv == 4) attend_bf16dp<4, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
-          else if (dv == 8) attend_bf16dp<8, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
-          else attend_bf16dp<16, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+        constexpr bool kNarrow = !std::is_same_v<KV, float>;  // an fp32 cache keeps the fp32 passes
+        if (kNarrow && bf16_passes) {
+          if constexpr (kNarrow) {
+            if (dv == 2) attend_bf16dp<2, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+            else if (dv == 4) attend_bf16dp<4, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+            else if (dv == 8) attend_bf16dp<8, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+            else attend_bf16dp<16, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+          }
         } else
 #endif
         {
