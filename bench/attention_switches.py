@@ -5,10 +5,12 @@ into L2 through the block table while it computes a chunk (measured a gain on Ze
 `torch.ops.baton_cpu.paged_decode_prefetch` turns it off and on. It moves no value: the tokens are the same.
 `--switch bf16`: a bf16 or fp8 cache through the vdpbf16ps passes (avx512_bf16 and up) or the fp32 ones
 (`torch.ops.baton_cpu.paged_decode_bf16`); the query and weights are rounded to bf16 in the first.
+`--switch prefill_bf16`: the same for the prompt-chunk kernel (`prefill_attention_bf16`).
 
-For each batch size, `batch` random-token prompts are prefilled, then decode steps are timed in alternating
-rounds, the switch on and off (bench/layer_loop.py's `alternate_decode_steps`). Reported: median ms per step
-of each and their ratio.
+For each batch size, decode switches: `batch` random-token prompts are prefilled, then decode steps are
+timed in alternating rounds, the switch on and off (bench/layer_loop.py's `alternate_decode_steps`); the
+prefill switch: each round prefills `batch` fresh random-token prompts (one token out) each way in turn.
+Reported: median ms per step (or per prefill of the batch) of each and their ratio.
 
     .venv/bin/python -m bench.attention_switches [--switch prefetch|bf16] [--batch 1 8 32] [--dtype bfloat16]
         [--quantization int8] [--kv-cache-dtype fp8] [--rounds 6] [--steps 8]
@@ -18,21 +20,52 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench.engine import log, machine
-from bench.layer_loop import alternate_decode_steps
+from bench.layer_loop import alternate_decode_steps, end_requests
 from bench.results_file import write_results
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.request import SamplingParams
 from shared.ops import cpu_isa
 
 # --switch: the op that turns it on and off
-SWITCHES = {"prefetch": "paged_decode_prefetch", "bf16": "paged_decode_bf16"}
+SWITCHES = {"prefetch": "paged_decode_prefetch", "bf16": "paged_decode_bf16",
+            "prefill_bf16": "prefill_attention_bf16"}
+
+
+def alternate_prefills(engine: LLMEngine, batch: int, rounds: int, prompt_len: int,
+                       variants: dict[str, Callable[[], None]], restore: Callable[[], None]) -> dict[str, list[float]]:
+    """Seconds to prefill `batch` fresh random-token prompts (one token out each) under each variant, in turn
+    each round: fresh prompts every time, so the prefix cache holds none of them."""
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for r in range(rounds):
+            for name, switch in variants.items():
+                switch()
+                ids = [f"p{r}-{name}-{i}" for i in range(batch)]
+                for rid in ids:
+                    engine.add_request(rid, [rng.randrange(100, engine.loaded.spec.vocab_size)
+                                             for _ in range(prompt_len)], params)
+                t0 = time.perf_counter()
+                while engine.has_unfinished():
+                    engine.step()
+                times[name].append(time.perf_counter() - t0)
+            log(f"batch {batch}: round {r + 1}/{rounds}")
+    finally:
+        restore()
+        end_requests(engine, [])
+    return times
 
 
 def main() -> int:
@@ -61,8 +94,10 @@ def main() -> int:
 
     rows = []
     for batch in args.batch:
-        times = alternate_decode_steps(engine, batch, args.rounds, args.steps, args.prompt_len,
-                                       {"on": switch(True), "off": switch(False)}, switch(True))
+        variants = {"on": switch(True), "off": switch(False)}
+        times = alternate_prefills(engine, batch, args.rounds, args.prompt_len, variants, switch(True)) \
+            if args.switch.startswith("prefill") else \
+            alternate_decode_steps(engine, batch, args.rounds, args.steps, args.prompt_len, variants, switch(True))
         on, off = (statistics.median(times[k]) * 1e3 for k in ("on", "off"))
         rows.append({"batch": batch, "on_step_ms": round(on, 2), "off_step_ms": round(off, 2),
                      "speedup_on": round(off / on, 3), "steps_each": len(times["on"])})

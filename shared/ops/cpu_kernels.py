@@ -44,7 +44,7 @@ PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 _LIBRARY = "baton_cpu_kernels.so"
 # names the instruction-set level to run at, below the best (shared/ops/cpu_isa.py)
 ISA_ENV = "BATON_CPU_ISA"
-# "0": decode attention over a bf16 or fp8 cache keeps its fp32 passes where the level has vdpbf16ps ones
+# "0": attention over a bf16 or fp8 cache keeps its fp32 passes where the level has vdpbf16ps ones
 ATTENTION_BF16_ENV = "BATON_CPU_ATTENTION_BF16"
 _lock = threading.Lock()
 _built: bool | None = None
@@ -169,9 +169,10 @@ def _build() -> bool:
         logger.warning("CPU kernels unavailable (%s): using the torch paths", exc)
         return False
     _pick_isa(os.environ.get(ISA_ENV, ""))
-    if os.environ.get(ATTENTION_BF16_ENV, "1") == "0":  # exact fp32 sums of the widened cache, slower
+    if os.environ.get(ATTENTION_BF16_ENV, "1") == "0":  # fp32 sums of the widened cache: slower
         torch.ops.baton_cpu.paged_decode_bf16(False)
-        logger.info("CPU kernels: decode attention over a bf16 or fp8 cache in fp32 (%s=0)", ATTENTION_BF16_ENV)
+        torch.ops.baton_cpu.prefill_attention_bf16(False)
+        logger.info("CPU kernels: attention over a bf16 or fp8 cache in fp32 (%s=0)", ATTENTION_BF16_ENV)
     return True
 
 

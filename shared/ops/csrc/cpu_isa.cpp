@@ -29,9 +29,9 @@ const KernelTable kTables[] = {
     {Isa::kAvx512, &avx512::gemv_f32, &avx512::gemv_bf16, &avx512::paged_decode, &avx512::qgemv_rows,
      &avx512::w8a8_rows, &avx512::prefill_attention},
     {Isa::kAvx512Bf16, &avx512::gemv_f32, &avx512_bf16::gemv_bf16, &avx512_bf16::paged_decode,
-     &avx512_bf16::qgemv_rows, &avx512_bf16::w8a8_rows, &avx512::prefill_attention},
+     &avx512_bf16::qgemv_rows, &avx512_bf16::w8a8_rows, &avx512_bf16::prefill_attention},
     {Isa::kAmx, &avx512::gemv_f32, &amx::gemv_bf16, &avx512_bf16::paged_decode, &avx512_bf16::qgemv_rows,
-     &avx512_bf16::w8a8_rows, &avx512::prefill_attention},
+     &avx512_bf16::w8a8_rows, &avx512_bf16::prefill_attention},
 };
 
 #if defined(__x86_64__)

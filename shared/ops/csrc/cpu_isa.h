@@ -10,8 +10,8 @@
 //   avx2          AVX2, FMA, F16C                              256-bit fp32 GEMV and attention, bf16 widened,
 //                                                              vpmaddubsw quantized GEMV and W8A8
 //   avx512        AVX-512 F/BW/VL/DQ                           512-bit paths, 8-row GEMV passes with prefetch
-//   avx512_bf16   + AVX512-BF16, AVX512-VNNI                   vdpbf16ps bf16 GEMV and decode attention over a
-//                                                              bf16 or fp8 cache, vpdpbusd quantized GEMV and W8A8
+//   avx512_bf16   + AVX512-BF16, AVX512-VNNI                   vdpbf16ps bf16 GEMV and attention over a bf16 or
+//                                                              fp8 cache, vpdpbusd quantized GEMV and W8A8
 //   amx           + AMX-TILE, AMX-BF16, AMX-INT8               TDPBF16PS bf16 GEMV (tiles at every row count)
 //
 // Levels are ordered: each needs what the one above it needs, and a level's table takes the kernels of the

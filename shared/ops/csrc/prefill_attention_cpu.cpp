@@ -27,6 +27,12 @@
 #include "fp8.h"
 #include "cpu_isa.h"
 
+// Whether a bf16 or fp8 cache goes through the vdpbf16ps passes where the level has them (avx512_bf16 and up),
+// else the fp32 ones (as paged_decode_bf16 for the decode kernel)
+static std::atomic<bool> prefill_bf16{true};
+
+bool prefill_attention_bf16(bool on) { return prefill_bf16.exchange(on); }
+
 #define BATON_IMPL "prefill_attention_impl.h"
 #include "isa_variants.h"
 
@@ -49,6 +55,7 @@ void prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key
 }
 
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
+  m.def("prefill_attention_bf16(bool on) -> bool", &prefill_attention_bf16);
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, float scale, int window) -> ()");
 }
 TORCH_LIBRARY_IMPL(baton_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

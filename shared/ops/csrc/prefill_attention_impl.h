@@ -7,6 +7,7 @@
 #include "exp_simd.h"  // inside the level's namespace: exp_nonpositive(16)
 #include "simd_dot.h"  // to_f32: a bf16 or fp8 cache's bits widened
 #include "widen16.h"   // widen16: 16 of them at once from avx512 up
+#include "bf16_pairs.h"  // load32_bf16 and the scales of the vdpbf16ps passes, from avx512_bf16 up
 
 // A tile of 32 keys, not 16: a row's softmax (two reductions, an exp, the rescale of its sums) runs once per
 // tile, and its latency, not the FMAs, bounded the 16-key tiles; 32-key tiles and 32 positions a job took
@@ -221,6 +222,137 @@ static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t
   }
 }
 
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+// sc[r][j] = (q_r . k_j) * unit for rows r < rb, as tile_scores, by vdpbf16ps: q2 holds each row's query as P
+// bf16 pairs of adjacent dims (uint32), kt2[p][j] key j's pair p
+static inline void tile_scores_bf16(const uint32_t* q2, int64_t P, const uint32_t* kt2, int rb, float unit,
+                                    float (*sc)[kTk]) {
+  __m512 s[kRowsPerPass][kVecs];
+  for (int r = 0; r < kRowsPerPass; ++r)
+    for (int v = 0; v < kVecs; ++v) s[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh kd[kVecs];
+    for (int v = 0; v < kVecs; ++v) kd[v] = (__m512bh)_mm512_loadu_si512(kt2 + p * kTk + 16 * v);
+    for (int r = 0; r < kRowsPerPass; ++r)
+      if (r < rb) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(q2[r * P + p]));
+        for (int v = 0; v < kVecs; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], kd[v], x);
+      }
+  }
+  for (int r = 0; r < rb; ++r)
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(sc[r] + 16 * v, _mm512_mul_ps(s[r][v], _mm512_set1_ps(unit)));
+}
+
+// acc = acc * corr + sum over key pairs of (p_2i, p_2i+1) . (v_2i, v_2i+1), by vdpbf16ps: vt2 holds the tile's
+// values as pairs of keys in unpack order (bf16_pairs.h), D uint32 per pair; acc's dims are in that order too.
+// Two chains of sums (even and odd pairs) for each register, added at the end
+static inline void tile_values_bf16(float* __restrict acc, int64_t D, float corr, const float* p, float wscale,
+                                    const uint32_t* vt2, int n) {
+  alignas(64) uint32_t w[kTk / 2];  // the weights as bf16 pairs, scaled
+  const __m512 sc = _mm512_set1_ps(wscale);
+  for (int v = 0; v < kVecs; v += 2)
+    _mm512_store_si512(w + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(p + 16 * v + 16), sc),
+                                                                _mm512_mul_ps(_mm512_loadu_ps(p + 16 * v), sc)));
+  const int pairs = (n + 1) / 2;
+  const __m512 c = _mm512_set1_ps(corr);
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d0), c), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + d0 + 16), c);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 1 < pairs; i += 2) {
+      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[i]));
+      const __m512bh w1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[i + 1]));
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(vt2 + i * D + d0), w0);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(vt2 + i * D + d0 + 16), w0);
+      b0 = _mm512_dpbf16_ps(b0, (__m512bh)_mm512_loadu_si512(vt2 + (i + 1) * D + d0), w1);
+      b1 = _mm512_dpbf16_ps(b1, (__m512bh)_mm512_loadu_si512(vt2 + (i + 1) * D + d0 + 16), w1);
+    }
+    if (i < pairs) {
+      const __m512bh w0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[i]));
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(vt2 + i * D + d0), w0);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(vt2 + i * D + d0 + 16), w0);
+    }
+    _mm512_storeu_ps(acc + d0, _mm512_add_ps(a0, b0));
+    _mm512_storeu_ps(acc + d0 + 16, _mm512_add_ps(a1, b1));
+  }
+}
+
+// prefill_job for a bf16 or fp8 cache (D a multiple of 32) through vdpbf16ps: per tile the keys as bf16 pairs
+// of adjacent dims, key by key in the lanes (kt2), the values as pairs of adjacent keys (vt2), the rows'
+// queries and weights rounded to bf16 (bf16_pairs.h says how, and what it rounds). The running outputs stay
+// in the values' pair order until the job ends.
+template <typename KV>
+static void prefill_job_bf16(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t i1, std::vector<float>& buf) {
+  const int64_t D = jb.D, G = jb.G, nq = i1 - i0, R = G * nq, P = D / 2;
+  buf.resize(static_cast<size_t>(P * kTk + (kTk / 2) * D + R * (D + 2) + R * P));
+  uint32_t* kt2 = reinterpret_cast<uint32_t*>(buf.data());  // [P][kTk]
+  uint32_t* vt2 = kt2 + P * kTk;                             // [kTk / 2][D]
+  float* o = reinterpret_cast<float*>(vt2 + (kTk / 2) * D);  // [R][D] running outputs (pair order), * 2^-20
+  float* m = o + R * D;                                      // [R]
+  float* l = m + R;                                          // [R]
+  uint32_t* q2 = reinterpret_cast<uint32_t*>(l + R);          // [R][P] the rows' queries times the scale
+  const float operand = std::ldexp(1.f, kOperandExp<KV>);
+  for (int64_t r = 0; r < R; ++r) {  // row r: head g * G + r / nq, position i0 + r % nq
+    const float* src = jb.q + (i0 + r % nq) * jb.qs + (g * G + r / nq) * jb.qhs;
+    to_bf16_scaled(src, D, jb.scale * operand, reinterpret_cast<uint16_t*>(q2 + r * P));
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + R * D, 0.f);
+  const int64_t last = jb.ctx + i1 - 1;
+  const int64_t first = jb.window > 0 ? std::max<int64_t>(0, jb.ctx + i0 - jb.window + 1) : 0;
+  for (int64_t t0 = first; t0 <= last; t0 += kTk) {
+    const int64_t n = std::min<int64_t>(kTk, last + 1 - t0);
+    for (int64_t j = 0; j < kTk; ++j) {
+      if (j < n) {
+        const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
+        for (int64_t d = 0; d < D; d += 32) {
+          alignas(64) uint32_t pairs[16];
+          _mm512_store_si512(pairs, load32_bf16(kp + d));
+          for (int i = 0; i < 16; ++i) kt2[(d / 2 + i) * kTk + j] = pairs[i];
+        }
+      } else {
+        for (int64_t q = 0; q < P; ++q) kt2[q * kTk + j] = 0;
+      }
+    }
+    for (int64_t i = 0; i < kTk / 2; ++i) {
+      const KV* v0 = jb.v + (t0 + 2 * i) * jb.vs + g * jb.vhs;
+      const KV* v1 = v0 + jb.vs;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i x0 = 2 * i < n ? load32_bf16(v0 + d) : _mm512_setzero_si512();
+        const __m512i x1 = 2 * i + 1 < n ? load32_bf16(v1 + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vt2 + i * D + d, _mm512_unpacklo_epi16(x0, x1));
+        _mm512_storeu_si512(vt2 + i * D + d + 16, _mm512_unpackhi_epi16(x0, x1));
+      }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
+      const int rb = static_cast<int>(std::min<int64_t>(kRowsPerPass, R - r0));
+      float sc[kRowsPerPass][kTk];
+      tile_scores_bf16(q2 + r0 * P, P, kt2, rb, kProductUnit<KV>, sc);
+      for (int rr = 0; rr < rb; ++rr) {
+        const int64_t r = r0 + rr, pos = jb.ctx + i0 + r % nq;
+        const int64_t lo = jb.window > 0 ? pos - jb.window + 1 : 0;
+        if (t0 > pos || t0 + kTk <= lo) continue;
+        const int64_t j_end = std::min<int64_t>(n, pos - t0 + 1), j_begin = std::max<int64_t>(0, lo - t0);
+        float* s = sc[rr];
+        float sum;
+        const float m_new = softmax_tile(s, j_begin, j_end, m[r], &sum);
+        const float corr = exp_nonpositive(m[r] - m_new);
+        m[r] = m_new;
+        l[r] = l[r] * corr + sum;
+        tile_values_bf16(o + r * D, D, corr, s, operand, vt2, static_cast<int>(n));
+      }
+    }
+  }
+  unpermute_pairs(o, R * D / 32);
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = jb.o + (i0 + r % nq) * jb.os + (g * G + r / nq) * jb.ohs;
+    const float inv = kProductUnit<KV> / l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+  }
+}
+#endif
+
 template <typename KV>
 static void prefill_attention_t(torch::Tensor out, torch::Tensor query, torch::Tensor key, torch::Tensor value,
                                 double scale, int64_t window) {
@@ -235,10 +367,20 @@ static void prefill_attention_t(torch::Tensor out, torch::Tensor query, torch::T
   // tiles first, so that the cheap ones at the end even out their shares
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
+  [[maybe_unused]] const bool bf16_passes = !std::is_same_v<KV, float> && D % 32 == 0 &&
+                                            prefill_bf16.load(std::memory_order_relaxed);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
     for (int64_t job = next.fetch_add(1); job < jobs; job = next.fetch_add(1)) {
       const int64_t tile = tiles - 1 - job / Hkv, g = job % Hkv;
+#if BATON_ISA >= BATON_ISA_AVX512_BF16
+      if constexpr (!std::is_same_v<KV, float>) {
+        if (bf16_passes) {
+          prefill_job_bf16<KV>(jb, g, tile * kTq, std::min(Lq, (tile + 1) * kTq), buf);
+          continue;
+        }
+      }
+#endif
       prefill_job<KV>(jb, g, tile * kTq, std::min(Lq, (tile + 1) * kTq), buf);
     }
   });

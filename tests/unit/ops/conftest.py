@@ -143,3 +143,13 @@ def isa_level(request: pytest.FixtureRequest) -> Iterator[str]:
 def make_batch() -> Callable[..., AttentionBatch]:
     """Factory for `AttentionBatch`es; see `build_batch`."""
     return build_batch
+
+
+def fp8_subnormals_zeroed(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache with its subnormal values set to zero (a bf16 one as it is): what the attention kernels'
+    vdpbf16ps passes read (csrc/bf16_pairs.h)."""
+    if cache.dtype.itemsize != 1:
+        return cache
+    values = cache.float()
+    smallest_normal = 2.0**-6 if cache.dtype == torch.float8_e4m3fn else 2.0**-14
+    return torch.where(values.abs() < smallest_normal, 0.0, values).to(cache.dtype)

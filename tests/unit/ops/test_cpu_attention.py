@@ -18,7 +18,7 @@ from shared.kv.cache_dtype import to_cache_dtype
 from shared.ops import cpu_attention, cpu_isa
 from shared.ops.attention import paged_attention_ref
 from tests.helpers.torch_threads import torch_threads
-from tests.unit.ops.conftest import AttentionBatch
+from tests.unit.ops.conftest import AttentionBatch, fp8_subnormals_zeroed
 
 MIXED = [(13, 9), (0, 11), (5, 1), (30, 1), (0, 1), (17, 1), (40, 17), (3, 30)]
 
@@ -145,23 +145,14 @@ def test_a_narrow_cache_under_fp32_queries(make_batch: Callable[..., AttentionBa
         batch.value = to_cache_dtype(batch.value, kv_dtype).float()
         atol = None
         if bf16_passes:
-            batch.kv = _fp8_subnormals_zeroed(batch.kv)
-            batch.key = _fp8_subnormals_zeroed(batch.key.to(kv_dtype)).float()
-            batch.value = _fp8_subnormals_zeroed(batch.value.to(kv_dtype)).float()
+            batch.kv = fp8_subnormals_zeroed(batch.kv)
+            batch.key = fp8_subnormals_zeroed(batch.key.to(kv_dtype)).float()
+            batch.value = fp8_subnormals_zeroed(batch.value.to(kv_dtype)).float()
             batch.query = batch.query.bfloat16().float()
             atol = 2**-8 * max(batch.kv[:, :, 1].float().abs().max().item(), batch.value.abs().max().item())
         out, ref = run_both(batch, window, poison=True)
         atol = atol or 1e-5 * max(1.0, ref.abs().max().item())
         torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
-
-
-def _fp8_subnormals_zeroed(cache: torch.Tensor) -> torch.Tensor:
-    """An fp8 cache with its subnormal values set to zero (a bf16 one as it is)."""
-    if cache.dtype.itemsize != 1:
-        return cache
-    values = cache.float()
-    smallest_normal = 2.0**-6 if cache.dtype == torch.float8_e4m3fn else 2.0**-14
-    return torch.where(values.abs() < smallest_normal, 0.0, values).to(cache.dtype)
 
 
 def _fp8_grid(dtype: torch.dtype) -> torch.Tensor:
