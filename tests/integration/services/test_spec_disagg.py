@@ -54,7 +54,11 @@ def test_speculating_decode_service_equals_plain_greedy(method: str, async_sched
     prompts = [encode_prompt(tok, p, chat=True) for p in PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0.0)
     kv: dict[str, object] = {"kv_cache_dtype": "fp8"} if method.endswith("-fp8kv") else {}
-    expected = [r.token_ids for r in packaged_engine(MODEL, max_model_len=1024, **kv).generate(prompts, params)]
+    # over an fp8 cache the plain engine attends through the services' kernels: from avx512_bf16 up they round
+    # the query and the weights to bf16 (csrc/bf16_pairs.h), which moves logits by more than float noise from
+    # the torch reference's, and what this compares is speculation and the handoff, not the kernels
+    expected = [r.token_ids for r in packaged_engine(MODEL, serving=bool(kv), max_model_len=1024, **kv)
+                .generate(prompts, params)]
     spec: dict[str, object] = dict(spec=method.removesuffix("-tree").removesuffix("-fp8kv"), num_speculative_tokens=3,
                                    spec_draft_num_layers=2, async_scheduling=async_scheduling)
     if method.startswith("eagle"):
