@@ -158,25 +158,18 @@ struct Job {
   Prefetcher<KV> after;  // what to fetch during the value pass's last chunk: the thread's next job's first keys
 };
 
-// scores[j * n + t] = q_j . k_t * scale for the job's query heads j, a chunk of tokens at a time (their keys,
-// all heads, stay in L1 while every head reads them). Meanwhile the next chunk's keys are prefetched, or
-// during the last chunk the first values.
 // 64-byte lines of one head's DV * 16 cached elements (an fp8 head of 32 is half a line)
 template <int DV, typename KV>
 constexpr int kLinesPerHead = (DV * 16 * static_cast<int>(sizeof(KV)) + 63) / 64;
 
-template <int DV, typename KV>
-static void scores_avx512(const Job<KV>& jb, float* scores) {
-  constexpr int64_t D = DV * 16;
+// The score pass's walk, shared by its fp32 and bf16 forms: for each chunk of kChunk tokens and KV head h,
+// `keys(t0, c, h)` makes the chunk's keys of that head ready in L1, then for each of h's query heads j
+// `dots(j, t0, c, h, p)` fills p[t] with the 16 lanes whose sum is q_j . k_t (zero for t >= c), and one
+// transposing reduction stores the 16 scores times `unit`. The next chunk's keys are prefetched meanwhile (in
+// the last chunk the first values), a few lines per query head.
+template <int DV, typename KV, typename Keys, typename Dots>
+static inline void score_walk(const Job<KV>& jb, float unit, float* scores, Keys&& keys, Dots&& dots) {
   const int64_t passes = (jb.h1 - jb.h0) * jb.G;
-  // A bf16 chunk's keys of one KV head, widened once into fp32 here (in L1) for that head's G query heads,
-  // where each used to widen them itself (a load, a zero-extension and a shift per 16 values, against one
-  // FMA). With the vector softmax: batch 32, 300-token contexts, SmolLM2's heads, one thread on Sapphire
-  // Rapids, 2.2 ms a layer before, 0.72 after; a decode step's attention (bench/decode_profile.py
-  // --python-layers, two threads) 25.8 and 28.7 ms before, 17.2 and 16.3 after. An fp32 cache is read in
-  // place.
-  constexpr bool kWiden = !std::is_same_v<KV, float>;
-  alignas(64) float widened[kWiden ? kChunk * D : 1];
   for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
     const int c = (int)std::min<int64_t>(kChunk, jb.n - t0);
     constexpr int lines = kLinesPerHead<DV, KV>;
@@ -185,45 +178,25 @@ static void scores_avx512(const Job<KV>& jb, float* scores) {
         : Prefetcher<KV>{jb.vc, jb.voff, 0, std::min<int64_t>(kChunk, jb.n), jb.h0, jb.h1, jb.vhs, lines};
     const int64_t per_pass = jb.prefetch ? (pf.lines() + passes - 1) / passes : 0;
     for (int64_t h = jb.h0; h < jb.h1; ++h) {
-      if constexpr (kWiden)
-        for (int t = 0; t < c; ++t) {
-          const KV* k = jb.kc + jb.koff[t0 + t] + h * jb.khs;
-          for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(widened + t * D + dv * 16, load16(k + dv * 16));
-        }
+      keys(t0, c, h);
       for (int64_t g = 0; g < jb.G; ++g) {
         pf.step(per_pass);
         const int64_t j = (h - jb.h0) * jb.G + g;
-        const float* qv = jb.q + j * jb.qhs;
-        __m512 qr[DV];
-        for (int dv = 0; dv < DV; ++dv)
-          qr[dv] = kUnit<KV> == 1.f ? _mm512_loadu_ps(qv + dv * 16)
-                                    : _mm512_mul_ps(_mm512_loadu_ps(qv + dv * 16), _mm512_set1_ps(kUnit<KV>));
         __m512 p[kChunk];
-        for (int t = 0; t < kChunk; ++t) {
-          if (t < c) {
-            const float* k = kWiden ? widened + t * D
-                                    : reinterpret_cast<const float*>(jb.kc + jb.koff[t0 + t] + h * jb.khs);
-            __m512 s = _mm512_mul_ps(qr[0], _mm512_loadu_ps(k));
-            for (int dv = 1; dv < DV; ++dv) s = _mm512_fmadd_ps(qr[dv], _mm512_loadu_ps(k + dv * 16), s);
-            p[t] = s;
-          } else {
-            p[t] = _mm512_setzero_ps();
-          }
-        }
-        const __m512 s = _mm512_mul_ps(lane_sums16(p), _mm512_set1_ps(jb.scale));
+        dots(j, t0, c, h, p);
+        const __m512 s = _mm512_mul_ps(lane_sums16(p), _mm512_set1_ps(unit));
         _mm512_mask_storeu_ps(scores + j * jb.n + t0, (__mmask16)((1u << c) - 1), s);
       }
     }
   }
 }
 
-// acc[j * D + d] = sum over t of w[j * n + t] * v_t[d], a chunk at a time, each value vector loaded once for
-// as many of its KV head's query heads as keep their sums in registers (kAccRegs). The sum over t runs in
-// order, as the portable loop's. The next chunk's values are prefetched meanwhile, or the next job's keys.
-template <int DV, typename KV>
-static void values_avx512(const Job<KV>& jb, const float* w, float* acc) {
-  constexpr int kAccRegs = 16;
-  constexpr int GB = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
+// The value pass's walk, shared by its fp32 and bf16 forms: for each chunk of kChunk tokens, KV head h and
+// group of up to GB of h's query heads (from j0, gn of them), the group's sums are loaded into registers,
+// `tokens(t0, c, h, j0, gn, a)` adds the chunk's tokens to them, and they are stored back. The next chunk's
+// values are prefetched meanwhile (in the last chunk the next job's first keys), a few lines per group.
+template <int DV, int GB, typename KV, typename Tokens>
+static inline void value_walk(const Job<KV>& jb, float* acc, Tokens&& tokens) {
   constexpr int64_t D = DV * 16;
   const int64_t passes = (jb.h1 - jb.h0) * ((jb.G + GB - 1) / GB);
   for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
@@ -242,22 +215,79 @@ static void values_avx512(const Job<KV>& jb, const float* w, float* acc) {
         for (int g = 0; g < GB; ++g)
           if (g < gn)
             for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_loadu_ps(acc + (j0 + g) * D + dv * 16);
-        for (int64_t t = t0; t < t0 + c; ++t) {
-          const KV* v = jb.vc + jb.voff[t] + h * jb.vhs;
-          __m512 vv[DV];
-          for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + dv * 16);
-          for (int g = 0; g < GB; ++g)
-            if (g < gn) {
-              const __m512 wt = _mm512_set1_ps(w[(j0 + g) * jb.n + t]);
-              for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_fmadd_ps(wt, vv[dv], a[g][dv]);
-            }
-        }
+        tokens(t0, c, h, j0, gn, a);
         for (int g = 0; g < GB; ++g)
           if (g < gn)
             for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(acc + (j0 + g) * D + dv * 16, a[g][dv]);
       }
     }
   }
+}
+
+// Query heads whose value sums one group keeps in registers (16 of the 32 zmm)
+template <int DV>
+constexpr int kValueGroup = 16 / DV > 0 ? 16 / DV : 1;
+
+// scores[j * n + t] = q_j . k_t * scale for the job's query heads j, a chunk of tokens at a time (their keys,
+// all heads, stay in L1 while every head reads them)
+template <int DV, typename KV>
+static void scores_avx512(const Job<KV>& jb, float* scores) {
+  constexpr int64_t D = DV * 16;
+  // A bf16 chunk's keys of one KV head, widened once into fp32 here (in L1) for that head's G query heads,
+  // where each used to widen them itself (a load, a zero-extension and a shift per 16 values, against one
+  // FMA). With the vector softmax: batch 32, 300-token contexts, SmolLM2's heads, one thread on Sapphire
+  // Rapids, 2.2 ms a layer before, 0.72 after; a decode step's attention (bench/decode_profile.py
+  // --python-layers, two threads) 25.8 and 28.7 ms before, 17.2 and 16.3 after. An fp32 cache is read in
+  // place.
+  constexpr bool kWiden = !std::is_same_v<KV, float>;
+  alignas(64) float widened[kWiden ? kChunk * D : 1];
+  score_walk<DV, KV>(
+      jb, jb.scale, scores,
+      [&](int64_t t0, int c, int64_t h) {
+        if constexpr (kWiden)
+          for (int t = 0; t < c; ++t) {
+            const KV* k = jb.kc + jb.koff[t0 + t] + h * jb.khs;
+            for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(widened + t * D + dv * 16, load16(k + dv * 16));
+          }
+      },
+      [&](int64_t j, int64_t t0, int c, int64_t h, __m512 (&p)[kChunk]) {
+        const float* qv = jb.q + j * jb.qhs;
+        __m512 qr[DV];
+        for (int dv = 0; dv < DV; ++dv)
+          qr[dv] = kUnit<KV> == 1.f ? _mm512_loadu_ps(qv + dv * 16)
+                                    : _mm512_mul_ps(_mm512_loadu_ps(qv + dv * 16), _mm512_set1_ps(kUnit<KV>));
+        for (int t = 0; t < kChunk; ++t) {
+          if (t < c) {
+            const float* k = kWiden ? widened + t * D
+                                    : reinterpret_cast<const float*>(jb.kc + jb.koff[t0 + t] + h * jb.khs);
+            __m512 s = _mm512_mul_ps(qr[0], _mm512_loadu_ps(k));
+            for (int dv = 1; dv < DV; ++dv) s = _mm512_fmadd_ps(qr[dv], _mm512_loadu_ps(k + dv * 16), s);
+            p[t] = s;
+          } else {
+            p[t] = _mm512_setzero_ps();
+          }
+        }
+      });
+}
+
+// acc[j * D + d] = sum over t of w[j * n + t] * v_t[d], a chunk at a time, each value vector loaded once for
+// as many of its KV head's query heads as keep their sums in registers (kValueGroup). The sum over t runs in
+// order, as the portable loop's.
+template <int DV, typename KV>
+static void values_avx512(const Job<KV>& jb, const float* w, float* acc) {
+  constexpr int GB = kValueGroup<DV>;
+  value_walk<DV, GB, KV>(jb, acc, [&](int64_t t0, int64_t c, int64_t h, int64_t j0, int gn, __m512 (&a)[GB][DV]) {
+    for (int64_t t = t0; t < t0 + c; ++t) {
+      const KV* v = jb.vc + jb.voff[t] + h * jb.vhs;
+      __m512 vv[DV];
+      for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(v + dv * 16);
+      for (int g = 0; g < GB; ++g)
+        if (g < gn) {
+          const __m512 wt = _mm512_set1_ps(w[(j0 + g) * jb.n + t]);
+          for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_fmadd_ps(wt, vv[dv], a[g][dv]);
+        }
+    }
+  });
 }
 
 // acc[j * D ...] = the job's unnormalised outputs, inv[j] their normalisers
@@ -283,28 +313,19 @@ template <int DV, typename KV>
 static void scores_bf16dp(const Job<KV>& jb, const uint16_t* qb, float* scores) {
   constexpr int64_t D = DV * 16, DP = DV / 2;  // bf16 vectors per head
   constexpr bool kConvert = !std::is_same_v<KV, uint16_t>;
-  const int64_t passes = (jb.h1 - jb.h0) * jb.G;
   alignas(64) uint16_t keys[kConvert ? kChunk * D : 1];
-  const float unit = jb.scale * kProductUnit<KV>;
-  for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
-    const int c = (int)std::min<int64_t>(kChunk, jb.n - t0);
-    constexpr int lines = kLinesPerHead<DV, KV>;
-    Prefetcher<KV> pf = t0 + c < jb.n
-        ? Prefetcher<KV>{jb.kc, jb.koff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.khs, lines}
-        : Prefetcher<KV>{jb.vc, jb.voff, 0, std::min<int64_t>(kChunk, jb.n), jb.h0, jb.h1, jb.vhs, lines};
-    const int64_t per_pass = jb.prefetch ? (pf.lines() + passes - 1) / passes : 0;
-    for (int64_t h = jb.h0; h < jb.h1; ++h) {
-      if constexpr (kConvert)
-        for (int t = 0; t < c; ++t) {
-          const KV* k = jb.kc + jb.koff[t0 + t] + h * jb.khs;
-          for (int v = 0; v < DP; ++v) _mm512_store_si512(keys + t * D + v * 32, load32_bf16(k + v * 32));
-        }
-      for (int64_t g = 0; g < jb.G; ++g) {
-        pf.step(per_pass);
-        const int64_t j = (h - jb.h0) * jb.G + g;
+  score_walk<DV, KV>(
+      jb, jb.scale * kProductUnit<KV>, scores,
+      [&](int64_t t0, int c, int64_t h) {
+        if constexpr (kConvert)
+          for (int t = 0; t < c; ++t) {
+            const KV* k = jb.kc + jb.koff[t0 + t] + h * jb.khs;
+            for (int v = 0; v < DP; ++v) _mm512_store_si512(keys + t * D + v * 32, load32_bf16(k + v * 32));
+          }
+      },
+      [&](int64_t j, int64_t t0, int c, int64_t h, __m512 (&p)[kChunk]) {
         __m512bh qr[DP];
         for (int v = 0; v < DP; ++v) qr[v] = (__m512bh)_mm512_loadu_si512(qb + j * D + v * 32);
-        __m512 p[kChunk];
         for (int t = 0; t < kChunk; ++t) {
           if (t < c) {
             const uint16_t* k = kConvert ? keys + t * D
@@ -316,11 +337,7 @@ static void scores_bf16dp(const Job<KV>& jb, const uint16_t* qb, float* scores) 
             p[t] = _mm512_setzero_ps();
           }
         }
-        const __m512 s = _mm512_mul_ps(lane_sums16(p), _mm512_set1_ps(unit));
-        _mm512_mask_storeu_ps(scores + j * jb.n + t0, (__mmask16)((1u << c) - 1), s);
-      }
-    }
-  }
+      });
 }
 
 // acc as values_avx512's, two tokens a vdpbf16ps: the values of tokens t and t + 1 interleaved (within each
@@ -328,53 +345,30 @@ static void scores_bf16dp(const Job<KV>& jb, const uint16_t* qb, float* scores) 
 // bf16 pair (w_t, w_t+1) of the weights (wb: per query head j, n rounded up to 32 values at wb + j * wn)
 template <int DV, typename KV>
 static void values_bf16dp(const Job<KV>& jb, const uint16_t* wb, int64_t wn, float* acc) {
-  constexpr int kAccRegs = 16;
-  constexpr int GB = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
-  constexpr int64_t D = DV * 16, DP = DV / 2;
-  const int64_t passes = (jb.h1 - jb.h0) * ((jb.G + GB - 1) / GB);
-  for (int64_t t0 = 0; t0 < jb.n; t0 += kChunk) {
-    const int64_t c = std::min<int64_t>(kChunk, jb.n - t0);
-    Prefetcher<KV> pf = t0 + c < jb.n
-        ? Prefetcher<KV>{jb.vc, jb.voff, t0 + c, std::min(jb.n, t0 + c + kChunk), jb.h0, jb.h1, jb.vhs,
-                         kLinesPerHead<DV, KV>}
-        : jb.after;
-    const int64_t per_pass = jb.prefetch ? (pf.lines() + passes - 1) / passes : 0;
-    for (int64_t h = jb.h0; h < jb.h1; ++h) {
-      for (int64_t g0 = 0; g0 < jb.G; g0 += GB) {
-        pf.step(per_pass);
-        const int64_t j0 = (h - jb.h0) * jb.G + g0;
-        const int gn = (int)std::min<int64_t>(GB, jb.G - g0);
-        __m512 a[GB][DV];
-        for (int g = 0; g < GB; ++g)
-          if (g < gn)
-            for (int dv = 0; dv < DV; ++dv) a[g][dv] = _mm512_loadu_ps(acc + (j0 + g) * D + dv * 16);
-        for (int64_t t = t0; t < t0 + c; t += 2) {
-          const KV* v0 = jb.vc + jb.voff[t] + h * jb.vhs;
-          const bool pair = t + 1 < t0 + c;
-          const KV* v1 = pair ? jb.vc + jb.voff[t + 1] + h * jb.vhs : v0;
-          __m512bh lo[DP], hi[DP];
-          for (int v = 0; v < DP; ++v) {
-            const __m512i x0 = load32_bf16(v0 + v * 32);
-            const __m512i x1 = pair ? load32_bf16(v1 + v * 32) : _mm512_setzero_si512();
-            lo[v] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-            hi[v] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
-          }
-          for (int g = 0; g < GB; ++g)
-            if (g < gn) {  // (w_t, w_t+1): one 32-bit pair of the row's bf16 weights (t is even)
-              const __m512bh wt = (__m512bh)_mm512_set1_epi32(
-                  reinterpret_cast<const int32_t*>(wb + (j0 + g) * wn)[t / 2]);
-              for (int v = 0; v < DP; ++v) {
-                a[g][2 * v] = _mm512_dpbf16_ps(a[g][2 * v], lo[v], wt);
-                a[g][2 * v + 1] = _mm512_dpbf16_ps(a[g][2 * v + 1], hi[v], wt);
-              }
-            }
-        }
-        for (int g = 0; g < GB; ++g)
-          if (g < gn)
-            for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(acc + (j0 + g) * D + dv * 16, a[g][dv]);
+  constexpr int GB = kValueGroup<DV>;
+  constexpr int64_t DP = DV / 2;
+  value_walk<DV, GB, KV>(jb, acc, [&](int64_t t0, int64_t c, int64_t h, int64_t j0, int gn, __m512 (&a)[GB][DV]) {
+    for (int64_t t = t0; t < t0 + c; t += 2) {
+      const KV* v0 = jb.vc + jb.voff[t] + h * jb.vhs;
+      const bool pair = t + 1 < t0 + c;
+      const KV* v1 = pair ? jb.vc + jb.voff[t + 1] + h * jb.vhs : v0;
+      __m512bh lo[DP], hi[DP];
+      for (int v = 0; v < DP; ++v) {
+        const __m512i x0 = load32_bf16(v0 + v * 32);
+        const __m512i x1 = pair ? load32_bf16(v1 + v * 32) : _mm512_setzero_si512();
+        lo[v] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+        hi[v] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
       }
+      for (int g = 0; g < GB; ++g)
+        if (g < gn) {  // (w_t, w_t+1): one 32-bit pair of the row's bf16 weights (t is even)
+          const __m512bh wt = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(wb + (j0 + g) * wn)[t / 2]);
+          for (int v = 0; v < DP; ++v) {
+            a[g][2 * v] = _mm512_dpbf16_ps(a[g][2 * v], lo[v], wt);
+            a[g][2 * v + 1] = _mm512_dpbf16_ps(a[g][2 * v + 1], hi[v], wt);
+          }
+        }
     }
-  }
+  });
 }
 
 // attend_avx512's outputs through the bf16 passes; `bf` holds the bf16 query and weights

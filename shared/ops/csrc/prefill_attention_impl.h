@@ -149,6 +149,45 @@ struct PrefillJob {
   float scale;
 };
 
+// The job's walk over key tiles, shared by prefill_job's fp32 and bf16 forms: for each tile of kTk keys from
+// the first any of its rows sees to the last query's own, `load(t0, n)` makes the tile's n keys and values
+// ready, then per pass of up to kRowsPerPass rows `scores(r0, rb, sc)` fills their scores, and each row that
+// sees part of the tile takes it through the online softmax (m, l: each row's running max and sum) and
+// `values(r, corr, s, n)`, its sums (o: R rows of D, zeroed here) rescaled by corr and the tile's weights added.
+template <typename KV, typename Load, typename Scores, typename Values>
+static inline void tile_walk(const PrefillJob<KV>& jb, int64_t i0, int64_t i1, int64_t R, float* m, float* l,
+                             float* o, Load&& load, Scores&& scores, Values&& values) {
+  const int64_t nq = i1 - i0;
+  std::fill(m, m + R, -INFINITY);
+  std::fill(l, l + R, 0.f);
+  std::fill(o, o + R * jb.D, 0.f);
+  const int64_t last = jb.ctx + i1 - 1;  // the last query's position: no key after it is seen
+  const int64_t first = jb.window > 0 ? std::max<int64_t>(0, jb.ctx + i0 - jb.window + 1) : 0;
+  for (int64_t t0 = first; t0 <= last; t0 += kTk) {
+    const int64_t n = std::min<int64_t>(kTk, last + 1 - t0);
+    load(t0, n);
+    for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
+      const int rb = static_cast<int>(std::min<int64_t>(kRowsPerPass, R - r0));
+      float sc[kRowsPerPass][kTk];
+      scores(r0, rb, sc);
+      for (int rr = 0; rr < rb; ++rr) {
+        const int64_t r = r0 + rr, pos = jb.ctx + i0 + r % nq;
+        const int64_t lo = jb.window > 0 ? pos - jb.window + 1 : 0;
+        if (t0 > pos || t0 + kTk <= lo) continue;  // the tile lies after this query, or before its window
+        // keys j of the tile this row sees: t0 + j in [lo, pos], j < n
+        const int64_t j_end = std::min<int64_t>(n, pos - t0 + 1), j_begin = std::max<int64_t>(0, lo - t0);
+        float* s = sc[rr];
+        float sum;
+        const float m_new = softmax_tile(s, j_begin, j_end, m[r], &sum);
+        const float corr = exp_nonpositive(m[r] - m_new);  // 0 for the first tile (m = -inf)
+        m[r] = m_new;
+        l[r] = l[r] * corr + sum;
+        values(r, corr, s, n);
+      }
+    }
+  }
+}
+
 template <typename KV>
 static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t i1, std::vector<float>& buf) {
   const int64_t D = jb.D, G = jb.G, nq = i1 - i0, R = G * nq;
@@ -162,59 +201,40 @@ static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t
   for (int64_t r = 0; r < R; ++r) {   // row r: head g * G + r / nq, position i0 + r % nq
     const float* src = jb.q + (i0 + r % nq) * jb.qs + (g * G + r / nq) * jb.qhs;
     for (int64_t d = 0; d < D; ++d) qr[r * D + d] = src[d] * jb.scale;
-    m[r] = -INFINITY;
-    l[r] = 0.f;
   }
-  std::fill(o, o + R * D, 0.f);
-  const int64_t last = jb.ctx + i1 - 1;  // the last query's position: no key after it is seen
-  const int64_t first = jb.window > 0 ? std::max<int64_t>(0, jb.ctx + i0 - jb.window + 1) : 0;
-  for (int64_t t0 = first; t0 <= last; t0 += kTk) {
-    const int64_t n = std::min<int64_t>(kTk, last + 1 - t0);
-    for (int64_t j = 0; j < kTk; ++j) {
-      if (j < n) {
-        const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
-        const KV* vp = jb.v + (t0 + j) * jb.vs + g * jb.vhs;
+  tile_walk(
+      jb, i0, i1, R, m, l, o,
+      [&](int64_t t0, int64_t n) {
+        for (int64_t j = 0; j < kTk; ++j) {
+          if (j < n) {
+            const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
+            const KV* vp = jb.v + (t0 + j) * jb.vs + g * jb.vhs;
 #if BATON_ISA >= BATON_ISA_AVX512
-        // 16 at a time where the compiler's loop went value by value (an fp8 one through a table): the
-        // keys widened into the stack, then stored transposed. int8 + fp8 KV, 8 x 256 prompts, Zen 5: the
-        // chunk's attention 101.1 and 98.8 ms against 123.2 and 112.8 before (bf16 KV: 97.8, as before)
-        if constexpr (!std::is_same_v<KV, float>) {
-          if (D % 16 == 0 && D <= kMaxWidenedDim) {
-            alignas(64) float row[kMaxWidenedDim];
-            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(row + d, widen16(kp + d));
-            for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = row[d];
-            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vt + j * D + d, widen16(vp + d));
-            continue;
+            // 16 at a time where the compiler's loop went value by value (an fp8 one through a table): the
+            // keys widened into the stack, then stored transposed. int8 + fp8 KV, 8 x 256 prompts, Zen 5: the
+            // chunk's attention 101.1 and 98.8 ms against 123.2 and 112.8 before (bf16 KV: 97.8, as before)
+            if constexpr (!std::is_same_v<KV, float>) {
+              if (D % 16 == 0 && D <= kMaxWidenedDim) {
+                alignas(64) float row[kMaxWidenedDim];
+                for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(row + d, widen16(kp + d));
+                for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = row[d];
+                for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vt + j * D + d, widen16(vp + d));
+                continue;
+              }
+            }
+#endif
+            for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = to_f32(kp[d]);
+            for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f32(vp[d]);
+          } else {
+            for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = 0.f;
+            for (int64_t d = 0; d < D; ++d) vt[j * D + d] = 0.f;
           }
         }
-#endif
-        for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = to_f32(kp[d]);
-        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = to_f32(vp[d]);
-      } else {
-        for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = 0.f;
-        for (int64_t d = 0; d < D; ++d) vt[j * D + d] = 0.f;
-      }
-    }
-    for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
-      const int rb = static_cast<int>(std::min<int64_t>(kRowsPerPass, R - r0));
-      float sc[kRowsPerPass][kTk];
-      tile_scores(qr + r0 * D, D, kt, rb, sc);
-      for (int rr = 0; rr < rb; ++rr) {
-        const int64_t r = r0 + rr, pos = jb.ctx + i0 + r % nq;
-        const int64_t lo = jb.window > 0 ? pos - jb.window + 1 : 0;
-        if (t0 > pos || t0 + kTk <= lo) continue;  // the tile lies after this query, or before its window
-        // keys j of the tile this row sees: t0 + j in [lo, pos], j < n
-        const int64_t j_end = std::min<int64_t>(n, pos - t0 + 1), j_begin = std::max<int64_t>(0, lo - t0);
-        float* s = sc[rr];
-        float sum;
-        const float m_new = softmax_tile(s, j_begin, j_end, m[r], &sum);
-        const float corr = exp_nonpositive(m[r] - m_new);  // 0 for the first tile (m = -inf)
-        m[r] = m_new;
-        l[r] = l[r] * corr + sum;
+      },
+      [&](int64_t r0, int rb, float (*sc)[kTk]) { tile_scores(qr + r0 * D, D, kt, rb, sc); },
+      [&](int64_t r, float corr, const float* s, int64_t n) {
         tile_values(o + r * D, D, corr, s, vt, static_cast<int>(n));
-      }
-    }
-  }
+      });
   for (int64_t r = 0; r < R; ++r) {
     float* dst = jb.o + (i0 + r % nq) * jb.os + (g * G + r / nq) * jb.ohs;
     const float inv = 1.f / l[r];  // every row sees at least its own key
@@ -295,55 +315,37 @@ static void prefill_job_bf16(const PrefillJob<KV>& jb, int64_t g, int64_t i0, in
   for (int64_t r = 0; r < R; ++r) {  // row r: head g * G + r / nq, position i0 + r % nq
     const float* src = jb.q + (i0 + r % nq) * jb.qs + (g * G + r / nq) * jb.qhs;
     to_bf16_scaled(src, D, jb.scale * operand, reinterpret_cast<uint16_t*>(q2 + r * P));
-    m[r] = -INFINITY;
-    l[r] = 0.f;
   }
-  std::fill(o, o + R * D, 0.f);
-  const int64_t last = jb.ctx + i1 - 1;
-  const int64_t first = jb.window > 0 ? std::max<int64_t>(0, jb.ctx + i0 - jb.window + 1) : 0;
-  for (int64_t t0 = first; t0 <= last; t0 += kTk) {
-    const int64_t n = std::min<int64_t>(kTk, last + 1 - t0);
-    for (int64_t j = 0; j < kTk; ++j) {
-      if (j < n) {
-        const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
-        for (int64_t d = 0; d < D; d += 32) {
-          alignas(64) uint32_t pairs[16];
-          _mm512_store_si512(pairs, load32_bf16(kp + d));
-          for (int i = 0; i < 16; ++i) kt2[(d / 2 + i) * kTk + j] = pairs[i];
+  tile_walk(
+      jb, i0, i1, R, m, l, o,
+      [&](int64_t t0, int64_t n) {
+        for (int64_t j = 0; j < kTk; ++j) {
+          if (j < n) {
+            const KV* kp = jb.k + (t0 + j) * jb.ks + g * jb.khs;
+            for (int64_t d = 0; d < D; d += 32) {
+              alignas(64) uint32_t pairs[16];
+              _mm512_store_si512(pairs, load32_bf16(kp + d));
+              for (int i = 0; i < 16; ++i) kt2[(d / 2 + i) * kTk + j] = pairs[i];
+            }
+          } else {
+            for (int64_t q = 0; q < P; ++q) kt2[q * kTk + j] = 0;
+          }
         }
-      } else {
-        for (int64_t q = 0; q < P; ++q) kt2[q * kTk + j] = 0;
-      }
-    }
-    for (int64_t i = 0; i < kTk / 2; ++i) {
-      const KV* v0 = jb.v + (t0 + 2 * i) * jb.vs + g * jb.vhs;
-      const KV* v1 = v0 + jb.vs;
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i x0 = 2 * i < n ? load32_bf16(v0 + d) : _mm512_setzero_si512();
-        const __m512i x1 = 2 * i + 1 < n ? load32_bf16(v1 + d) : _mm512_setzero_si512();
-        _mm512_storeu_si512(vt2 + i * D + d, _mm512_unpacklo_epi16(x0, x1));
-        _mm512_storeu_si512(vt2 + i * D + d + 16, _mm512_unpackhi_epi16(x0, x1));
-      }
-    }
-    for (int64_t r0 = 0; r0 < R; r0 += kRowsPerPass) {
-      const int rb = static_cast<int>(std::min<int64_t>(kRowsPerPass, R - r0));
-      float sc[kRowsPerPass][kTk];
-      tile_scores_bf16(q2 + r0 * P, P, kt2, rb, kProductUnit<KV>, sc);
-      for (int rr = 0; rr < rb; ++rr) {
-        const int64_t r = r0 + rr, pos = jb.ctx + i0 + r % nq;
-        const int64_t lo = jb.window > 0 ? pos - jb.window + 1 : 0;
-        if (t0 > pos || t0 + kTk <= lo) continue;
-        const int64_t j_end = std::min<int64_t>(n, pos - t0 + 1), j_begin = std::max<int64_t>(0, lo - t0);
-        float* s = sc[rr];
-        float sum;
-        const float m_new = softmax_tile(s, j_begin, j_end, m[r], &sum);
-        const float corr = exp_nonpositive(m[r] - m_new);
-        m[r] = m_new;
-        l[r] = l[r] * corr + sum;
+        for (int64_t i = 0; i < kTk / 2; ++i) {
+          const KV* v0 = jb.v + (t0 + 2 * i) * jb.vs + g * jb.vhs;
+          const KV* v1 = v0 + jb.vs;
+          for (int64_t d = 0; d < D; d += 32) {
+            const __m512i x0 = 2 * i < n ? load32_bf16(v0 + d) : _mm512_setzero_si512();
+            const __m512i x1 = 2 * i + 1 < n ? load32_bf16(v1 + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vt2 + i * D + d, _mm512_unpacklo_epi16(x0, x1));
+            _mm512_storeu_si512(vt2 + i * D + d + 16, _mm512_unpackhi_epi16(x0, x1));
+          }
+        }
+      },
+      [&](int64_t r0, int rb, float (*sc)[kTk]) { tile_scores_bf16(q2 + r0 * P, P, kt2, rb, kProductUnit<KV>, sc); },
+      [&](int64_t r, float corr, const float* s, int64_t n) {
         tile_values_bf16(o + r * D, D, corr, s, operand, vt2, static_cast<int>(n));
-      }
-    }
-  }
+      });
   unpermute_pairs(o, R * D / 32);
   for (int64_t r = 0; r < R; ++r) {
     float* dst = jb.o + (i0 + r % nq) * jb.os + (g * G + r / nq) * jb.ohs;
