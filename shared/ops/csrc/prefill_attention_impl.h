@@ -149,6 +149,25 @@ struct PrefillJob {
   float scale;
 };
 
+// A job covers query positions [i0, i1) of every query head of KV head g; its row r is query head
+// g * G + r / nq at position i0 + r % nq (nq = i1 - i0). Row r's query:
+template <typename KV>
+static inline const float* row_query(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t nq, int64_t r) {
+  return jb.q + (i0 + r % nq) * jb.qs + (g * jb.G + r / nq) * jb.qhs;
+}
+
+// The job's R rows of sums o, each times unit / its softmax sum l[r] (every row sees at least its own key),
+// into the output
+template <typename KV>
+static inline void write_rows(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t nq, int64_t R,
+                              const float* o, const float* l, float unit) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = jb.o + (i0 + r % nq) * jb.os + (g * jb.G + r / nq) * jb.ohs;
+    const float inv = unit / l[r];
+    for (int64_t d = 0; d < jb.D; ++d) dst[d] = o[r * jb.D + d] * inv;
+  }
+}
+
 // The job's walk over key tiles, shared by prefill_job's fp32 and bf16 forms: for each tile of kTk keys from
 // the first any of its rows sees to the last query's own, `load(t0, n)` makes the tile's n keys and values
 // ready, then per pass of up to kRowsPerPass rows `scores(r0, rb, sc)` fills their scores, and each row that
@@ -198,8 +217,8 @@ static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t
   float* m = o + R * D;               // [R]
   float* l = m + R;                   // [R]
   float* qr = l + R;                  // [R][D] the rows' queries times the scale
-  for (int64_t r = 0; r < R; ++r) {   // row r: head g * G + r / nq, position i0 + r % nq
-    const float* src = jb.q + (i0 + r % nq) * jb.qs + (g * G + r / nq) * jb.qhs;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = row_query(jb, g, i0, nq, r);
     for (int64_t d = 0; d < D; ++d) qr[r * D + d] = src[d] * jb.scale;
   }
   tile_walk(
@@ -235,11 +254,7 @@ static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t
       [&](int64_t r, float corr, const float* s, int64_t n) {
         tile_values(o + r * D, D, corr, s, vt, static_cast<int>(n));
       });
-  for (int64_t r = 0; r < R; ++r) {
-    float* dst = jb.o + (i0 + r % nq) * jb.os + (g * G + r / nq) * jb.ohs;
-    const float inv = 1.f / l[r];  // every row sees at least its own key
-    for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
-  }
+  write_rows(jb, g, i0, nq, R, o, l, 1.f);
 }
 
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
@@ -312,10 +327,8 @@ static void prefill_job_bf16(const PrefillJob<KV>& jb, int64_t g, int64_t i0, in
   float* l = m + R;                                          // [R]
   uint32_t* q2 = reinterpret_cast<uint32_t*>(l + R);          // [R][P] the rows' queries times the scale
   const float operand = std::ldexp(1.f, kOperandExp<KV>);
-  for (int64_t r = 0; r < R; ++r) {  // row r: head g * G + r / nq, position i0 + r % nq
-    const float* src = jb.q + (i0 + r % nq) * jb.qs + (g * G + r / nq) * jb.qhs;
-    to_bf16_scaled(src, D, jb.scale * operand, reinterpret_cast<uint16_t*>(q2 + r * P));
-  }
+  for (int64_t r = 0; r < R; ++r)
+    to_bf16_scaled(row_query(jb, g, i0, nq, r), D, jb.scale * operand, reinterpret_cast<uint16_t*>(q2 + r * P));
   tile_walk(
       jb, i0, i1, R, m, l, o,
       [&](int64_t t0, int64_t n) {
@@ -347,11 +360,7 @@ static void prefill_job_bf16(const PrefillJob<KV>& jb, int64_t g, int64_t i0, in
         tile_values_bf16(o + r * D, D, corr, s, operand, vt2, static_cast<int>(n));
       });
   unpermute_pairs(o, R * D / 32);
-  for (int64_t r = 0; r < R; ++r) {
-    float* dst = jb.o + (i0 + r % nq) * jb.os + (g * G + r / nq) * jb.ohs;
-    const float inv = kProductUnit<KV> / l[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
-  }
+  write_rows(jb, g, i0, nq, R, o, l, kProductUnit<KV>);
 }
 #endif
 
