@@ -15,7 +15,7 @@
 // against without): 1 row 4.37 / 5.75, 6 rows 6.09 / 7.11, 8 rows 6.59 / 7.00, 16 rows 8.91 / 9.26, 32 rows
 // 13.55 / 14.40, 64 rows 6.39 / 6.94 (8 layers); 1, 2 and 8 KiB ahead did no better; at 256 rows it is level
 // and at 2048 rows 2% slower (the weights are reused from the caches by every row block), so it stays off
-// above kW8StreamMaxRows. Measured on the VNNI path only (this CPU has no AVX2-only mode).
+// above kW8StreamMaxRows. Measured on the VNNI path; the avx2 loops take the same prefetches.
 constexpr int64_t kW8PrefetchAhead = 4096;
 constexpr int64_t kW8StreamMaxRows = 256;
 // With more than one pass over a panel (7 to kW8StreamMaxRows rows: a decode batch), only the first read it
@@ -41,6 +41,14 @@ static void w8_quantize_row(const float* x, int64_t K, uint8_t* q, float* scales
 #if BATON_ISA >= BATON_ISA_AVX512
     const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
     amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#elif BATON_ISA >= BATON_ISA_AVX2
+    // a prompt chunk quantizes every row of every projection: scalar, this was a fifth of an AVX2 prefill
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xb + 8 * i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     for (int64_t k = 0; k < kW8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
 #endif
@@ -55,6 +63,16 @@ static void w8_quantize_row(const float* x, int64_t K, uint8_t* q, float* scales
         _mm512_mul_ps(v1, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), offset);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(c1));
+#elif BATON_ISA >= BATON_ISA_AVX2
+    // nearbyint's rounding (to nearest even), then int32 -> int8 by two saturating packs (nothing saturates:
+    // |code| <= 127), whose lane interleave the permute undoes, and q + 128 as q's bits with the top one flipped
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i)
+      c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)));
 #else
     for (int64_t k = 0; k < kW8Block; ++k)
       qb[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(xb[k] * id)) + 128);
@@ -104,29 +122,49 @@ static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64
     _mm512_storeu_ps(out[m], _mm512_mul_ps(acc[m][0], s0));
     _mm512_storeu_ps(out[m] + 16, _mm512_mul_ps(acc[m][1], s1));
   }
-#else
-  (void)next;  // measured on the VNNI path only
-  float acc[MR][kW8Lanes] = {};
+#elif BATON_ISA >= BATON_ISA_AVX2
+  // vpmaddubsw on |q| and the weights signed by q, vpmaddwd to int32: 32 products in four instructions, the
+  // weights' four registers shared by the pass's rows; each block's sums fold into fp32 sums kept in L1
+  alignas(32) float acc[MR][kW8Lanes] = {};
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  int64_t line = 0;  // the next line of `next` to prefetch, spread over the blocks
   for (int64_t b = 0; b < blocks; ++b) {
+    prefetch_share_upto(next, line, b + 1, blocks);
     const int8_t* w = panel + b * kW8Block * kW8Lanes;
-    int32_t sum[MR][kW8Lanes];
-#if BATON_ISA >= BATON_ISA_AVX2
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int m = 0; m < MR; ++m) {
-      __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int64_t kq = 0; kq < kW8Block / 4; ++kq) {
+    __m256i s[MR][4];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 4; ++j) s[m][j] = _mm256_setzero_si256();
+    for (int64_t kq = 0; kq < kW8Block / 4; ++kq) {
+      if constexpr (kStream) {
+        __builtin_prefetch(w + kW8PrefetchAhead + kq * 4 * kW8Lanes, 0, 2);
+        __builtin_prefetch(w + kW8PrefetchAhead + kq * 4 * kW8Lanes + 64, 0, 2);
+      }
+      __m256i wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kq * 4 * kW8Lanes + 32 * j));
+      for (int m = 0; m < MR; ++m) {
         int32_t quad;
         std::memcpy(&quad, xq + m * ldx + b * kW8Block + 4 * kq, 4);
         const __m256i xs = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);  // q, signed
         const __m256i xa = _mm256_abs_epi8(xs);
-        for (int j = 0; j < 4; ++j) {
-          const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kq * 4 * kW8Lanes + 32 * j));
-          s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wj, xs)), ones));
-        }
+        for (int j = 0; j < 4; ++j)
+          s[m][j] = _mm256_add_epi32(s[m][j], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[j], xs)), ones));
       }
-      for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum[m] + 8 * j), s[j]);
     }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 d = _mm256_set1_ps(sx[m * lds + b]);
+      for (int j = 0; j < 4; ++j)
+        _mm256_store_ps(acc[m] + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][j]), d, _mm256_load_ps(acc[m] + 8 * j)));
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_ps(out[m] + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[m] + 8 * j), _mm256_loadu_ps(sw + 8 * j)));
 #else
+  (void)next;
+  float acc[MR][kW8Lanes] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* w = panel + b * kW8Block * kW8Lanes;
+    int32_t sum[MR][kW8Lanes];
     for (int m = 0; m < MR; ++m)
       for (int64_t l = 0; l < kW8Lanes; ++l) {
         int32_t s = 0;
@@ -134,7 +172,6 @@ static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64
           s += (static_cast<int32_t>(xq[m * ldx + b * kW8Block + k]) - 128) * w[(k / 4) * 4 * kW8Lanes + 4 * l + k % 4];
         sum[m][l] = s;
       }
-#endif
     for (int m = 0; m < MR; ++m)
       for (int64_t l = 0; l < kW8Lanes; ++l)
         acc[m][l] = std::fma(static_cast<float>(sum[m][l]), sx[m * lds + b], acc[m][l]);
