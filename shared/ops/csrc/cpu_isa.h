@@ -7,8 +7,8 @@
 //
 //   level         instructions it needs                       what it adds
 //   portable      none (plain loops)                           every kernel, for any CPU
-//   avx2          AVX2, FMA, F16C                              256-bit fp32 GEMV and attention, bf16 widened,
-//                                                              vpmaddubsw quantized GEMV and W8A8
+//   avx2          AVX2, FMA, F16C                              256-bit fp32 GEMV and attention (bf16 and fp8
+//                                                              caches widened), vpmaddubsw quantized GEMV and W8A8
 //   avx512        AVX-512 F/BW/VL/DQ                           512-bit paths, 8-row GEMV passes with prefetch
 //   avx512_bf16   + AVX512-BF16, AVX512-VNNI                   vdpbf16ps bf16 GEMV and attention over a bf16 or
 //                                                              fp8 cache, vpdpbusd quantized GEMV and W8A8

@@ -1,5 +1,5 @@
-// exp for the attention kernels' softmax (paged_decode_impl.h, prefill_attention_impl.h): one float, or
-// 16 lanes from avx512 up.
+// exp for the attention kernels' softmax (paged_decode_impl.h, prefill_attention_impl.h): one float, 8 lanes
+// at avx2 (the decode kernel's), or 16 lanes from avx512 up.
 // No `#pragma once`: each kernel's *_impl.h includes it inside each level's namespace (isa_variants.h).
 // Needs <cmath>, <cstdint> and <cstring>, which the kernel's .cpp includes first.
 
@@ -40,5 +40,24 @@ static inline __m512 exp_nonpositive16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+#if BATON_ISA == BATON_ISA_AVX2
+// exp_nonpositive's steps on 8 lanes (the decode kernel's softmax at avx2)
+static inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif

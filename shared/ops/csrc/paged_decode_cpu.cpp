@@ -7,7 +7,8 @@
 // contiguous copy first (the torch reference's cost: a copy of every sequence's context per layer).
 // A job is one row (or, when there are few rows, part of its KV heads): each key and value vector is
 // loaded once for all query heads that share it. With AVX-512 and head_dim 32/64/128/256 a job runs the
-// wide path (`attend_avx512`), else the portable loops (`dot` from simd_dot.h, whatever the target).
+// wide path (`attend_avx512`), with AVX2 and a head_dim that is a multiple of 8 up to 512 its 8-lane form
+// (`attend_avx2`), else the portable loops (`dot` from simd_dot.h, whatever the target).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

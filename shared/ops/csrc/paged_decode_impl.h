@@ -1,10 +1,11 @@
 // The paged decode attention's loops, compiled once per instruction-set level (isa_variants.h; the
-// contract is in paged_decode_cpu.cpp): from avx512 up the wide path, below it the portable loops.
+// contract is in paged_decode_cpu.cpp): from avx512 up the wide path, at avx2 its 8-lane form, at portable
+// the portable loops.
 
 #include "simd_dot.h"  // inside the level's namespace: `dot` is vectorised for the level
 
 #include "exp_simd.h"  // exp_nonpositive, for the softmax
-#include "widen16.h"   // load16 and kUnit: 16 cached values as fp32 from avx512 up
+#include "widen16.h"   // load16 and kUnit: 16 cached values as fp32 from avx512 up (load8: 8 at avx2)
 #include "bf16_pairs.h"  // load32_bf16 and the scales of the vdpbf16ps passes, from avx512_bf16 up
 
 // Keys (and values) are prefetched this many positions ahead, through the block table. Measured at batch
@@ -74,31 +75,8 @@ static void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv) {
 #endif
 }
 
-#if BATON_ISA >= BATON_ISA_AVX512
-// The wide path. The portable loops spent ~460 cycles per (row, token) at SmolLM2's 9 heads on Zen 4 with
-// the cache in L1/L2: an 8-lane dot product ending in a horizontal sum per score, and the value pass's sums
-// round-tripping through memory. Here 16 scores come out of one transposing reduction and the sums stay in
-// registers. A/B on Zen 4, two threads, 30 layers' caches with scattered blocks, medians of 15 (ms, wide
-// against portable): batch 16 at 100-token contexts 3.9 / 5.0, batch 32 at 300 25.5 / 33.2, batch 64 at
-// 200 32.4 / 42.4, one row at 500 2.0 / 2.8. Scores differ from the portable loops' in the order of the
-// additions only; for a given row they do not depend on the batch.
-constexpr int kChunk = 16;  // tokens whose scores come out of one transposing reduction (one AVX-512 vector)
-
-// out[t] = the sum of p[t]'s 16 lanes, for 16 vectors at once: ~3 instructions a sum where a horizontal
-// reduction of each takes ~8. The order of the additions is fixed, so a row's scores do not depend on the batch.
-static inline __m512 lane_sums16(const __m512 (&p)[kChunk]) {
-  __m512 x[8], y[4], z[2];
-  for (int i = 0; i < 8; ++i)  // [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane, for the pair (a, b)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // each 128-bit lane L holds its own part of vectors 4i .. 4i + 3
-    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)  // 128-bit lanes (0 + 1, 2 + 3) of y[2i], then of y[2i + 1]
-    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
-}
+#if BATON_ISA >= BATON_ISA_AVX2
+// The wide paths' pieces, at avx2 and from avx512 up.
 
 // Prefetches into L2 the cache lines of heads [h0, h1) of positions [t, t_end), a few at a time (`step`), so
 // that the next chunk's lines arrive while this chunk is computed. One A/B on Zen 4 (batch 16, 100-token
@@ -157,6 +135,37 @@ struct Job {
   bool prefetch;  // decode_prefetch (paged_decode_cpu.cpp) when the call began
   Prefetcher<KV> after;  // what to fetch during the value pass's last chunk: the thread's next job's first keys
 };
+#endif
+
+#if BATON_ISA == BATON_ISA_AVX2
+#include "paged_decode_avx2.h"  // the 8-lane path
+#endif
+
+#if BATON_ISA >= BATON_ISA_AVX512
+// The wide path. The portable loops spent ~460 cycles per (row, token) at SmolLM2's 9 heads on Zen 4 with
+// the cache in L1/L2: an 8-lane dot product ending in a horizontal sum per score, and the value pass's sums
+// round-tripping through memory. Here 16 scores come out of one transposing reduction and the sums stay in
+// registers. A/B on Zen 4, two threads, 30 layers' caches with scattered blocks, medians of 15 (ms, wide
+// against portable): batch 16 at 100-token contexts 3.9 / 5.0, batch 32 at 300 25.5 / 33.2, batch 64 at
+// 200 32.4 / 42.4, one row at 500 2.0 / 2.8. Scores differ from the portable loops' in the order of the
+// additions only; for a given row they do not depend on the batch.
+constexpr int kChunk = 16;  // tokens whose scores come out of one transposing reduction (one AVX-512 vector)
+
+// out[t] = the sum of p[t]'s 16 lanes, for 16 vectors at once: ~3 instructions a sum where a horizontal
+// reduction of each takes ~8. The order of the additions is fixed, so a row's scores do not depend on the batch.
+static inline __m512 lane_sums16(const __m512 (&p)[kChunk]) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // [a0+a2, b0+b2, a1+a3, b1+b3] in each 128-bit lane, for the pair (a, b)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane L holds its own part of vectors 4i .. 4i + 3
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes (0 + 1, 2 + 3) of y[2i], then of y[2i + 1]
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
 
 // 64-byte lines of one head's DV * 16 cached elements (an fp8 head of 32 is half a line)
 template <int DV, typename KV>
@@ -438,6 +447,8 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
 #if BATON_ISA >= BATON_ISA_AVX512
   const int64_t dv = D % 16 == 0 ? D / 16 : 0;
   const bool wide = dv == 2 || dv == 4 || dv == 8 || dv == 16;
+#elif BATON_ISA == BATON_ISA_AVX2
+  const bool wide = D % 8 == 0 && D <= kMaxWideDim;
 #endif
   at::parallel_for(0, R * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, inv;
@@ -453,7 +464,7 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
       acc.assign(nq * D, 0.f);
       const int32_t* table = sp.table;
       const float* qj = q + r * qrs + h0 * G * qhs;
-#if BATON_ISA >= BATON_ISA_AVX512
+#if BATON_ISA >= BATON_ISA_AVX2
       if (wide) {
         koff.resize(n);
         voff.resize(n);
@@ -472,7 +483,7 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
             next_koff[t] = nx.table[p / bs] * kbs + (p % bs) * kts;
           }
           jb.after = Prefetcher<KV>{kc, next_koff, 0, nx.h0 < nx.h1 ? m : 0, nx.h0, nx.h1, khs,
-                                    (int)((dv * 16 * sizeof(KV) + 63) / 64)};
+                                    (int)((D * sizeof(KV) + 63) / 64)};
         }
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
         constexpr bool kNarrow = !std::is_same_v<KV, float>;  // an fp32 cache keeps the fp32 passes
@@ -486,10 +497,14 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
         } else
 #endif
         {
+#if BATON_ISA >= BATON_ISA_AVX512
           if (dv == 2) attend_avx512<2, KV>(jb, scores.data(), inv.data(), acc.data());
           else if (dv == 4) attend_avx512<4, KV>(jb, scores.data(), inv.data(), acc.data());
           else if (dv == 8) attend_avx512<8, KV>(jb, scores.data(), inv.data(), acc.data());
           else attend_avx512<16, KV>(jb, scores.data(), inv.data(), acc.data());
+#else
+          attend_avx2<KV>(jb, D, scores.data(), inv.data(), acc.data());
+#endif
         }
       } else
 #endif

@@ -47,7 +47,8 @@ def test_kernel_builds() -> None:
      (4, 2, 96, 16), (8, 2, 128, 16)],
     # With AVX-512, head_dim 32, 64, 128 and 256 take the wide path (gemma3: a KV head's 4 query heads one at a
     # time; d128: two at a time), the others the portable loops. d12: dot products with a scalar tail; d96:
-    # a value pass narrower than the 64-lane accumulator.
+    # a value pass narrower than the 64-lane accumulator. At avx2 every head_dim but d12 takes the 8-lane path
+    # (d8: one vector, 8 query heads' sums at once; d96: its dims in slices of 8 vectors and of 4).
     ids=["smollm2", "block4", "gemma3", "mha", "group8-d8", "d12", "d96", "d128"],
 )
 def test_matches_reference(make_batch: Callable[..., AttentionBatch], num_heads: int, num_kv_heads: int,
@@ -114,6 +115,25 @@ def test_write_kv_op_rejects_a_slot_outside_the_cache() -> None:
         cpu_attention.write_kv_cpu(cache[:, 0], cache[:, 1], key, key, torch.tensor([12]))
 
 
+def as_cache_dtype(batch: AttentionBatch, kv_dtype: torch.dtype) -> float | None:
+    """The batch's cache in `kv_dtype`, and this step's keys and values as the engine stores them there: the
+    reference on them, widened, is the truth. From avx512_bf16 up a bf16 or fp8 cache's decode rows take
+    vdpbf16ps passes (paged_decode_impl.h), which read fp8 subnormals as zero and round the query and the
+    softmax weights to bf16: there the cache holds no subnormal and the query is one bf16 holds exactly, and
+    the tolerance those passes need is returned (at most 2^-9 of the largest value; allowed: 2^-8). None
+    where the kernel reads the cache exactly and computes in fp32."""
+    batch.kv = to_cache_dtype(batch.kv, kv_dtype)  # the cache rounded; this step's keys (stored by the engine) too
+    batch.key = to_cache_dtype(batch.key, kv_dtype).float()
+    batch.value = to_cache_dtype(batch.value, kv_dtype).float()
+    if kv_dtype == torch.float32 or not cpu_isa.isa_at_least("avx512_bf16"):
+        return None
+    batch.kv = fp8_subnormals_zeroed(batch.kv)
+    batch.key = fp8_subnormals_zeroed(batch.key.to(kv_dtype)).float()
+    batch.value = fp8_subnormals_zeroed(batch.value.to(kv_dtype)).float()
+    batch.query = batch.query.bfloat16().float()
+    return 2**-8 * max(batch.kv[:, :, 1].float().abs().max().item(), batch.value.abs().max().item())
+
+
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (4, 1, 256, 8), (6, 2, 12, 16), (8, 2, 128, 16)],
@@ -126,13 +146,8 @@ def test_a_narrow_cache_under_fp32_queries(make_batch: Callable[..., AttentionBa
                                            isa_level: str) -> None:
     """A bf16 or fp8 KV cache is widened as it is read: the reference on the same cache, widened, is the truth.
     The fp8 caches hold keys of magnitudes from 1e-4 to 4 and values up to 1000, so that every code,
-    subnormals too, is read (the tolerance grows with the outputs).
-
-    From avx512_bf16 up the decode rows take vdpbf16ps passes (paged_decode_impl.h), which read fp8 subnormals
-    as zero and round the query and the softmax weights to bf16: there the cache holds no subnormal, the query
-    is one bf16 holds exactly, and the outputs may differ by the weights' rounding, at most 2^-9 of the
-    largest value (allowed: 2^-8). The prefill kernel's rows stay as exact as before."""
-    bf16_passes = cpu_isa.isa_at_least("avx512_bf16")
+    subnormals too, is read (the tolerance grows with the outputs). From avx512_bf16 up the outputs may differ
+    by the vdpbf16ps passes' rounding (as_cache_dtype); the prefill kernel's rows stay as exact as before."""
     for window in (None, 7):
         batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size)
         if kv_dtype != torch.bfloat16:
@@ -140,19 +155,59 @@ def test_a_narrow_cache_under_fp32_queries(make_batch: Callable[..., AttentionBa
             exponents = torch.empty(batch.kv.shape).uniform_(-4, 2.5, generator=g)
             exponents[:, :, 0] = exponents[:, :, 0].clamp(max=0)  # keys up to ~4: no score in the thousands
             batch.kv = batch.kv * torch.pow(10.0, exponents)
-        batch.kv = to_cache_dtype(batch.kv, kv_dtype)  # the cache rounded; this step's keys (stored by the engine) too
-        batch.key = to_cache_dtype(batch.key, kv_dtype).float()
-        batch.value = to_cache_dtype(batch.value, kv_dtype).float()
-        atol = None
-        if bf16_passes:
-            batch.kv = fp8_subnormals_zeroed(batch.kv)
-            batch.key = fp8_subnormals_zeroed(batch.key.to(kv_dtype)).float()
-            batch.value = fp8_subnormals_zeroed(batch.value.to(kv_dtype)).float()
-            batch.query = batch.query.bfloat16().float()
-            atol = 2**-8 * max(batch.kv[:, :, 1].float().abs().max().item(), batch.value.abs().max().item())
+        atol = as_cache_dtype(batch, kv_dtype)
         out, ref = run_both(batch, window, poison=True)
         atol = atol or 1e-5 * max(1.0, ref.abs().max().item())
         torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
+
+
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+KV_IDS = ["fp32", "bf16", "e4m3", "e5m2"]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=KV_IDS)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 1, 256), (3, 3, 40), (8, 2, 24), (4, 2, 512)],
+    # d40 and d24: dims in slices of 4 vectors and 1, of 2 and 1 at avx2; d512: the widest it takes (Gemma 4's
+    # global layers), the portable loops from avx512 up
+    ids=["smollm2", "gemma3", "mha-d40", "group4-d24", "d512"],
+)
+def test_contexts_around_the_chunk_edges(make_batch: Callable[..., AttentionBatch], num_heads: int,
+                                         num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                                         isa_level: str) -> None:
+    """A decode row at each position 0 .. 33: contexts of 1 to 34 keys, so chunks of 8 (avx2) and 16 (avx512)
+    keys end full and short by every count, whole and under sliding windows of 7, 8 and 9 keys."""
+    for window in (None, 7, 8, 9):
+        batch = make_batch([(context, 1) for context in range(34)], num_heads, num_kv_heads, head_dim, 8)
+        atol = as_cache_dtype(batch, kv_dtype)
+        out, ref = run_both(batch, window, poison=True)
+        atol = atol or 1e-5 * max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=KV_IDS)
+def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(make_batch: Callable[..., AttentionBatch],
+                                                               kv_dtype: torch.dtype, isa_level: str) -> None:
+    """Each decode row's output, bit for bit, from the whole batch on one thread (a job per row) and from a
+    batch of that row alone on four (its KV heads split over jobs): the sums run in a fixed order."""
+    batch = make_batch([(context, 1) for context in (0, 7, 8, 15, 30, 61)], 9, 3, 64, 16)
+    as_cache_dtype(batch, kv_dtype)
+    kernel_rows = cpu_attention.kernel_rows(batch.meta, batch.query.device)
+    assert kernel_rows is not None  # decode rows only: the kernel takes them all
+    rows, row_seq, row_pos = kernel_rows
+
+    def decode(keep: slice, threads: int) -> torch.Tensor:
+        out = torch.zeros_like(batch.query)
+        with torch_threads(threads):
+            torch.ops.baton_cpu.paged_decode(out, batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                                             rows[keep], row_seq[keep], row_pos[keep], batch.scale, 0)
+        return out
+
+    whole = decode(slice(None), 1)
+    for i in range(rows.numel()):
+        alone = decode(slice(i, i + 1), 4)
+        assert torch.equal(alone[rows[i]], whole[rows[i]]), f"row {i}"
 
 
 def _fp8_grid(dtype: torch.dtype) -> torch.Tensor:
