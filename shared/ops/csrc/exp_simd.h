@@ -1,5 +1,5 @@
 // exp for the attention kernels' softmax (paged_decode_impl.h, prefill_attention_impl.h): one float, 8 lanes
-// at avx2 (the decode kernel's), or 16 lanes from avx512 up.
+// at avx2, or 16 lanes from avx512 up.
 // No `#pragma once`: each kernel's *_impl.h includes it inside each level's namespace (isa_variants.h).
 // Needs <cmath>, <cstdint> and <cstring>, which the kernel's .cpp includes first.
 
@@ -44,7 +44,7 @@ static inline __m512 exp_nonpositive16(__m512 x) {
 #endif
 
 #if BATON_ISA == BATON_ISA_AVX2
-// exp_nonpositive's steps on 8 lanes (the decode kernel's softmax at avx2)
+// exp_nonpositive's steps on 8 lanes (both kernels' softmax at avx2)
 static inline __m256 exp_nonpositive8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
   const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));

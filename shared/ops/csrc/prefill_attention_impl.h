@@ -2,7 +2,7 @@
 // prefill_attention_cpu.cpp). From avx512 up the scores, the softmax and the values' sums of a tile are
 // intrinsics (a tile's scores are two registers; eight rows' scores are independent FMA chains, which
 // the compiler's version of the plain loop left as one chain through memory, 2.4 ms against 0.9 a chunk);
-// below it, plain loops over the same tiles.
+// at avx2 the same on 8 lanes, two rows at a time; at portable, plain loops over the same tiles.
 
 #include "exp_simd.h"  // inside the level's namespace: exp_nonpositive(16)
 #include "simd_dot.h"  // to_f32: a bf16 or fp8 cache's bits widened
@@ -48,6 +48,28 @@ static inline void tile_scores(const float* q, int64_t D, const float* kt, int r
   }
   for (int r = 0; r < rb; ++r)
     for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(sc[r] + 16 * v, s[r][v]);
+#elif BATON_ISA == BATON_ISA_AVX2
+  // two rows at a time: their 2 x 4 sums, the tile's four key vectors and a broadcast fit the 16 ymm (the
+  // plain loop below kept each row's sums in memory, one chain through it)
+  constexpr int kV8 = kTk / 8;
+  for (int r = 0; r < rb; r += 2) {
+    const bool pair = r + 1 < rb;
+    const float* q1 = q + (pair ? r + 1 : r) * D;
+    __m256 s0[kV8], s1[kV8];
+    for (int v = 0; v < kV8; ++v) s0[v] = s1[v] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 x0 = _mm256_set1_ps(q[r * D + d]), x1 = _mm256_set1_ps(q1[d]);
+      for (int v = 0; v < kV8; ++v) {
+        const __m256 kd = _mm256_loadu_ps(kt + d * kTk + 8 * v);
+        s0[v] = _mm256_fmadd_ps(x0, kd, s0[v]);
+        s1[v] = _mm256_fmadd_ps(x1, kd, s1[v]);
+      }
+    }
+    for (int v = 0; v < kV8; ++v) {
+      _mm256_storeu_ps(sc[r] + 8 * v, s0[v]);
+      if (pair) _mm256_storeu_ps(sc[r + 1] + 8 * v, s1[v]);
+    }
+  }
 #else
   for (int r = 0; r < rb; ++r) {
     float* s = sc[r];
@@ -85,6 +107,33 @@ static inline float softmax_tile(float* s, int64_t j_begin, int64_t j_end, float
   }
   *sum = _mm512_reduce_add_ps(total);
   return m_new;
+#elif BATON_ISA == BATON_ISA_AVX2
+  // the plain loop's exps ran one at a time (its sum is a reduction the compiler keeps in order)
+  constexpr int kV8 = kTk / 8;
+  __m256 sv[kV8], valid[kV8];
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int v = 0; v < kV8; ++v) {
+    const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * v));
+    valid[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32((int)j_begin - 1)),
+                                                    _mm256_cmpgt_epi32(_mm256_set1_epi32((int)j_end), j)));
+    sv[v] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + 8 * v), valid[v]);
+    mx = _mm256_max_ps(mx, sv[v]);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float m_new = std::max(m_old, _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))));
+  const __m256 mn = _mm256_set1_ps(m_new);
+  __m256 total = _mm256_setzero_ps();
+  for (int v = 0; v < kV8; ++v) {
+    const __m256 e = _mm256_and_ps(valid[v], exp_nonpositive8(_mm256_sub_ps(sv[v], mn)));
+    _mm256_storeu_ps(s + 8 * v, e);
+    total = _mm256_add_ps(total, e);
+  }
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  *sum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  return m_new;
 #else
   float mx = m_old;
   for (int64_t j = j_begin; j < j_end; ++j) mx = std::max(mx, s[j]);
@@ -119,6 +168,20 @@ static inline void tile_values(float* __restrict acc, int64_t D, float corr, con
       _mm512_storeu_ps(acc + d0 + 16, a1);
       _mm512_storeu_ps(acc + d0 + 32, a2);
       _mm512_storeu_ps(acc + d0 + 48, a3);
+    }
+    return;
+  }
+#elif BATON_ISA == BATON_ISA_AVX2
+  if (D % 32 == 0) {  // avx512's loop on four ymm sums of 8: a value row's 32 dims at a time, in registers
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      __m256 a[4];
+      for (int i = 0; i < 4; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), c);
+      for (int j = 0; j < n; ++j) {
+        const __m256 w = _mm256_set1_ps(p[j]);
+        for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + j * D + d0 + 8 * i), a[i]);
+      }
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
     }
     return;
   }
@@ -238,6 +301,16 @@ static void prefill_job(const PrefillJob<KV>& jb, int64_t g, int64_t i0, int64_t
                 for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(row + d, widen16(kp + d));
                 for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = row[d];
                 for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vt + j * D + d, widen16(vp + d));
+                continue;
+              }
+            }
+#elif BATON_ISA == BATON_ISA_AVX2
+            if constexpr (!std::is_same_v<KV, float>) {  // as above, 8 at a time (fp8 through F16C)
+              if (D % 8 == 0 && D <= kMaxWidenedDim) {
+                alignas(32) float row[kMaxWidenedDim];
+                for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(row + d, widen8(kp + d));
+                for (int64_t d = 0; d < D; ++d) kt[d * kTk + j] = row[d];
+                for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vt + j * D + d, widen8(vp + d));
                 continue;
               }
             }

@@ -126,14 +126,23 @@ static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64
   // vpmaddubsw on |q| and the weights signed by q, vpmaddwd to int32: 32 products in four instructions, the
   // weights' four registers shared by the pass's rows; each block's sums fold into fp32 sums kept in L1
   alignas(32) float acc[MR][kW8Lanes] = {};
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  // the block's q (signed) and |q| of each row, made once per block rather than once per quad and weight
+  // register: the quads are then broadcast from L1, and the loop keeps no constant but `ones` (with `flip`
+  // too, two rows' sums, the weights, the constants and the quad took all 16 registers: two sums spilled)
+  alignas(32) int32_t xsig[MR][kW8Block / 4], xabs[MR][kW8Block / 4];
+  const __m256i ones = _mm256_set1_epi16(1);
   int64_t line = 0;  // the next line of `next` to prefetch, spread over the blocks
   for (int64_t b = 0; b < blocks; ++b) {
     prefetch_share_upto(next, line, b + 1, blocks);
     const int8_t* w = panel + b * kW8Block * kW8Lanes;
     __m256i s[MR][4];
-    for (int m = 0; m < MR; ++m)
+    for (int m = 0; m < MR; ++m) {
+      const __m256i xs = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + b * kW8Block)),
+                                          _mm256_set1_epi8(static_cast<char>(0x80)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(xsig[m]), xs);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(xabs[m]), _mm256_abs_epi8(xs));
       for (int j = 0; j < 4; ++j) s[m][j] = _mm256_setzero_si256();
+    }
     for (int64_t kq = 0; kq < kW8Block / 4; ++kq) {
       if constexpr (kStream) {
         __builtin_prefetch(w + kW8PrefetchAhead + kq * 4 * kW8Lanes, 0, 2);
@@ -142,10 +151,7 @@ static void w8_panel_rows(const uint8_t* xq, int64_t ldx, const float* sx, int64
       __m256i wv[4];
       for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kq * 4 * kW8Lanes + 32 * j));
       for (int m = 0; m < MR; ++m) {
-        int32_t quad;
-        std::memcpy(&quad, xq + m * ldx + b * kW8Block + 4 * kq, 4);
-        const __m256i xs = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);  // q, signed
-        const __m256i xa = _mm256_abs_epi8(xs);
+        const __m256i xs = _mm256_set1_epi32(xsig[m][kq]), xa = _mm256_set1_epi32(xabs[m][kq]);
         for (int j = 0; j < 4; ++j)
           s[m][j] = _mm256_add_epi32(s[m][j], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[j], xs)), ones));
       }

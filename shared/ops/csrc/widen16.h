@@ -1,5 +1,5 @@
 // 16 cached keys or values widened to fp32 from avx512 up, for the two attention kernels (paged_decode_impl.h,
-// prefill_attention_impl.h), and 8 at avx2 (the decode kernel's). No `#pragma once`: an *_impl.h includes it
+// prefill_attention_impl.h), and 8 at avx2. No `#pragma once`: an *_impl.h includes it
 // inside each level's namespace (isa_variants.h), after fp8.h was included at file scope.
 #if BATON_ISA >= BATON_ISA_AVX2
 // What load16 and load8 leave an fp8 e4m3 value divided by (below)
@@ -48,5 +48,11 @@ static inline __m256 load8(const fp8_e5m2* p) {
 static inline __m256 load8(const fp8_e4m3* p) {
   const __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p)), 7);
   return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)));
+}
+// the values themselves (load8's times kUnit), for the prompt-chunk kernel
+template <typename KV>
+static inline __m256 widen8(const KV* p) {
+  if constexpr (kUnit<KV> == 1.f) return load8(p);
+  else return _mm256_mul_ps(load8(p), _mm256_set1_ps(kUnit<KV>));
 }
 #endif
