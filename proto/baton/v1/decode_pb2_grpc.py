@@ -6,7 +6,7 @@ import warnings
 from proto.baton.v1 import common_pb2 as proto_dot_baton_dot_v1_dot_common__pb2
 from proto.baton.v1 import decode_pb2 as proto_dot_baton_dot_v1_dot_decode__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
