@@ -42,7 +42,7 @@ static void w8_quantize_row(const float* x, int64_t K, uint8_t* q, float* scales
     const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
     amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
 #elif BATON_ISA >= BATON_ISA_AVX2
-    // a prompt chunk quantizes every row of every projection: scalar, this was a fifth of an AVX2 prefill
+    // a prompt chunk quantizes every row of every projection; the plain loop below takes a value at a time
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 v[4], m = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xb + 8 * i)));
