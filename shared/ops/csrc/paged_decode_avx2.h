@@ -21,20 +21,9 @@ static inline __m256i first_lanes(int64_t c) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// v's 8 lanes folded by op (_mm_add_ps or _mm_max_ps, in a lambda) in a fixed order: the two halves, then
-// lanes 0 + 2 and 1 + 3, then those two
-template <typename Op>
-static inline float reduce8(__m256 v, Op op) {
-  __m128 s = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = op(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(op(s, _mm_movehdup_ps(s)));
-}
-
 // softmax_rows on 8 lanes: each of `rows` rows of n scores becomes exp(score - the row's max), in place;
 // inv[j] = 1 / row j's sum, 8 lanes' partial sums added in a fixed order
 static void softmax_rows8(float* scores, int64_t rows, int64_t n, float* inv) {
-  const auto max4 = [](__m128 a, __m128 b) { return _mm_max_ps(a, b); };
-  const auto add4 = [](__m128 a, __m128 b) { return _mm_add_ps(a, b); };
   for (int64_t j = 0; j < rows; ++j) {
     float* sc = scores + j * n;
     __m256 mx = _mm256_set1_ps(-INFINITY);
@@ -43,7 +32,7 @@ static void softmax_rows8(float* scores, int64_t rows, int64_t n, float* inv) {
     const __m256i tail = first_lanes(n - t);
     const __m256 last = _mm256_maskload_ps(sc + t, tail);  // 0 in the lanes past n: -inf for the max
     mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), last, _mm256_castsi256_ps(tail)));
-    const __m256 m = _mm256_set1_ps(reduce8(mx, max4));
+    const __m256 m = _mm256_set1_ps(reduce_max8(mx));
     __m256 sum = _mm256_setzero_ps();
     for (t = 0; t + 8 <= n; t += 8) {
       const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
@@ -52,7 +41,7 @@ static void softmax_rows8(float* scores, int64_t rows, int64_t n, float* inv) {
     }
     const __m256 e = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(last, m)), _mm256_castsi256_ps(tail));
     _mm256_maskstore_ps(sc + t, tail, e);
-    inv[j] = 1.f / reduce8(_mm256_add_ps(sum, e), add4);
+    inv[j] = 1.f / reduce_add8(_mm256_add_ps(sum, e));
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include "exp_simd.h"  // inside the level's namespace: exp_nonpositive(16)
 #include "simd_dot.h"  // to_f32: a bf16 or fp8 cache's bits widened
+#include "reduce8.h"   // reduce_max8 and reduce_add8 for the avx2 softmax
 #include "widen16.h"   // widen16: 16 of them at once from avx512 up
 #include "bf16_pairs.h"  // load32_bf16 and the scales of the vdpbf16ps passes, from avx512_bf16 up
 
@@ -120,9 +121,7 @@ static inline float softmax_tile(float* s, int64_t j_begin, int64_t j_end, float
     sv[v] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + 8 * v), valid[v]);
     mx = _mm256_max_ps(mx, sv[v]);
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  const float m_new = std::max(m_old, _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))));
+  const float m_new = std::max(m_old, reduce_max8(mx));
   const __m256 mn = _mm256_set1_ps(m_new);
   __m256 total = _mm256_setzero_ps();
   for (int v = 0; v < kV8; ++v) {
@@ -130,9 +129,7 @@ static inline float softmax_tile(float* s, int64_t j_begin, int64_t j_end, float
     _mm256_storeu_ps(s + 8 * v, e);
     total = _mm256_add_ps(total, e);
   }
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  *sum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  *sum = reduce_add8(total);
   return m_new;
 #else
   float mx = m_old;

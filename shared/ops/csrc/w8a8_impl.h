@@ -26,6 +26,7 @@ constexpr int64_t kW8StreamMaxRows = 256;
 
 #include "gated_rows.h"  // inside the level's namespace: the row loop with its SiLU epilogue
 #include "panel_prefetch.h"  // the later passes' share of the next panel
+#include "reduce8.h"  // reduce_max8: a block's max |x| at avx2
 
 // Rows per pass over a panel: with VNNI six rows' block sums and running outputs (four zmm a row) stay in
 // registers beside the two weight registers and the block's two offsets
@@ -46,9 +47,7 @@ static void w8_quantize_row(const float* x, int64_t K, uint8_t* q, float* scales
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 v[4], m = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xb + 8 * i)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    amax = reduce_max8(m);
 #else
     for (int64_t k = 0; k < kW8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
 #endif
