@@ -60,6 +60,7 @@ from shared.engine.precision import KV_CACHE_DTYPE_CHOICES
 from shared.engine.request import SamplingParams
 from shared.models.weight_format import QUANTIZATIONS
 from shared.ops.linear import LinearWeight
+from shared.service.gc_heap import freeze_startup_heap
 from shared.tokenizer import encode_prompt
 
 QUESTIONS = [
@@ -185,6 +186,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(engine.loaded.hf_dir, dtype=getattr(torch, args.hf_dtype)).eval()
     chat = engine.loaded.chat_template is not None
     all_prompts = fold_prompts([encode_prompt(tokenizer, q, chat=chat) for q in QUESTIONS], hf.config.vocab_size)
+    freeze_startup_heap()  # as a serving process does once started; transformers' copy gains alike
 
     bandwidths: list[float] = []  # one before each batch-1 run of baton
     wbytes = weight_bytes(engine)

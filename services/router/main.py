@@ -29,6 +29,7 @@ from shared.models.generation_config import load_generation_defaults
 from shared.models.loader import resolve_model
 from shared.registry import connect_registry
 from shared.registry.base import Registry
+from shared.service.gc_heap import freeze_startup_heap
 from shared.service.lifecycle import run, set_up_process
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ async def serve(settings: RouterSettings) -> None:
     try:
         logger.info("router serving %s on http://%s:%d (mode %s)", settings.model_name, settings.host,
                     settings.port, settings.mode)
+        freeze_startup_heap()  # the app, tokenizer and backend are built: collections skip them from here
         await uvicorn.Server(config).serve()
     finally:
         for sig, handler in previous.items():
