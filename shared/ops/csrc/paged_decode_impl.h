@@ -5,7 +5,7 @@
 #include "simd_dot.h"  // inside the level's namespace: `dot` is vectorised for the level
 
 #include "exp_simd.h"  // exp_nonpositive, for the softmax
-#include "reduce8.h"   // reduce8: a ymm register's lanes in a fixed order, at avx2
+#include "reduce8.h"   // reduce_max8 and reduce_add8 for the avx2 softmax
 #include "widen16.h"   // load16 and kUnit: 16 cached values as fp32 from avx512 up (load8: 8 at avx2)
 #include "bf16_pairs.h"  // load32_bf16 and the scales of the vdpbf16ps passes, from avx512_bf16 up
 
