@@ -11,6 +11,7 @@ from services.decode.server import SERVICE_NAME, DecodeServicer
 from services.decode.settings import DecodeSettings
 from shared.engine.async_engine import AsyncEngine
 from shared.service.engine_host import RunningKVService, start_engine_service
+from shared.service.gc_heap import frozen_after
 from shared.service.kv_calls import EngineKVCalls
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run, run_until_signal, set_up_process
@@ -35,7 +36,7 @@ async def start(settings: DecodeSettings) -> RunningKVService:
 def main() -> None:
     settings = DecodeSettings()
     set_up_process("decode", settings)  # colocated role too
-    run(run_until_signal(lambda: start(settings)))
+    run(run_until_signal(lambda: frozen_after(start(settings))))
 
 
 if __name__ == "__main__":

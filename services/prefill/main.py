@@ -9,6 +9,7 @@ from services.prefill.server import SERVICE_NAME, PrefillServicer
 from services.prefill.settings import PrefillSettings
 from shared.engine.async_engine import AsyncEngine
 from shared.service.engine_host import RunningKVService, start_engine_service
+from shared.service.gc_heap import frozen_after
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import run, run_until_signal, set_up_process
 
@@ -27,7 +28,7 @@ async def start(settings: PrefillSettings) -> RunningKVService:
 def main() -> None:
     settings = PrefillSettings()
     set_up_process("prefill", settings)
-    run(run_until_signal(lambda: start(settings)))
+    run(run_until_signal(lambda: frozen_after(start(settings))))
 
 
 if __name__ == "__main__":

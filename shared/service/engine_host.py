@@ -31,7 +31,6 @@ from shared.registry.heartbeat import Heartbeater
 from shared.registry.kv_summary import KVSummary, summarize
 from shared.service.engine_metrics import engine_registry
 from shared.service.fresh_thread import run_on_fresh_thread
-from shared.service.gc_heap import freeze_startup_heap
 from shared.service.kv_client import KVTransferClient
 from shared.service.lifecycle import MetricsHTTP, write_port_file
 from shared.service.settings import EngineServiceSettings
@@ -121,7 +120,6 @@ async def start_engine_service(
         running.heartbeater = Heartbeater(running.registry, info, lambda: _load(aengine), settings.heartbeat_ttl_s,
                                           kv_fn=lambda: engine_kv_summary(aengine))
         await running.heartbeater.start()
-    freeze_startup_heap()  # before the port file: the first request finds the heap frozen
     write_port_file(settings.port_file, server.port)
     logger.info("%s ready on %s (metrics %s)", service, running.address, metrics.url if metrics else "off")
     return running

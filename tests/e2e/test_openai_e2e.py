@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -210,3 +211,12 @@ def test_engines_lend_each_other_their_cores_while_idle(disagg_stack: BatonStack
     assert disagg_stack.metric("decode-0", "baton_engine_torch_threads") == cores
     assert max(disagg_stack.metric(p, "baton_engine_torch_threads") for p in ("prefill-0", "prefill-1")) == cores
     assert disagg_stack.metric("decode-0", "baton_engine_core_share_changes_total") >= (1 if cores > 1 else 0)
+
+
+def test_services_freeze_their_startup_heap(disagg_stack: BatonStack) -> None:
+    """Each engine service and the router, once up, took its start-up objects out of Python's collector
+    (shared/service/gc_heap.py); kv_transfer holds no model and does not."""
+    services = [s for s in disagg_stack.services() if s["name"].startswith(("router", "prefill", "decode"))]
+    assert {s["name"].split("-")[0] for s in services} == {"router", "prefill", "decode"}, services
+    for s in services:
+        assert "start-up objects frozen out of collections" in Path(s["log"]).read_text(), s["name"]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
 
-from shared.service.gc_heap import freeze_startup_heap
+from shared.service.gc_heap import freeze_startup_heap, frozen_after
 
 
 @pytest.fixture
@@ -40,3 +41,11 @@ def test_startup_garbage_is_collected_not_frozen(unfreeze_after):
     freeze_startup_heap()
     gc.unfreeze()
     assert not any(id(o) in ids and isinstance(o, Node) for o in gc.get_objects())
+
+
+def test_frozen_after_freezes_once_the_start_returns(unfreeze_after):
+    async def start() -> dict:
+        return {"service": [1]}
+
+    running = asyncio.run(frozen_after(start()))
+    assert running == {"service": [1]} and not _tracked(running)
