@@ -7,10 +7,11 @@ and a run walks every one of those objects. `gc.freeze()` moves them into a perm
 collections skip; objects they hold are still freed by reference counting when released. vLLM's engine core
 does the same once it is up.
 
-Only a service process's entry point freezes (`frozen_after` around its start), never code that tests run
-in-process: a frozen object is still freed when its last reference goes, but a frozen cycle never is, and a
-test process that starts and drops engines one after another kept every model (the integration suite
-reached 24 GB and was killed for memory when start_engine_service froze).
+Only a service process's own entry freezes (the engine services' mains through `frozen_after` around their
+start, the router's `serve` before uvicorn runs), never code that tests run in-process: a frozen object is
+still freed when its last reference goes, but a frozen cycle never is, and a test process that starts and
+drops engines one after another kept every model (the integration suite reached 24 GB and was killed for
+memory when start_engine_service froze).
 
 Measured on an AVX2 Zen 3 machine (2 cores, SmolLM2 int8 with a bf16 KV cache, 256-token prefills in a loop,
 perf sampling CPU time): the collector took 1.4% of the samples, none once frozen. Wall clock could not show
