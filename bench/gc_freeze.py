@@ -2,9 +2,10 @@
 
 One engine in this process (SmolLM2, `--quantization int8 --kv-cache-dtype bfloat16` by default); rounds
 alternate the heap frozen (`freeze_startup_heap`: `gc.collect(); gc.freeze()`) and not (`gc.unfreeze()`),
-the order flipped each round, so this machine's drift reaches both alike. Timed: a 256-token prefill (the best of two a round), and
-the median step of a batch-8 decode after 256-token prompts. Reported: the median over rounds of each state
-and the ratio not-frozen / frozen (above 1: freezing is faster), with every round's pair.
+the order flipped each round, so this machine's drift reaches both alike. Timed: a 256-token prefill (the
+best of two a round), and the median step of a batch-8 decode after 256-token prompts. Reported: the median
+over rounds of each state and the ratio not-frozen / frozen (above 1: freezing is faster), with every
+round's pair.
 
     .venv/bin/python -m bench.gc_freeze [--rounds 8] [--quantization int8] [--kv-cache-dtype bfloat16]
 
