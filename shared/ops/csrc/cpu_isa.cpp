@@ -6,6 +6,7 @@
 // must ask). The amx level brings the tile bf16 GEMV; its other kernels are avx512_bf16's (a TDPBUSD W8A8
 // was tried: its per-block fold of the tile sums left it 0.86-1.27x of vpdpbusd, so W8A8 stays on VNNI).
 #include "cpu_isa.h"
+#include "steal_for.h"
 
 #include <array>
 #include <atomic>
@@ -103,9 +104,13 @@ void set_isa(const std::string& name) {
 std::string best_isa() { return isa_name(kBest); }
 std::string active_isa() { return isa_name(active_kernels().isa); }
 
+// Turns steal_for.h's taking on or off for every kernel that splits its work through it; the setting it replaced
+bool work_stealing(bool on) { return steal_on.exchange(on); }
+
 TORCH_LIBRARY_FRAGMENT(baton_cpu, m) {
   m.def("isa_supported(str name) -> bool", &isa_supported);
   m.def("set_isa(str name) -> ()", &set_isa);
   m.def("best_isa() -> str", &best_isa);
   m.def("active_isa() -> str", &active_isa);
+  m.def("work_stealing(bool on) -> bool", &work_stealing);
 }

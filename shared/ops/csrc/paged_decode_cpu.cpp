@@ -26,6 +26,7 @@
 #include "bf16.h"
 #include "fp8.h"
 #include "cpu_isa.h"
+#include "steal_for.h"
 
 // Whether the wide path prefetches the next chunk's keys and values (and the next job's first keys) into L2
 // through the block table while it computes this chunk. bench/attention_prefetch.py turns it off and on in

@@ -451,99 +451,116 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
 #elif BATON_ISA == BATON_ISA_AVX2
   const bool wide = D % 8 == 0 && D <= kMaxWideDim;
 #endif
-  at::parallel_for(0, R * splits, 1, [&](int64_t begin, int64_t end) {
+  // A thread owns a contiguous range of jobs and prefetches the first keys of the job it runs next (job + 1,
+  // or job - 1 once it takes another's, back to front); one done early takes the others' last jobs
+  // (steal_for.h)
+  struct Scratch {
     std::vector<float> scores, acc, inv;
     std::vector<int64_t> koff, voff;
     std::vector<uint16_t> bf;  // the bf16 passes' query and weights (avx512_bf16 and up)
-    for (int64_t job = begin; job < end; ++job) {
-      const Span sp = span_of(job);
-      const int64_t h0 = sp.h0, h1 = sp.h1, lo = sp.lo, n = sp.n, r = ri[sp.i];
-      if (h0 >= h1) continue;
-      const int64_t nq = (h1 - h0) * G;  // query heads of this job, in order h0 * G ...
-      scores.resize(nq * n);
-      inv.resize(nq);
-      acc.assign(nq * D, 0.f);
-      const int32_t* table = sp.table;
-      const float* qj = q + r * qrs + h0 * G * qhs;
+  };
+  const int64_t jobs = R * splits, ranges = std::min(threads, jobs);
+  std::vector<Scratch> scratch(std::max<int64_t>(ranges, 1));
+  auto first_job = [&](int64_t t) { return jobs * t / ranges; };
+  parallel_steal(ranges, [&](int64_t t) { return first_job(t + 1) - first_job(t); },
+                 [&](int64_t owner, int64_t k, bool taken) {
+    Scratch& sc = scratch[std::min<int64_t>(at::get_thread_num(), ranges - 1)];  // the call's threads: ranges
+    std::vector<float>& scores = sc.scores;
+    std::vector<float>& acc = sc.acc;
+    std::vector<float>& inv = sc.inv;
+    std::vector<int64_t>& koff = sc.koff;
+    std::vector<int64_t>& voff = sc.voff;
+    [[maybe_unused]] std::vector<uint16_t>& bf = sc.bf;
+    const int64_t job = first_job(owner) + k;
+    const int64_t next_job = taken ? (job > first_job(owner) ? job - 1 : -1)
+                                   : (job + 1 < first_job(owner + 1) ? job + 1 : -1);
+    const Span sp = span_of(job);
+    const int64_t h0 = sp.h0, h1 = sp.h1, lo = sp.lo, n = sp.n, r = ri[sp.i];
+    if (h0 >= h1) return;
+    const int64_t nq = (h1 - h0) * G;  // query heads of this job, in order h0 * G ...
+    scores.resize(nq * n);
+    inv.resize(nq);
+    acc.assign(nq * D, 0.f);
+    const int32_t* table = sp.table;
+    const float* qj = q + r * qrs + h0 * G * qhs;
 #if BATON_ISA >= BATON_ISA_AVX2
-      if (wide) {
-        koff.resize(n);
-        voff.resize(n);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t p = lo + t, block = table[p / bs], slot = p % bs;
-          koff[t] = block * kbs + slot * kts;
-          voff[t] = block * vbs + slot * vts;
+    if (wide) {
+      koff.resize(n);
+      voff.resize(n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t p = lo + t, block = table[p / bs], slot = p % bs;
+        koff[t] = block * kbs + slot * kts;
+        voff[t] = block * vbs + slot * vts;
+      }
+      Job<KV> jb{qj, qhs, kc, vc, koff.data(), voff.data(), khs, vhs, h0, h1, G, n, fscale, prefetch, {}};
+      int64_t next_koff[kChunk];
+      if (next_job >= 0) {
+        const Span nx = span_of(next_job);
+        const int64_t m = std::min<int64_t>(kChunk, nx.n);
+        for (int64_t t = 0; t < m; ++t) {
+          const int64_t p = nx.lo + t;
+          next_koff[t] = nx.table[p / bs] * kbs + (p % bs) * kts;
         }
-        Job<KV> jb{qj, qhs, kc, vc, koff.data(), voff.data(), khs, vhs, h0, h1, G, n, fscale, prefetch, {}};
-        int64_t next_koff[kChunk];
-        if (job + 1 < end) {
-          const Span nx = span_of(job + 1);
-          const int64_t m = std::min<int64_t>(kChunk, nx.n);
-          for (int64_t t = 0; t < m; ++t) {
-            const int64_t p = nx.lo + t;
-            next_koff[t] = nx.table[p / bs] * kbs + (p % bs) * kts;
-          }
-          jb.after = Prefetcher<KV>{kc, next_koff, 0, nx.h0 < nx.h1 ? m : 0, nx.h0, nx.h1, khs,
-                                    (int)((D * sizeof(KV) + 63) / 64)};
-        }
+        jb.after = Prefetcher<KV>{kc, next_koff, 0, nx.h0 < nx.h1 ? m : 0, nx.h0, nx.h1, khs,
+                                  (int)((D * sizeof(KV) + 63) / 64)};
+      }
 #if BATON_ISA >= BATON_ISA_AVX512_BF16
-        constexpr bool kNarrow = !std::is_same_v<KV, float>;  // an fp32 cache keeps the fp32 passes
-        if (kNarrow && bf16_passes) {
-          if constexpr (kNarrow) {
-            if (dv == 2) attend_bf16dp<2, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
-            else if (dv == 4) attend_bf16dp<4, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
-            else if (dv == 8) attend_bf16dp<8, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
-            else attend_bf16dp<16, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
-          }
-        } else
-#endif
-        {
-#if BATON_ISA >= BATON_ISA_AVX512
-          if (dv == 2) attend_avx512<2, KV>(jb, scores.data(), inv.data(), acc.data());
-          else if (dv == 4) attend_avx512<4, KV>(jb, scores.data(), inv.data(), acc.data());
-          else if (dv == 8) attend_avx512<8, KV>(jb, scores.data(), inv.data(), acc.data());
-          else attend_avx512<16, KV>(jb, scores.data(), inv.data(), acc.data());
-#else
-          attend_avx2<KV>(jb, D, scores.data(), inv.data(), acc.data());
-#endif
+      constexpr bool kNarrow = !std::is_same_v<KV, float>;  // an fp32 cache keeps the fp32 passes
+      if (kNarrow && bf16_passes) {
+        if constexpr (kNarrow) {
+          if (dv == 2) attend_bf16dp<2, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+          else if (dv == 4) attend_bf16dp<4, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+          else if (dv == 8) attend_bf16dp<8, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
+          else attend_bf16dp<16, KV>(jb, scores.data(), inv.data(), acc.data(), bf);
         }
       } else
 #endif
       {
-        for_each_slot(table, bs, lo, n, [&](int64_t t, int64_t block, int64_t slot, int64_t pb, int64_t ps) {
-          const KV* kt = kc + block * kbs + slot * kts;
-          const KV* kp = kc + pb * kbs + ps * kts;
-          for (int64_t h = h0; h < h1; ++h) {
-            const KV* k = kt + h * khs;
-            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kp + h * khs + d);
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t j = (h - h0) * G + g;
-              scores[j * n + t] = dot(qj + j * qhs, k, D) * fscale;
-            }
+#if BATON_ISA >= BATON_ISA_AVX512
+        if (dv == 2) attend_avx512<2, KV>(jb, scores.data(), inv.data(), acc.data());
+        else if (dv == 4) attend_avx512<4, KV>(jb, scores.data(), inv.data(), acc.data());
+        else if (dv == 8) attend_avx512<8, KV>(jb, scores.data(), inv.data(), acc.data());
+        else attend_avx512<16, KV>(jb, scores.data(), inv.data(), acc.data());
+#else
+        attend_avx2<KV>(jb, D, scores.data(), inv.data(), acc.data());
+#endif
+      }
+    } else
+#endif
+    {
+      for_each_slot(table, bs, lo, n, [&](int64_t t, int64_t block, int64_t slot, int64_t pb, int64_t ps) {
+        const KV* kt = kc + block * kbs + slot * kts;
+        const KV* kp = kc + pb * kbs + ps * kts;
+        for (int64_t h = h0; h < h1; ++h) {
+          const KV* k = kt + h * khs;
+          for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(kp + h * khs + d);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t j = (h - h0) * G + g;
+            scores[j * n + t] = dot(qj + j * qhs, k, D) * fscale;
           }
-        });
-        softmax_rows(scores.data(), nq, n, inv.data());
-        // weights times values, a token at a time for all the job's heads (the sums, nq * D floats, stay in L1)
-        for_each_slot(table, bs, lo, n, [&](int64_t t, int64_t block, int64_t slot, int64_t pb, int64_t ps) {
-          const KV* vt = vc + block * vbs + slot * vts;
-          const KV* vp = vc + pb * vbs + ps * vts;
-          for (int64_t h = h0; h < h1; ++h) {
-            const KV* __restrict v = vt + h * vhs;
-            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(vp + h * vhs + d);
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t j = (h - h0) * G + g;
-              const float w = scores[j * n + t];
-              float* __restrict a = acc.data() + j * D;
+        }
+      });
+      softmax_rows(scores.data(), nq, n, inv.data());
+      // weights times values, a token at a time for all the job's heads (the sums, nq * D floats, stay in L1)
+      for_each_slot(table, bs, lo, n, [&](int64_t t, int64_t block, int64_t slot, int64_t pb, int64_t ps) {
+        const KV* vt = vc + block * vbs + slot * vts;
+        const KV* vp = vc + pb * vbs + ps * vts;
+        for (int64_t h = h0; h < h1; ++h) {
+          const KV* __restrict v = vt + h * vhs;
+          for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(vp + h * vhs + d);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t j = (h - h0) * G + g;
+            const float w = scores[j * n + t];
+            float* __restrict a = acc.data() + j * D;
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) a[d] += w * to_f32(v[d]);
-            }
+            for (int64_t d = 0; d < D; ++d) a[d] += w * to_f32(v[d]);
           }
-        });
-      }
-      for (int64_t j = 0; j < nq; ++j) {
-        float* oo = o + r * ors + (h0 * G + j) * ohs;
-        for (int64_t d = 0; d < D; ++d) oo[d] = acc[j * D + d] * inv[j];
-      }
+        }
+      });
+    }
+    for (int64_t j = 0; j < nq; ++j) {
+      float* oo = o + r * ors + (h0 * G + j) * ohs;
+      for (int64_t d = 0; d < D; ++d) oo[d] = acc[j * D + d] * inv[j];
     }
   });
 }

@@ -31,6 +31,7 @@
 
 #include "cpu_isa.h"
 #include "kernels_cpu.h"
+#include "steal_for.h"
 
 constexpr int64_t kW8Lanes = 32;
 constexpr int64_t kW8Block = 32;
