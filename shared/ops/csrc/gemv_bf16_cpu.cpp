@@ -24,6 +24,7 @@
 #include "bf16.h"
 #include "amx_tiles.h"
 #include "cpu_isa.h"
+#include "steal_for.h"
 #include "gemv_layout.h"
 #include "kernels_cpu.h"
 

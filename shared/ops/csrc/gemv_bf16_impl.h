@@ -378,19 +378,18 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor packed, int64_t out_featu
   const bool prefetch_next = M <= kBf16NextPrefetchMaxRows && passes > 1 &&
                              bf16_next_prefetch.load(std::memory_order_relaxed);
   const int64_t width = silu ? 2 : 1, steps = panels / width;  // panels a step runs (gated_rows.h)
-  // panels split across threads, never k: each output's sum is the same whatever the threads and rows
-  at::parallel_for(0, steps, 4, [&](int64_t begin, int64_t end) {
+  // panels split across threads, never k: each output's sum is the same whatever the threads and rows; a
+  // thread done with its steps takes the others' last (steal_for.h)
+  parallel_steal_steps(steps, 4, [&](int64_t p, int64_t after) {
     alignas(64) float out[2][R * kGemvLanes];
-    for (int64_t p = begin; p < end; ++p) {
-      // rows [m, m + rest) against panel q (gate or up of step p with silu), into dst
-      auto pass = [&](int64_t q, int64_t m, int64_t rest, float* dst, int64_t ldd, int64_t ncols) {
-        const uint16_t* panel = wp + q * panel_elems;
-        const uint16_t* following = prefetch_next && p + 1 < end ? panel + panel_elems : nullptr;
-        const PanelPrefetch next = next_panel_share(following, panel_elems * 2, m / R, passes, kBf16PrefetchMaxLines);
-        bf16_pass<R>(rest, xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K, dst, ldd, ncols, next);
-      };
-      gated_rows<R, kGemvLanes>(0, M, p, steps, N, yp, silu, out, pass);
-    }
+    // rows [m, m + rest) against panel q (gate or up of step p with silu), into dst
+    auto pass = [&](int64_t q, int64_t m, int64_t rest, float* dst, int64_t ldd, int64_t ncols) {
+      const uint16_t* panel = wp + q * panel_elems;
+      const uint16_t* following = prefetch_next && after >= 0 ? panel + (after - p) * panel_elems : nullptr;
+      const PanelPrefetch next = next_panel_share(following, panel_elems * 2, m / R, passes, kBf16PrefetchMaxLines);
+      bf16_pass<R>(rest, xp + m * K, xq ? xq + m * K2 : nullptr, ldx, panel, K2, K, dst, ldd, ncols, next);
+    };
+    gated_rows<R, kGemvLanes>(0, M, p, steps, N, yp, silu, out, pass);
   });
 #endif
   return y;

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "cpu_isa.h"
+#include "steal_for.h"
 #include "gemv_layout.h"
 
 torch::Tensor gemv_pack(torch::Tensor weight) {

@@ -70,24 +70,23 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor packed, int64_t out_featur
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // panels split across threads, never k: each output's sum is the same whatever the thread count
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = wp + p * K * kGemvLanes;
-      const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
-      // the thread's next panel, a slice of its k rows per pass (none with one pass, or after the last panel)
-      const int64_t passes = (M + kRowsPerPass - 1) / kRowsPerPass;
-      const float* next = kPrefetchNextPanel && passes > 1 && p + 1 < end ? panel + K * kGemvLanes : nullptr;
-      const int64_t slice = (K + passes - 1) / passes;
-      int64_t m = 0, pass = 0;
-      for (; m + kRowsPerPass <= M; m += kRowsPerPass, ++pass)
-        panel_rows<kRowsPerPass>(xp + m * K, K, panel, K, yp + m * N + p * kGemvLanes, N, ncols, k_block,
-                                 next ? next + std::min(K, pass * slice) * kGemvLanes : nullptr,
-                                 std::max<int64_t>(0, std::min(slice, K - pass * slice)));
-      tail_rows<kRowsPerPass - 1>(M - m, xp + m * K, K, panel, K, yp + m * N + p * kGemvLanes, N, ncols, k_block,
-                                  next ? next + std::min(K, pass * slice) * kGemvLanes : nullptr,
-                                  std::max<int64_t>(0, std::min(slice, K - pass * slice)));
-    }
+  // panels split across threads, never k: each output's sum is the same whatever the thread count; a thread
+  // done with its own takes the others' last (steal_for.h)
+  parallel_steal_steps(panels, 4, [&](int64_t p, int64_t after) {
+    const float* panel = wp + p * K * kGemvLanes;
+    const int64_t ncols = std::min(kGemvLanes, N - p * kGemvLanes);
+    // the thread's next panel, a slice of its k rows per pass (none with one pass, or after the last panel)
+    const int64_t passes = (M + kRowsPerPass - 1) / kRowsPerPass;
+    const float* next = kPrefetchNextPanel && passes > 1 && after >= 0 ? wp + after * K * kGemvLanes : nullptr;
+    const int64_t slice = (K + passes - 1) / passes;
+    int64_t m = 0, pass = 0;
+    for (; m + kRowsPerPass <= M; m += kRowsPerPass, ++pass)
+      panel_rows<kRowsPerPass>(xp + m * K, K, panel, K, yp + m * N + p * kGemvLanes, N, ncols, k_block,
+                               next ? next + std::min(K, pass * slice) * kGemvLanes : nullptr,
+                               std::max<int64_t>(0, std::min(slice, K - pass * slice)));
+    tail_rows<kRowsPerPass - 1>(M - m, xp + m * K, K, panel, K, yp + m * N + p * kGemvLanes, N, ncols, k_block,
+                                next ? next + std::min(K, pass * slice) * kGemvLanes : nullptr,
+                                std::max<int64_t>(0, std::min(slice, K - pass * slice)));
   });
   return y;
 }

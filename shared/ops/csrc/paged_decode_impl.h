@@ -451,29 +451,22 @@ static void paged_decode_t(torch::Tensor out, torch::Tensor query, torch::Tensor
 #elif BATON_ISA == BATON_ISA_AVX2
   const bool wide = D % 8 == 0 && D <= kMaxWideDim;
 #endif
-  // A thread owns a contiguous range of jobs and prefetches the first keys of the job it runs next (job + 1,
-  // or job - 1 once it takes another's, back to front); one done early takes the others' last jobs
-  // (steal_for.h)
+  // A thread owns a contiguous range of jobs and prefetches the first keys of the job it runs next; one done
+  // early takes the others' last jobs (steal_for.h)
   struct Scratch {
     std::vector<float> scores, acc, inv;
     std::vector<int64_t> koff, voff;
     std::vector<uint16_t> bf;  // the bf16 passes' query and weights (avx512_bf16 and up)
   };
-  const int64_t jobs = R * splits, ranges = std::min(threads, jobs);
-  std::vector<Scratch> scratch(std::max<int64_t>(ranges, 1));
-  auto first_job = [&](int64_t t) { return jobs * t / ranges; };
-  parallel_steal(ranges, [&](int64_t t) { return first_job(t + 1) - first_job(t); },
-                 [&](int64_t owner, int64_t k, bool taken) {
-    Scratch& sc = scratch[std::min<int64_t>(at::get_thread_num(), ranges - 1)];  // the call's threads: ranges
+  std::vector<Scratch> scratch(std::max<int64_t>(threads, 1));
+  parallel_steal_steps(R * splits, 1, [&](int64_t job, int64_t next_job) {
+    Scratch& sc = scratch[std::min<int64_t>(at::get_thread_num(), threads - 1)];  // the region's threads
     std::vector<float>& scores = sc.scores;
     std::vector<float>& acc = sc.acc;
     std::vector<float>& inv = sc.inv;
     std::vector<int64_t>& koff = sc.koff;
     std::vector<int64_t>& voff = sc.voff;
     [[maybe_unused]] std::vector<uint16_t>& bf = sc.bf;
-    const int64_t job = first_job(owner) + k;
-    const int64_t next_job = taken ? (job > first_job(owner) ? job - 1 : -1)
-                                   : (job + 1 < first_job(owner + 1) ? job + 1 : -1);
     const Span sp = span_of(job);
     const int64_t h0 = sp.h0, h1 = sp.h1, lo = sp.lo, n = sp.n, r = ri[sp.i];
     if (h0 >= h1) return;

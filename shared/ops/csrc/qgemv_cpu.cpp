@@ -24,6 +24,7 @@
 #endif
 
 #include "cpu_isa.h"
+#include "steal_for.h"
 #include "qgemv_layout.h"
 
 static inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }

@@ -305,15 +305,14 @@ template <int F>
 static void qgemv_t(const QRows& x, int64_t M, const uint8_t* wp, int64_t panels, int64_t units, int64_t N,
                     float* yp) {
   const int64_t panel_bytes = units * q_unit_bytes(static_cast<QFormat>(F));
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = wp + p * panel_bytes;
-      const int64_t ncols = std::min(kQLanes, N - p * kQLanes);
-      int64_t m = 0;
-      for (; m + kQRowsPerPass <= M; m += kQRowsPerPass)
-        q_panel_rows<kQRowsPerPass, F>(x.offset(m), panel, units, yp + m * N + p * kQLanes, N, ncols);
-      q_tail_rows<kQRowsPerPass - 1, F>(M - m, x.offset(m), panel, units, yp + m * N + p * kQLanes, N, ncols);
-    }
+  // panels split across threads; a thread done with its own takes the others' last (steal_for.h)
+  parallel_steal_steps(panels, 4, [&](int64_t p, int64_t) {
+    const uint8_t* panel = wp + p * panel_bytes;
+    const int64_t ncols = std::min(kQLanes, N - p * kQLanes);
+    int64_t m = 0;
+    for (; m + kQRowsPerPass <= M; m += kQRowsPerPass)
+      q_panel_rows<kQRowsPerPass, F>(x.offset(m), panel, units, yp + m * N + p * kQLanes, N, ncols);
+    q_tail_rows<kQRowsPerPass - 1, F>(M - m, x.offset(m), panel, units, yp + m * N + p * kQLanes, N, ncols);
   });
 }
 

@@ -2,11 +2,15 @@
 // contiguous range, front to back), but a thread whose range is done takes the items still left at the back
 // of the others' ranges, back to front, until none is left.
 //
-// Why: a static split waits at its closing barrier for the slowest thread. On the 2-vCPU AVX2 machine (Zen 3)
-// the same single-thread W8A8 work timed on one vCPU and then the other ran 0.76x to 1.38x apart, the faster
-// one changing from one second to the next (a neighbour's load on the host, not ours), and under served load
-// each thread spent 3-6% of its samples in libgomp's barrier wait. Which thread runs an item never changes
-// what it computes, so every result stays bit for bit the same.
+// Why: a static split waits at its closing barrier for the slowest thread, and on a shared 2-vCPU machine
+// (AVX2, Zen 3) the threads do not keep pace: under served load (32 streams, int8) each spent 3-6% of its
+// samples in libgomp's barrier wait, and the same single-thread W8A8 work timed on one vCPU and then on the
+// other came out 0.76x to 1.38x apart. Taking made whole prefills of 256 tokens 1.11-1.27x and decode steps
+// 1.00-1.17x faster on that machine (bench/work_stealing.py, off and on in turn in one process). Which thread
+// runs an item never changes what it computes, so every result stays bit for bit the same.
+//
+// Used by the projection kernels (w8a8_impl.h, gemv_bf16_impl.h below amx, qgemv_impl.h, gemv_impl.h) and the
+// paged decode kernel; the prompt-chunk attention already takes its jobs from a shared counter.
 //
 // Included by a kernel file before isa_variants.h (it has no instructions of its own; the lambdas it runs are
 // compiled at their level). Needs <algorithm> and <cstdint>, which the kernel's .cpp includes first.
@@ -64,5 +68,19 @@ inline void parallel_steal(int64_t ranges, const Len& len, const Fn& fn) {
         for (int64_t k; (k = left[owner].take(true)) >= 0;) fn(owner, k, true);
       }
     }
+  });
+}
+
+// Steps [0, steps) in at most one range a thread of at least `grain` steps (as at::parallel_for(0, steps, grain)
+// would give them out), each run once through parallel_steal: fn(p, after), `after` the step the calling thread
+// runs next as far as it can tell (p + 1 in its own range, p - 1 once it takes from the back of another's), -1
+// at a range's end. The projection kernels prefetch `after`'s panel while they compute p's.
+template <typename Fn>
+inline void parallel_steal_steps(int64_t steps, int64_t grain, const Fn& fn) {
+  const int64_t ranges = std::min<int64_t>(at::get_num_threads(), (steps + grain - 1) / grain);
+  auto first = [&](int64_t t) { return steps * t / ranges; };
+  parallel_steal(ranges, [&](int64_t t) { return first(t + 1) - first(t); }, [&](int64_t t, int64_t k, bool taken) {
+    const int64_t p = first(t) + k;
+    fn(p, taken ? (p > first(t) ? p - 1 : -1) : (p + 1 < first(t + 1) ? p + 1 : -1));
   });
 }

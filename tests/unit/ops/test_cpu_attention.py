@@ -286,33 +286,3 @@ def test_bits_do_not_depend_on_the_prefetch(make_batch: Callable[..., AttentionB
     finally:
         torch.ops.baton_cpu.paged_decode_prefetch(previous)
 
-
-@pytest.mark.parametrize("threads", [2, 5])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_taking_the_others_jobs_changes_no_bit(make_batch: Callable[..., AttentionBatch], kv_dtype: torch.dtype,
-                                               threads: int, isa_level: str) -> None:
-    """A thread done with its jobs takes the others' last (work_stealing, steal_for.h): each job still runs
-    once, on whichever thread, so the output equals the static split's and one thread's; five threads on this
-    machine's cores leave jobs behind for the others to take."""
-    batch = make_batch([(context, 1) for context in (0, 7, 8, 15, 30, 61, 100, 3, 64, 17, 9)], 9, 3, 64, 16)
-    batch.kv = batch.kv.to(kv_dtype)
-    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
-
-    def attend() -> torch.Tensor:
-        batch.meta.step_cache.clear()
-        return cpu_attention.paged_attention_cpu(*args, None)
-
-    with torch_threads(1):
-        one = attend()
-    previous = torch.ops.baton_cpu.work_stealing(False)
-    try:
-        assert previous
-        with torch_threads(threads):
-            static = attend()
-            torch.ops.baton_cpu.work_stealing(True)
-            taken = [attend() for _ in range(5)]
-    finally:
-        torch.ops.baton_cpu.work_stealing(previous)
-    assert torch.equal(static, one)
-    for out in taken:
-        assert torch.equal(out, one)

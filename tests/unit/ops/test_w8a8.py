@@ -107,32 +107,6 @@ def test_the_next_panel_prefetch_changes_no_bit(rows: int, isa_level: str) -> No
 
 
 
-@pytest.mark.parametrize("threads", [2, 5])
-@pytest.mark.parametrize("rows", [1, 7, 300, 1000])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_taking_the_others_panels_changes_no_bit(threads: int, rows: int, gated: bool, isa_level: str) -> None:
-    """A thread done with its panels takes the others' last (work_stealing, steal_for.h): every (row block,
-    panel) still runs once, so the bits equal the static split's, one pass, several, and row blocks (1000 rows);
-    five threads on this machine's cores leave some behind, so items are taken."""
-    w, codes = _weight(3072, 576, 12)
-    lin = LinearWeight.quantized(codes)
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(13))
-    run = lin.silu_mul if gated else lin
-    toggle = torch.ops.baton_cpu.work_stealing
-    default = toggle(False)
-    try:
-        with torch_threads(threads):
-            static = run(x)
-            toggle(True)
-            taken = [run(x) for _ in range(5)]
-    finally:
-        toggle(default)
-    assert default is True
-    for got in taken:
-        assert torch.equal(got, static)
-    with torch_threads(1):
-        assert torch.equal(run(x), static)
-
 # gate_up shapes: SmolLM2's (two panels of gate a step: 1536 of 576), one panel each, and gate and up not whole
 # panels (the two ops)
 GATE_UP = [(3072, 576), (64, 96), (2 * 40, 64)]
