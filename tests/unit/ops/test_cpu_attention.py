@@ -285,4 +285,3 @@ def test_bits_do_not_depend_on_the_prefetch(make_batch: Callable[..., AttentionB
         assert torch.equal(cpu_attention.paged_attention_cpu(*args, None), on)
     finally:
         torch.ops.baton_cpu.paged_decode_prefetch(previous)
-

@@ -106,7 +106,6 @@ def test_the_next_panel_prefetch_changes_no_bit(rows: int, isa_level: str) -> No
     _close(on, w8a8_ref(x, codes))
 
 
-
 # gate_up shapes: SmolLM2's (two panels of gate a step: 1536 of 576), one panel each, and gate and up not whole
 # panels (the two ops)
 GATE_UP = [(3072, 576), (64, 96), (2 * 40, 64)]
