@@ -72,15 +72,23 @@ inline void parallel_steal(int64_t ranges, const Len& len, const Fn& fn) {
 }
 
 // Steps [0, steps) in at most one range a thread of at least `grain` steps (as at::parallel_for(0, steps, grain)
-// would give them out), each run once through parallel_steal: fn(p, after), `after` the step the calling thread
-// runs next as far as it can tell (p + 1 in its own range, p - 1 once it takes from the back of another's), -1
-// at a range's end. The projection kernels prefetch `after`'s panel while they compute p's.
+// would give them out), a thread running its range once for each of `blocks` blocks (W8A8's row blocks) in
+// turn, each (block, step) once through parallel_steal: fn(block, p, after), `after` the step the calling
+// thread runs next as far as it can tell (p + 1 in its own range, p - 1 once it takes from the back of
+// another's), -1 at a range's end. The projection kernels prefetch `after`'s panel while they compute p's.
+template <typename Fn>
+inline void parallel_steal_blocks(int64_t steps, int64_t grain, int64_t blocks, const Fn& fn) {
+  const int64_t ranges = std::min<int64_t>(at::get_num_threads(), (steps + grain - 1) / grain);
+  auto first = [&](int64_t t) { return steps * t / ranges; };  // ranges <= steps: every range has a step
+  parallel_steal(ranges, [&](int64_t t) { return blocks * (first(t + 1) - first(t)); },
+                 [&](int64_t t, int64_t k, bool taken) {
+    const int64_t begin = first(t), end = first(t + 1), p = begin + k % (end - begin);
+    fn(k / (end - begin), p, taken ? (p > begin ? p - 1 : -1) : (p + 1 < end ? p + 1 : -1));
+  });
+}
+
+// parallel_steal_blocks with one block: fn(p, after)
 template <typename Fn>
 inline void parallel_steal_steps(int64_t steps, int64_t grain, const Fn& fn) {
-  const int64_t ranges = std::min<int64_t>(at::get_num_threads(), (steps + grain - 1) / grain);
-  auto first = [&](int64_t t) { return steps * t / ranges; };
-  parallel_steal(ranges, [&](int64_t t) { return first(t + 1) - first(t); }, [&](int64_t t, int64_t k, bool taken) {
-    const int64_t p = first(t) + k;
-    fn(p, taken ? (p > first(t) ? p - 1 : -1) : (p + 1 < first(t + 1) ? p + 1 : -1));
-  });
+  parallel_steal_blocks(steps, grain, 1, [&](int64_t, int64_t p, int64_t after) { fn(p, after); });
 }

@@ -221,27 +221,18 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* packed, int64
   // thread owns a contiguous range of steps (its panels lie end to end, which the next-panel prefetch
   // follows) and runs it row block by row block; one done early takes the others' last (row block, step)
   // items, back to front (steal_for.h).
-  const int64_t row_blocks = (M + row_block - 1) / row_block;
-  const int64_t ranges = std::min<int64_t>(at::get_num_threads(), steps);
-  if (ranges == 0) return;
-  auto first_step = [&](int64_t t) { return steps * t / ranges; };
-  auto items = [&](int64_t t) { return row_blocks * (first_step(t + 1) - first_step(t)); };
-  auto run = [&](int64_t t, int64_t k, bool taken) {
+  parallel_steal_blocks(steps, 1, (M + row_block - 1) / row_block, [&](int64_t b, int64_t p, int64_t after) {
     alignas(64) float out[2][kW8Rows * kW8Lanes];
-    const int64_t begin = first_step(t), end = first_step(t + 1), len = end - begin;
-    const int64_t m0 = k / len * row_block, m1 = std::min(M, m0 + row_block), p = begin + k % len;
+    const int64_t m0 = b * row_block, m1 = std::min(M, m0 + row_block);
     const int64_t passes = (m1 - m0 + kW8Rows - 1) / kW8Rows;
-    // the step this thread runs next: the owner's is p + 1, a taker's p - 1 (unless the other took it first)
-    const bool has_next = prefetch_next && (taken ? p > begin : p + 1 < end);
     // the rows [m, m + rest) of M against panel q (gate or up of step p with silu), into dst
     auto pass = [&](int64_t q, int64_t m, int64_t rest, float* dst, int64_t ldd, int64_t ncols) {
       const int8_t* panel = packed + q * panel_bytes;
-      const int8_t* next = !has_next ? nullptr : taken ? panel - panel_bytes : panel + panel_bytes;
+      const int8_t* next = prefetch_next && after >= 0 ? panel + (after - p) * panel_bytes : nullptr;
       const PanelPrefetch share = next_panel_share(next, panel_bytes, (m - m0) / kW8Rows, passes, INT64_MAX);
       w8_pass<kW8Rows>(rest, xq.data() + m * K, K, sx.data() + m * blocks, blocks, panel, blocks, dst, ldd,
                        ncols, stream && m == 0, share);
     };
     gated_rows<kW8Rows, kW8Lanes>(m0, m1, p, steps, N, y, silu, out, pass);
-  };
-  parallel_steal(ranges, items, run);
+  });
 }
