@@ -6,7 +6,8 @@
  reference: each distinct prompt once, no fault ─► the tokens every completed stream must equal
         │
  load: --requests streams, --concurrency at a time, --cancel-fraction closed early by the client
-        │            controller, in turn: SIGKILL prefill-0 ─► wait until it is back ─► decode-0 ─► ...
+        │            controller, in turn: SIGKILL prefill-0 ─► wait until it is back ─► decode-0 (once
+        │            it runs a request) ─► ...
         │            kv_transfer ─► Redis (restarted empty, same port) ─► router; --rounds times
         ▼
  every stream: completed (text == reference), cancelled by its client, or an error that came within
@@ -52,8 +53,9 @@ VICTIMS = ("prefill-0", "decode-0", "kv_transfer", "redis", "router")
 SURVIVORS = ("prefill-1", "decode-1")  # never killed: their memory and fds must stay flat
 # a metric each service exports from its start, so that reading it proves it serves
 _ALWAYS_EXPORTED = {"router": "baton_router_migrations_total", "kv_transfer": "baton_handoff_leases_active"}
-ERROR_WITHIN_S = 30.0
-CLIENT_BACKOFF_S = 1.0  # a client finding no router waits this long before its next request  # a stream that fails must say so within this of its last byte
+ERROR_WITHIN_S = 30.0  # a stream that fails must say so within this of its last byte
+CLIENT_BACKOFF_S = 1.0  # a client finding no router waits this long before its next request
+BUSY_WAIT_S = 20.0  # a decode victim is killed once it runs a request, or after this long
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,11 @@ class FaultLog:
     events: list[dict[str, Any]] = field(default_factory=list)
     migrations_before_router_restarts: float = 0.0  # the router's counter starts again at each restart
 
-    def add(self, victim: str, down_s: float) -> None:
-        self.events.append({"victim": victim, "back_after_s": round(down_s, 2)})
+    def add(self, victim: str, down_s: float, running: float | None) -> None:
+        event: dict[str, Any] = {"victim": victim, "back_after_s": round(down_s, 2)}
+        if running is not None:  # a decode: the requests it ran when it was killed
+            event["running_at_kill"] = running
+        self.events.append(event)
 
 
 def _payload(prompt: int, max_tokens: int) -> dict[str, Any]:
@@ -186,6 +191,7 @@ class Controller:
 
     def _fault(self, victim: str) -> None:
         """SIGKILL `victim` (Redis: and restart it, empty, on its port) and wait until it serves again."""
+        busy = self._wait_busy(victim) if victim.startswith("decode") else None
         t0 = time.monotonic()
         if victim == "redis":
             stop_redis(self.redis["proc"], kill=True)
@@ -196,8 +202,23 @@ class Controller:
                 self.log.migrations_before_router_restarts += self.stack.metric("router", _ALWAYS_EXPORTED["router"])
             self.stack.kill(victim)
             self._wait_back(victim, old)
-        self.log.add(victim, time.monotonic() - t0)
-        logger.info("soak: %s killed, back after %.1f s", victim, time.monotonic() - t0)
+        self.log.add(victim, time.monotonic() - t0, busy)
+        logger.info("soak: %s killed (running %s), back after %.1f s", victim, busy, time.monotonic() - t0)
+
+    def _wait_busy(self, victim: str) -> float:
+        """Until the decode `victim` runs a request (at most BUSY_WAIT_S), so that its kill breaks streams in
+        flight: a kill between two streams tests nothing, and the router's spread decides whether one runs
+        there at a given moment. The requests it ran when it was killed. (A prefill call lasts less than a
+        metrics scrape: prefill-0 dies under load, whatever it computes at that moment.)"""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while True:
+            try:
+                running = self.stack.metric(victim, "baton_num_requests_running")
+            except (OSError, KeyError, ValueError):
+                running = 0.0
+            if running > 0 or time.monotonic() > deadline:
+                return running
+            time.sleep(0.02)
 
     def _wait_back(self, victim: str, old_pid: int) -> None:
         """Until the supervisor restarted `victim` and it answers on its metrics port."""
