@@ -41,7 +41,7 @@ from shared.multimodal.items import SEEN_BOTH_WAYS
 from shared.ops.argmax_cpu import argmax_rows
 from shared.ops.attention import AttentionMetadata
 from shared.ops.host_copy import pack_to_device, tensor_to_device, to_device, to_host_async
-from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
+from shared.ops.step_inputs import PrevOutputs, StepInputsOut, host_step_inputs, prepare_step_inputs_ref
 from shared.spec.tree import DraftTree
 from shared.spec.verify import VerifyInput, VerifyOutput, verify_drafts
 
@@ -384,11 +384,15 @@ class ModelRunner:
         """Device half of the inputs: the previous step's tokens and accepted counts, and the KV slots."""
         if inputs.meta is not None:
             return
-        prev_out = prev.device if prev is not None else PrevOutputs.empty(self.device)
-        out = _prepare_step_inputs(
-            inputs.planned_ids, inputs.planned_positions, inputs.planned_seq_lens, inputs.query_start_loc,
-            inputs.block_tables, inputs.prev_row, prev_out, self.layout.block_size,
-        )
+        if prev is None and not inputs.planned_ids.is_cuda:  # the CPU's synchronous loop: nothing to take
+            out = host_step_inputs(inputs.planned_ids, inputs.planned_positions, inputs.planned_seq_lens,
+                                   inputs.query_lens_host, inputs.block_tables, self.layout.block_size)
+        else:
+            out = _prepare_step_inputs(
+                inputs.planned_ids, inputs.planned_positions, inputs.planned_seq_lens, inputs.query_start_loc,
+                inputs.block_tables, inputs.prev_row, prev.device if prev is not None else PrevOutputs.empty(
+                    self.device), self.layout.block_size,
+            )
         positions = out.positions if inputs.rope_offsets is None else out.positions - inputs.rope_offsets
         inputs.input_ids = out.input_ids
         inputs.positions = positions

@@ -18,16 +18,19 @@ from N's outputs where they live, with no device-to-host copy::
 
 Sequences with prev_row = -1 keep their host-planned ids and positions; their
 slots are computed the same way. Every sequence has at least one query token. `step_inputs_triton.py` is the GPU twin
-(identical results); this reference runs everywhere and serves the CPU.
+(identical results); this reference runs everywhere. `host_step_inputs` is its case with nothing before on
+host tensors, which every step of the CPU's synchronous loop is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["PrevOutputs", "StepInputsOut", "prepare_step_inputs_ref"]
+__all__ = ["PrevOutputs", "StepInputsOut", "host_step_inputs", "prepare_step_inputs_ref"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +93,21 @@ def prepare_step_inputs_ref(
     tables = block_tables.long()
     slot = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
     return StepInputsOut(ids, pos, (seq_lens.long() - shift).to(seq_lens.dtype), slot)
+
+
+def host_step_inputs(
+    input_ids: torch.Tensor,  # [T] int64 on the host
+    positions: torch.Tensor,  # [T] int64 on the host
+    seq_lens: torch.Tensor,  # [S] int32 on the host
+    query_lens: Sequence[int],  # [S]: the tokens of each sequence, as the host planned them
+    block_tables: torch.Tensor,  # [S, max_blocks] int32 on the host
+    block_size: int,
+) -> StepInputsOut:
+    """`prepare_step_inputs_ref` where no sequence continues from a previous step's output, on host tensors:
+    the planned ids, positions and lengths are the true ones, so only the slots are computed, in numpy. On the
+    CPU the reference's ~20 torch ops cost ~270 us a step (a 2-core Zen 3), 2% of a SmolLM2 decode step at
+    one row; this ~40 us. The planned tensors are returned as they are (each step plans new ones)."""
+    pos = positions.numpy()
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    slots = block_tables.numpy()[seq_of_token, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return StepInputsOut(input_ids, positions, seq_lens, torch.from_numpy(slots))

@@ -1,4 +1,5 @@
-"""`prepare_step_inputs_ref` against a plain loop over its docstring, and its Triton twin against it.
+"""`prepare_step_inputs_ref` against a plain loop over its docstring, its Triton twin against it, and its
+host case (`host_step_inputs`: nothing before, the CPU's synchronous loop) against it.
 
 Cases are built the way the host plans them: every sequence has a true first
 position; one continuing from a previous output row is planned `shift` tokens
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from shared.ops import step_inputs_triton
-from shared.ops.step_inputs import PrevOutputs, StepInputsOut, prepare_step_inputs_ref
+from shared.ops.step_inputs import PrevOutputs, StepInputsOut, host_step_inputs, prepare_step_inputs_ref
 
 PLACEHOLDER_ID = -7
 VOCAB = 1000
@@ -183,6 +184,19 @@ def test_reference_fills_every_placeholder_and_keeps_its_inputs() -> None:
     assert (out.positions >= 0).all() and (out.seq_lens > 0).all()
     for t, b in zip(case.args()[:6], before, strict=True):
         assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize(("num_seqs", "num_rows", "block_size", "seed"), CASES, ids=CASE_IDS)
+def test_host_case_matches_reference_with_nothing_before(num_seqs: int, num_rows: int, block_size: int,
+                                                         seed: int) -> None:
+    """Prompt chunks and decode rows alike (query lengths 1..17), every sequence planned from its truth."""
+    case = make_case(num_seqs, num_rows, block_size, seed)
+    case.prev_row = torch.full_like(case.prev_row, -1)
+    query_lens = (case.query_start_loc[1:] - case.query_start_loc[:-1]).tolist()
+    out = host_step_inputs(case.input_ids, case.positions, case.seq_lens, query_lens, case.block_tables,
+                           block_size)
+    assert_same(out, prepare_step_inputs_ref(*case.args()))
+    assert_same(out, prepare_step_inputs_ref(*replace(case, prev=PrevOutputs.empty("cpu")).args()))
 
 
 @pytest.mark.parametrize("block", [None, 4], ids=["one-tile", "tiles-of-4"])
