@@ -103,7 +103,7 @@ lint: setup
 	$(BIN)/mypy shared
 
 bench: setup
-	$(BIN)/python bench/engine.py
+	$(BIN)/python -m bench.engine
 
 clean:
 	rm -rf $(VENV) .pytest_cache

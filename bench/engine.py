@@ -13,7 +13,7 @@ single timings inherits. `speedup` is the ratio of the medians;
 run right after it, is less exposed to the machine drifting between repeats.
 Writes JSON to bench/results/ and prints it as the last line.
 
-    python bench/engine.py [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 5] [--quick]
+    python -m bench.engine [--model smollm2-135m] [--batch 1 16] [--new-tokens 128] [--repeats 5] [--quick]
                            [--dtype float32|bfloat16] [--kv-cache-dtype auto|float32|bfloat16]
                            [--quantization none|int8|q4_1|gguf] [--hf-dtype float32|bfloat16]
                            [--gemma4-like gemma-4-26B-A4B [--gemma4-layers 2] [--gemma4-vocab 32768]] [--sample]

@@ -14,7 +14,7 @@ Computed from the layouts the engine builds (KVLayout.of on the model's
 kv_layers); for the tiny configs the engine is also built and its measured
 layout bytes reported. Writes JSON to bench/results/ and prints it last.
 
-    python bench/kv_bytes.py [--dtype bfloat16] [--contexts 4096 32768 131072]
+    python -m bench.kv_bytes [--dtype bfloat16] [--contexts 4096 32768 131072]
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ the reply after it.
 Each policy replays the same traces (one per seed); the figures are their mean
 and range. Writes JSON to bench/results/ and the table into bench/README.md.
 
-    python bench/kv_offload_policy.py [--seeds 0 1 2] [--conversations 150] [--fractions 0.05 0.1 0.2 0.4]
+    python -m bench.kv_offload_policy [--seeds 0 1 2] [--conversations 150] [--fractions 0.05 0.1 0.2 0.4]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Reports the median ms per call of each, the ratio of medians, and each round's
 ratio (baton over the transformers call right before it). Writes JSON to
 bench/results/ and prints it as the last line.
 
-    python bench/moe_experts.py [--tokens 1 16 128] [--rounds 5] [--hf-dtype bfloat16|float32] [--readme-from JSON]
+    python -m bench.moe_experts [--tokens 1 16 128] [--rounds 5] [--hf-dtype bfloat16|float32] [--readme-from JSON]
 """
 
 from __future__ import annotations
