@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+_MAX_HELD_TOKENS = 3  # the unfinished part of a character: at most 3 of its 4 bytes, one or more a token
 
 
 def fast_decode(tokenizer: Any) -> Callable[[list[int], bool], str] | None:
@@ -65,17 +66,26 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)  # type: ignore[no-any-return]
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Add tokens; return the text that is now complete (possibly "")."""
+        """Add tokens; return the text that is now complete (possibly "").
+
+        Where the new tokens end inside a character, the text before that character goes now and only its
+        tokens are held. Holding the whole batch instead locked a stream out: tokens arrive a batch at a time
+        (the first alone, then stream_interval at once), and a reply of two-byte characters one byte a token
+        (Hebrew, at 1 + 8k tokens) ended every batch mid-character, so the client saw nothing until the end.
+        """
         self.token_ids.extend(token_ids)
         if self._read_offset == len(self.token_ids):
             return ""
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self.token_ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character is still incomplete
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
-        return full_text[len(prefix_text) :]
+        # a UTF-8 character is at most 4 bytes, so its unfinished part is at most the last 3 tokens
+        for end in range(len(self.token_ids), max(self._read_offset, len(self.token_ids) - _MAX_HELD_TOKENS - 1),
+                         -1):
+            full_text = self._decode(self.token_ids[self._prefix_offset : end])
+            if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+                self._prefix_offset = self._read_offset
+                self._read_offset = end
+                return full_text[len(prefix_text) :]
+        return ""  # nothing new yet, or only an unfinished character
 
     def flush(self) -> str:
         """At the end of generation: the held text, incomplete characters shown as U+FFFD."""

@@ -77,6 +77,32 @@ def test_split_character_is_held_until_complete(tokenizer: Any) -> None:
     assert detok.flush() == ""
 
 
+def test_a_batch_ending_inside_a_character_emits_the_text_before_it(tokenizer: Any) -> None:
+    """A reply of two-byte characters one byte a token, streamed as the router gets it with a stream interval
+    of 8: the first token alone, then 8 at a time, so every batch ends half-way through a character. Each
+    batch shows the characters it finished; holding the whole batch showed the client nothing until the end."""
+    # SmolLM2's byte tokens 162, 112 and 117 are 0xD7, 0xA2 and 0xA7: a served greedy reply to a random prompt
+    ids = [162, 112] + [162, 117] * 40
+    assert decode(tokenizer, ids) == "ע" + "ק" * 40
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(ids[:1])] + [detok.add(ids[i : i + 8]) for i in range(1, len(ids), 8)]
+    assert pieces[0] == ""  # half a character
+    assert all(pieces[1:]), pieces
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == decode(tokenizer, ids)
+
+
+@pytest.mark.parametrize("step", [2, 5, 8])
+def test_random_token_soup_in_batches_equals_full_decode(tokenizer: Any, step: int) -> None:
+    """Batches that end inside characters (byte tokens among the ids) still add up to the full decode."""
+    rng = random.Random(step)
+    byte_tokens = [i for i in range(len(tokenizer)) if len(token_bytes(tokenizer, i)) == 1][:256]
+    for _ in range(20):
+        ids = [rng.choice(byte_tokens) if rng.random() < 0.6 else rng.randrange(len(tokenizer))
+               for _ in range(rng.randrange(1, 80))]
+        assert "".join(stream(tokenizer, ids, step)) == decode(tokenizer, ids)
+
+
 def test_flush_shows_an_unfinished_character_like_a_full_decode(tokenizer: Any) -> None:
     ids = tokenizer("ok 🎉").input_ids[:-1]  # cut inside the emoji
     detok = IncrementalDetokenizer(tokenizer)
