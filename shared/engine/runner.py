@@ -388,10 +388,10 @@ class ModelRunner:
             out = host_step_inputs(inputs.planned_ids, inputs.planned_positions, inputs.planned_seq_lens,
                                    inputs.query_lens_host, inputs.block_tables, self.layout.block_size)
         else:
+            prev_out = prev.device if prev is not None else PrevOutputs.empty(self.device)
             out = _prepare_step_inputs(
                 inputs.planned_ids, inputs.planned_positions, inputs.planned_seq_lens, inputs.query_start_loc,
-                inputs.block_tables, inputs.prev_row, prev.device if prev is not None else PrevOutputs.empty(
-                    self.device), self.layout.block_size,
+                inputs.block_tables, inputs.prev_row, prev_out, self.layout.block_size,
             )
         positions = out.positions if inputs.rope_offsets is None else out.positions - inputs.rope_offsets
         inputs.input_ids = out.input_ids
