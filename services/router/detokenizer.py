@@ -77,15 +77,19 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self.token_ids):
             return ""
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        # a UTF-8 character is at most 4 bytes, so its unfinished part is at most the last 3 tokens
+        # a UTF-8 character is at most 4 bytes, so its unfinished part is at most the last 3 tokens: only a text
+        # ending in one is decoded again, a token shorter each time
         for end in range(len(self.token_ids), max(self._read_offset, len(self.token_ids) - _MAX_HELD_TOKENS - 1),
                          -1):
             full_text = self._decode(self.token_ids[self._prefix_offset : end])
-            if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
-                self._prefix_offset = self._read_offset
-                self._read_offset = end
-                return full_text[len(prefix_text) :]
-        return ""  # nothing new yet, or only an unfinished character
+            if full_text.endswith(REPLACEMENT_CHAR):
+                continue
+            if len(full_text) <= len(prefix_text):
+                return ""  # nothing new yet
+            self._prefix_offset = self._read_offset
+            self._read_offset = end
+            return full_text[len(prefix_text) :]
+        return ""  # only an unfinished character
 
     def flush(self) -> str:
         """At the end of generation: the held text, incomplete characters shown as U+FFFD."""
