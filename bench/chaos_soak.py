@@ -191,7 +191,7 @@ class Controller:
 
     def _fault(self, victim: str) -> None:
         """SIGKILL `victim` (Redis: and restart it, empty, on its port) and wait until it serves again."""
-        busy = self._wait_busy(victim) if victim.startswith("decode") else None
+        running = self._wait_busy(victim) if victim.startswith("decode") else None
         t0 = time.monotonic()
         if victim == "redis":
             stop_redis(self.redis["proc"], kill=True)
@@ -202,8 +202,8 @@ class Controller:
                 self.log.migrations_before_router_restarts += self.stack.metric("router", _ALWAYS_EXPORTED["router"])
             self.stack.kill(victim)
             self._wait_back(victim, old)
-        self.log.add(victim, time.monotonic() - t0, busy)
-        logger.info("soak: %s killed (running %s), back after %.1f s", victim, busy, time.monotonic() - t0)
+        self.log.add(victim, time.monotonic() - t0, running)
+        logger.info("soak: %s killed (running %s), back after %.1f s", victim, running, time.monotonic() - t0)
 
     def _wait_busy(self, victim: str) -> float:
         """Until the decode `victim` runs a request (at most BUSY_WAIT_S), so that its kill breaks streams in
