@@ -65,8 +65,11 @@ def _projections(layer: DecoderLayerWeights) -> tuple[LinearWeight, ...]:
 class CpuLayerLoop:
     """The C++ `DecoderLayers` over one model's layers."""
 
-    def __init__(self, model: LoopModel, gelu_tanh: bool) -> None:
+    def __init__(self, model: LoopModel, gelu_tanh: bool, layers_class: Any = None) -> None:
+        """`layers_class`: DecoderLayers from another build of the kernels (bench/kernel_tuning.py times one
+        against the other); torch.classes.baton_cpu's by default."""
         s = model.spec
+        self.gelu_tanh = gelu_tanh
         packed, out_features, k_blocks, norms = [], [], [], []
         none = torch.empty(0)
         for layer in model.layers:
@@ -81,7 +84,7 @@ class CpuLayerLoop:
                 norms.append(none if n is None else n)
         thetas = sorted(model.ropes)
         self._ropes = [model.ropes[t] for t in thetas]
-        self._layers = torch.classes.baton_cpu.DecoderLayers(
+        self._layers = (layers_class or torch.classes.baton_cpu.DecoderLayers)(
             packed, out_features, k_blocks, norms,
             [w or 0 for w in s.layer_sliding_window], [thetas.index(t) for t in s.layer_rope_theta],
             s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps, s.attn_scale, gelu_tanh,

@@ -35,11 +35,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "gemv_cpu.cpp", "gemv_bf16_cpu.cpp",
+SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "gemv_cpu.cpp", "gemv_bf16_cpu.cpp",
                                       "qgemv_cpu.cpp", "w8a8_cpu.cpp", "norm_rope_cpu.cpp",
                                       "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp",
                                       "moe_cpu.cpp", "prefill_attention_cpu.cpp", "argmax_cpu.cpp")]
-_HEADERS = sorted(_CSRC.glob("*.h"))
+HEADERS = sorted(_CSRC.glob("*.h"))
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 _LIBRARY = "baton_cpu_kernels.so"
 # names the instruction-set level to run at, below the best (shared/ops/cpu_isa.py)
@@ -55,7 +55,7 @@ def _build_dir() -> Path:
 
     # keyed by the sources' contents only: they are compiled from a copy inside the directory (see
     # _staged_sources), so checkouts (worktrees, branches) with the same sources share one build
-    key = hashlib.sha1(b"".join(src.name.encode() + src.read_bytes() for src in _SOURCES + _HEADERS))
+    key = hashlib.sha1(b"".join(src.name.encode() + src.read_bytes() for src in SOURCES + HEADERS))
     return DEFAULT_CACHE_DIR / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_tag()}-src-{key.hexdigest()[:10]}"
 
 
@@ -65,12 +65,12 @@ def _staged_sources(build_dir: Path) -> list[str]:
     another checkout with the same sources rebuild over its library."""
     staged = build_dir / "csrc"
     staged.mkdir(exist_ok=True)
-    for src in _SOURCES + _HEADERS:
+    for src in SOURCES + HEADERS:
         dst = staged / src.name
         data = src.read_bytes()
         if not dst.exists() or dst.read_bytes() != data:
             dst.write_bytes(data)
-    return [str(staged / src.name) for src in _SOURCES]
+    return [str(staged / src.name) for src in SOURCES]
 
 
 def _cpu_flags() -> str:
@@ -91,18 +91,19 @@ def _x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _arch_flags(portable: bool = False) -> list[str]:
+def arch_flags(portable: bool = False) -> list[str]:
     """On x86-64 the library is built for the baseline and tuned for no CPU in particular: the kernels that
     use newer instructions are compiled per level inside it (csrc/isa_variants.h) and picked at load.
     Elsewhere -march=native builds the portable loops for what the CPU has; a portable build (an image's)
     is built for the architecture's baseline.
 
     Not -mtune=native: on Zen 3 (AVX2) GCC 12's znver3 tuning laid the batch-1 W8A8 loop out slower, with the
-    same instructions. Both libraries in one process, SmolLM2 in int8 with a bf16 KV cache, median of paired
-    rounds, znver3-tuned time over generic: a batch-1 decode step's C++ layer loop x1.063 and x1.071
-    (quartiles 1.00-1.14), the LM head x1.126 and x1.207 (1.07-1.27); a batch-8 step's loop x0.985 and
-    x0.988 and 256-row projections x1.009 and x1.013, both inside their rounds' spread. Generic is also
-    what an image's library always had: a local build now runs the code an image ships."""
+    same instructions. bench/kernel_tuning.py (both builds in one process, SmolLM2 in int8 with a bf16 KV
+    cache, median of paired rounds, znver3-tuned time over generic), kernel_tuning-20261207-231714 and
+    -232701: batch-1 decode steps x1.076 and x1.054, the LM head at one row x1.122 and x1.122; batch-8 steps
+    x1.031 and x1.005 and 256-row projections x0.922 and x0.967, inside the few percent two libraries
+    built alike differ by. Generic is also what an image's library always had: a local build now runs the
+    code an image ships."""
     if _x86_64():
         return ["-mtune=generic"]
     return [] if portable else ["-march=native"]
@@ -111,7 +112,7 @@ def _arch_flags(portable: bool = False) -> list[str]:
 def sources_stamp() -> dict[str, str]:
     """What a prebuilt library must have been built from to load here: these sources, this torch, this
     machine architecture."""
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)).hexdigest()
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)).hexdigest()
     return {"sources_sha256": digest, "torch": torch.__version__, "machine": platform.machine().lower()}
 
 
@@ -139,7 +140,7 @@ def _compile(build_dir: Path, portable: bool = False) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     # -fopenmp only compiles at::parallel_for's pragmas: the symbols come from torch's own libgomp
     # torch rebuilds when a source or a flag changes, never for a header: the headers' hash is a flag
-    headers = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
+    headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
     # torch's own lock is a file that a build killed midway (Ctrl-C, OOM) leaves behind, and every later
     # build then waits on it forever; ours is an flock, released by the kernel when its holder dies, so
     # holding it means nobody else is building here and torch's leftover can go
@@ -147,7 +148,7 @@ def _compile(build_dir: Path, portable: bool = False) -> None:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         load(name="baton_cpu_kernels", sources=_staged_sources(build_dir),
-             extra_cflags=["-O3", *_arch_flags(portable), "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"],
+             extra_cflags=["-O3", *arch_flags(portable), "-fopenmp", f"-DBATON_CSRC_HEADERS={headers}"],
              build_directory=str(build_dir), is_python_module=False, verbose=False)
 
 
