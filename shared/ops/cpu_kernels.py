@@ -36,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / name for name in ("cpu_isa.cpp", "paged_decode_cpu.cpp", "gemv_cpu.cpp", "gemv_bf16_cpu.cpp",
-                                      "qgemv_cpu.cpp", "w8a8_cpu.cpp", "norm_rope_cpu.cpp",
-                                      "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp",
-                                      "moe_cpu.cpp", "prefill_attention_cpu.cpp", "argmax_cpu.cpp")]
+                                     "qgemv_cpu.cpp", "w8a8_cpu.cpp", "norm_rope_cpu.cpp",
+                                     "silu_mul_cpu.cpp", "write_kv_cpu.cpp", "decoder_layers_cpu.cpp",
+                                     "moe_cpu.cpp", "prefill_attention_cpu.cpp", "argmax_cpu.cpp")]
 HEADERS = sorted(_CSRC.glob("*.h"))
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 _LIBRARY = "baton_cpu_kernels.so"
