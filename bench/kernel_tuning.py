@@ -43,6 +43,7 @@ from bench.engine import log, machine
 from bench.kernel_switch import engine_for
 from bench.layer_loop import alternate_decode_steps, end_requests, random_prompts, start_decoding
 from bench.results_file import write_results
+from shared.engine.request import SamplingParams
 from shared.models.cpu_layer_loop import CpuLayerLoop
 from shared.ops import cpu_isa
 from shared.ops.cpu_kernels import HEADERS, SOURCES, arch_flags
@@ -59,7 +60,8 @@ PRECISIONS = {
 
 def alt_sources(build_dir: Path) -> list[str]:
     """The kernels' sources and headers copied into build_dir/csrc with the ops under ALT_NAMESPACE and the
-    layer loop's class renamed; every source must register its ops the way this rewrites (else it raises)."""
+    layer loop's class renamed, each written only when it changed; every source must register its ops the way
+    this rewrites (else it raises)."""
     staged = build_dir / "csrc"
     staged.mkdir(parents=True, exist_ok=True)
     sources = []
@@ -73,7 +75,9 @@ def alt_sources(build_dir: Path) -> list[str]:
             if src.name == "decoder_layers_cpu.cpp":
                 text = re.sub(r"\bDecoderLayers\b", ALT_CLASS, text)
             sources.append(str(staged / src.name))
-        (staged / src.name).write_text(text)
+        dst = staged / src.name
+        if not dst.exists() or dst.read_text() != text:  # rewritten, torch's ninja would build it all again
+            dst.write_text(text)
     return sources
 
 
@@ -103,7 +107,8 @@ def same_bits(engine: Any, repo: CpuLayerLoop, alt: CpuLayerLoop, batch: int) ->
         return real_run(*a)
 
     ids = [f"bits-{i}" for i in range(batch)]
-    start_decoding(engine, ids, random_prompts(engine.loaded.spec.vocab_size, batch, 64), _params())
+    start_decoding(engine, ids, random_prompts(engine.loaded.spec.vocab_size, batch, 64),
+                   SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     repo.run = capture  # type: ignore[method-assign]
     try:
         engine.step()
@@ -115,12 +120,6 @@ def same_bits(engine: Any, repo: CpuLayerLoop, alt: CpuLayerLoop, batch: int) ->
     for a, b in zip(repo.run(*args[0]), alt.run(*args[0]), strict=True):
         if not torch.equal(a, b):
             raise RuntimeError(f"the two builds' layer loops differ at batch {batch}")
-
-
-def _params() -> Any:
-    from shared.engine.request import SamplingParams
-
-    return SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 
 def ratio_row(key: str, value: Any, repo_s: list[float], alt_s: list[float]) -> dict[str, Any]:
